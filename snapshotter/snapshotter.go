@@ -1,0 +1,532 @@
+//go:build linux
+
+// Package snapshotter is envsnap's containerd snapshotter: containerd's
+// overlay snapshotter plus the remote-snapshot protocol that lets image
+// layers in the envsnap lazy format be served from a FUSE mount instead of
+// being downloaded and unpacked.
+//
+// Life cycle of a lazy layer: when the unpacker calls Prepare with the
+// remote-snapshot labels (containerd.io/snapshot.ref=<chainID> and the
+// cri.image-ref / cri.manifest-digest / cri.layer-digest labels), the
+// snapshotter asks its FileSystem to mount the layer at
+// <root>/layers/<alg>/<hex>/mnt (once per layer digest on the node, however
+// many chainIDs contain it), commits a snapshot named <chainID> whose upper
+// directory is a symlink to that mount, and answers ErrAlreadyExists so
+// containerd skips the download. Overlayfs lowerdirs and bind mounts resolve
+// the symlink, so every mount overlay hands out for snapshots above it reads
+// the shared FUSE mount. Layers that are not in our format, or that cannot be
+// prepared lazily for any reason, take overlay's normal path unchanged.
+//
+// Invariant: a layer mount stays mounted while at least one committed
+// snapshot labelled with its digest exists; the snapshot labels are the only
+// record, so a restarted daemon rebuilds its mounts from overlay's metadata.
+package snapshotter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/plugins/snapshots/overlay"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/opencontainers/go-digest"
+)
+
+// Labels on a committed lazy snapshot. They live under the
+// "containerd.io/snapshot/" prefix on purpose: containerd's metadata store
+// inherits and preserves only labels with that prefix (FilterInheritedLabels),
+// so an Update that rewrites "labels" through containerd cannot strip them,
+// and they are what a restarted daemon uses to remount the layer.
+const (
+	LabelLayerDigest    = "containerd.io/snapshot/envsnap.layer-digest"
+	LabelImageRef       = "containerd.io/snapshot/envsnap.image-ref"
+	LabelManifestDigest = "containerd.io/snapshot/envsnap.manifest-digest"
+)
+
+// Labels containerd sends with Prepare on the remote-snapshot path
+// (pkg/snapshotters in containerd; duplicated to keep the dependency small).
+const (
+	labelCRIImageRef       = "containerd.io/snapshot/cri.image-ref"
+	labelCRIManifestDigest = "containerd.io/snapshot/cri.manifest-digest"
+	labelCRILayerDigest    = "containerd.io/snapshot/cri.layer-digest"
+)
+
+// FileSystem is the data plane: it makes one image layer readable at a
+// mountpoint. The labels carry the image reference, the manifest digest and
+// the layer digest (LabelImageRef, LabelManifestDigest, LabelLayerDigest).
+// Mount returns an error for layers it cannot serve lazily (errdefs
+// ErrNotImplemented for "not in our format"); the snapshotter then unpacks
+// them normally.
+type FileSystem interface {
+	Mount(ctx context.Context, mountpoint string, labels map[string]string) error
+	// Check reports whether the mount at mountpoint still serves its layer.
+	Check(ctx context.Context, mountpoint string, labels map[string]string) error
+	Unmount(ctx context.Context, mountpoint string) error
+}
+
+// LayerStatus describes one layer mount of this snapshotter.
+type LayerStatus struct {
+	Digest     digest.Digest `json:"digest"`
+	Mountpoint string        `json:"mountpoint"`
+	Snapshots  int           `json:"snapshots"` // committed snapshots that use it
+	Mounted    bool          `json:"mounted"`
+	Error      string        `json:"error,omitempty"` // last mount failure
+}
+
+type config struct {
+	overlayOpts []overlay.Opt
+}
+
+// Opt configures a Snapshotter.
+type Opt func(*config) error
+
+// WithOverlayOpts passes options to the underlying overlay snapshotter.
+func WithOverlayOpts(opts ...overlay.Opt) Opt {
+	return func(c *config) error {
+		c.overlayOpts = append(c.overlayOpts, opts...)
+		return nil
+	}
+}
+
+// Snapshotter implements snapshots.Snapshotter on top of containerd's overlay
+// snapshotter; see the package documentation.
+type Snapshotter struct {
+	snapshots.Snapshotter // overlay, for everything not overridden below
+
+	root string
+	fs   FileSystem
+
+	mu     sync.Mutex
+	layers map[digest.Digest]*layer
+	closed bool
+}
+
+// layer is one shared layer mount. mu serialises mounting and unmounting it;
+// refs is guarded by Snapshotter.mu.
+type layer struct {
+	mu         sync.Mutex
+	dgst       digest.Digest
+	mountpoint string
+	refs       int
+	mounted    bool
+	lastErr    error
+}
+
+var _ snapshots.Snapshotter = (*Snapshotter)(nil)
+var _ snapshots.Cleaner = (*Snapshotter)(nil)
+
+// New opens (or creates) a snapshotter rooted at root and remounts every lazy
+// layer recorded in its metadata. Failures to remount are logged, not
+// returned: the daemon must come up to serve everything else, and the
+// affected layers show up with an error in Layers.
+func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snapshotter, error) {
+	var c config
+	for _, o := range opts {
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		return nil, fmt.Errorf("create snapshotter root: %w", err)
+	}
+	if err := os.Chmod(root, 0o700); err != nil {
+		return nil, fmt.Errorf("restrict snapshotter root: %w", err)
+	}
+	if err := os.MkdirAll(filepath.Join(root, "layers"), 0o700); err != nil {
+		return nil, fmt.Errorf("create layers dir: %w", err)
+	}
+	ov, err := overlay.NewSnapshotter(root, c.overlayOpts...)
+	if err != nil {
+		return nil, fmt.Errorf("open overlay snapshotter: %w", err)
+	}
+	s := &Snapshotter{
+		Snapshotter: ov,
+		root:        root,
+		fs:          fsys,
+		layers:      make(map[digest.Digest]*layer),
+	}
+	if err := s.restore(ctx); err != nil {
+		ov.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// layerMountpoint avoids ':' (the digest separator) in paths because
+// overlayfs uses it to separate lowerdirs.
+func (s *Snapshotter) layerMountpoint(d digest.Digest) string {
+	return filepath.Join(s.root, "layers", d.Algorithm().String(), d.Encoded(), "mnt")
+}
+
+// restore rebuilds the reference counts from the committed lazy snapshots
+// and mounts their layers again.
+func (s *Snapshotter) restore(ctx context.Context) error {
+	labelsOf := make(map[digest.Digest]map[string]string)
+	err := s.Snapshotter.Walk(ctx, func(ctx context.Context, info snapshots.Info) error {
+		d, err := digest.Parse(info.Labels[LabelLayerDigest])
+		if err != nil || info.Kind != snapshots.KindCommitted {
+			return nil //nolint:nilerr // not a lazy snapshot
+		}
+		s.ref(d)
+		if _, ok := labelsOf[d]; !ok {
+			labelsOf[d] = lazyLabels(info.Labels)
+		}
+		return nil
+	}, fmt.Sprintf("labels.%q", LabelLayerDigest))
+	if err != nil && !errdefs.IsNotFound(err) { // a new store has no bucket yet
+		return fmt.Errorf("walk lazy snapshots: %w", err)
+	}
+	for d, labels := range labelsOf {
+		l := s.layers[d]
+		l.mu.Lock()
+		if err := s.mountLocked(ctx, l, labels); err != nil {
+			log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; snapshots using it read an empty directory until it is remounted")
+		}
+		l.mu.Unlock()
+	}
+	return nil
+}
+
+// ref returns the layer for d with its reference count incremented.
+func (s *Snapshotter) ref(d digest.Digest) *layer {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, ok := s.layers[d]
+	if !ok {
+		l = &layer{dgst: d, mountpoint: s.layerMountpoint(d)}
+		s.layers[d] = l
+	}
+	l.refs++
+	return l
+}
+
+// unref drops one reference to d and unmounts the layer when none is left.
+func (s *Snapshotter) unref(ctx context.Context, d digest.Digest) {
+	s.mu.Lock()
+	l, ok := s.layers[d]
+	if !ok {
+		s.mu.Unlock()
+		return
+	}
+	l.refs--
+	last := l.refs <= 0
+	if last {
+		delete(s.layers, d)
+	}
+	s.mu.Unlock()
+	if !last {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	s.unmountLocked(ctx, l)
+}
+
+// mountLocked mounts l unless it is mounted and passes Check. l.mu is held.
+func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[string]string) error {
+	if l.mounted {
+		err := s.fs.Check(ctx, l.mountpoint, labels)
+		if err == nil {
+			return nil
+		}
+		log.G(ctx).WithError(err).WithField("layer", l.dgst).Warn("lazy layer mount failed its check; remounting")
+		s.unmountLocked(ctx, l)
+	}
+	if err := os.MkdirAll(l.mountpoint, 0o755); err != nil {
+		l.lastErr = err
+		return fmt.Errorf("create mountpoint: %w", err)
+	}
+	if err := s.fs.Mount(ctx, l.mountpoint, labels); err != nil {
+		l.lastErr = err
+		return fmt.Errorf("mount layer %s: %w", l.dgst, err)
+	}
+	l.mounted, l.lastErr = true, nil
+	return nil
+}
+
+func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
+	if !l.mounted {
+		return
+	}
+	if err := s.fs.Unmount(ctx, l.mountpoint); err != nil {
+		log.G(ctx).WithError(err).WithField("layer", l.dgst).Error("unmount lazy layer")
+		l.lastErr = err
+		return
+	}
+	l.mounted = false
+	// Best effort: the directory tree is ours and empty once unmounted.
+	if err := os.Remove(l.mountpoint); err == nil {
+		os.Remove(filepath.Dir(l.mountpoint))
+	}
+}
+
+// Prepare creates an active snapshot, or, on the remote-snapshot path,
+// commits a lazy snapshot named after the chainID and reports
+// ErrAlreadyExists.
+func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	var base snapshots.Info
+	for _, o := range opts {
+		if err := o(&base); err != nil {
+			return nil, err
+		}
+	}
+	target := base.Labels[snapshots.LabelSnapshotRef]
+	labels, ok := remoteLabels(base.Labels)
+	if target == "" || !ok {
+		return s.Snapshotter.Prepare(ctx, key, parent, opts...)
+	}
+	// Another namespace (or an earlier pull) already made this layer lazily.
+	if info, err := s.Snapshotter.Stat(ctx, target); err == nil {
+		if info.Kind == snapshots.KindCommitted && info.Parent == parent {
+			return nil, fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
+		}
+	}
+	mounts, err := s.Snapshotter.Prepare(ctx, key, parent, opts...)
+	if err != nil {
+		return nil, err
+	}
+	lg := log.G(ctx).WithField("key", key).WithField("layer", labels[LabelLayerDigest]).WithField("ref", labels[LabelImageRef])
+	err = s.prepareLazy(ctx, key, target, parent, mounts, base.Labels, labels)
+	switch {
+	case err == nil:
+		lg.Debug("serving layer lazily")
+		return nil, fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
+	case errors.Is(err, errdefs.ErrAlreadyExists):
+		return nil, err
+	case errdefs.IsNotImplemented(err):
+		lg.WithError(err).Debug("layer is not lazy; unpacking it normally")
+	default:
+		lg.WithError(err).Warn("cannot serve layer lazily; unpacking it normally")
+	}
+	// The active snapshot may be gone if the failure came after Commit
+	// raced with another Prepare of the same chainID; make a fresh one.
+	if _, serr := s.Snapshotter.Stat(ctx, key); serr != nil {
+		return s.Snapshotter.Prepare(ctx, key, parent, opts...)
+	}
+	return mounts, nil
+}
+
+// prepareLazy turns the freshly prepared active snapshot key into the
+// committed lazy snapshot target. On error the active snapshot key is left
+// as overlay created it (an empty upper directory), ready for a normal
+// unpack, unless the error is ErrAlreadyExists.
+func (s *Snapshotter) prepareLazy(ctx context.Context, key, target, parent string, mounts []mount.Mount, prepLabels, labels map[string]string) (retErr error) {
+	d, err := digest.Parse(labels[LabelLayerDigest])
+	if err != nil {
+		return fmt.Errorf("layer digest label: %w: %w", err, errdefs.ErrNotImplemented)
+	}
+	upper, err := upperDir(mounts)
+	if err != nil {
+		return err
+	}
+	l := s.ref(d)
+	refHeld := true
+	defer func() {
+		if refHeld {
+			s.unref(ctx, d)
+		}
+	}()
+	l.mu.Lock()
+	err = s.mountLocked(ctx, l, labels)
+	l.mu.Unlock()
+	if err != nil {
+		return err
+	}
+
+	// Swap the empty upper directory for a symlink to the layer mount before
+	// Commit, so no snapshot ever sees the empty directory. Overlay's Commit
+	// measures usage with a Walk that does not follow the symlink.
+	if err := os.Remove(upper); err != nil {
+		return fmt.Errorf("replace upper dir of %s: %w", key, err)
+	}
+	if err := os.Symlink(l.mountpoint, upper); err != nil {
+		if merr := os.Mkdir(upper, 0o755); merr != nil {
+			log.G(ctx).WithError(merr).WithField("path", upper).Error("restore upper dir")
+		}
+		return fmt.Errorf("link upper dir of %s to layer mount: %w", key, err)
+	}
+	restoreUpper := func() {
+		if err := os.Remove(upper); err == nil {
+			if err := os.Mkdir(upper, 0o755); err != nil {
+				log.G(ctx).WithError(err).WithField("path", upper).Error("restore upper dir")
+			}
+		}
+	}
+
+	commitLabels := make(map[string]string, len(prepLabels)+len(labels))
+	for k, v := range prepLabels {
+		commitLabels[k] = v
+	}
+	for k, v := range labels {
+		commitLabels[k] = v
+	}
+	if err := s.Snapshotter.Commit(ctx, target, key, snapshots.WithLabels(commitLabels)); err != nil {
+		restoreUpper()
+		if !errdefs.IsAlreadyExists(err) {
+			return fmt.Errorf("commit lazy snapshot %s: %w", target, err)
+		}
+		// Lost a race with another Prepare for the same chainID (or the name
+		// is taken by another namespace's chain). Hand over to the winner if
+		// it has our parent.
+		if info, serr := s.Snapshotter.Stat(ctx, target); serr == nil && info.Parent == parent {
+			if rerr := s.Snapshotter.Remove(ctx, key); rerr != nil {
+				log.G(ctx).WithError(rerr).WithField("key", key).Warn("remove abandoned active snapshot")
+			}
+			return fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
+		}
+		// Not %w: ErrAlreadyExists would tell containerd the layer is done.
+		return fmt.Errorf("commit lazy snapshot %s: name taken by another chain: %v", target, err)
+	}
+	refHeld = false // now owned by the committed snapshot
+	return nil
+}
+
+// remoteLabels extracts what the data plane needs from Prepare's labels; ok
+// is false unless the caller sent all remote-snapshot labels.
+func remoteLabels(in map[string]string) (map[string]string, bool) {
+	ref, mfst, layer := in[labelCRIImageRef], in[labelCRIManifestDigest], in[labelCRILayerDigest]
+	if ref == "" || mfst == "" || layer == "" {
+		return nil, false
+	}
+	return map[string]string{
+		LabelImageRef:       ref,
+		LabelManifestDigest: mfst,
+		LabelLayerDigest:    layer,
+	}, true
+}
+
+func lazyLabels(in map[string]string) map[string]string {
+	return map[string]string{
+		LabelImageRef:       in[LabelImageRef],
+		LabelManifestDigest: in[LabelManifestDigest],
+		LabelLayerDigest:    in[LabelLayerDigest],
+	}
+}
+
+// upperDir finds the writable directory of a freshly prepared active
+// snapshot in overlay's mounts: the bind source without a parent, the
+// upperdir option with one.
+func upperDir(mounts []mount.Mount) (string, error) {
+	if len(mounts) != 1 {
+		return "", fmt.Errorf("unexpected %d mounts from overlay", len(mounts))
+	}
+	m := mounts[0]
+	switch m.Type {
+	case "bind":
+		return m.Source, nil
+	case "overlay":
+		for _, o := range m.Options {
+			if v, ok := strings.CutPrefix(o, "upperdir="); ok {
+				return v, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("no upper directory in %s mount from overlay", m.Type)
+}
+
+// Update keeps the envsnap labels of a lazy snapshot even when a caller
+// replaces all labels: without them the layer could not be remounted after
+// a restart nor unmounted on Remove.
+func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpaths ...string) (snapshots.Info, error) {
+	replacesLabels := len(fieldpaths) == 0
+	for _, p := range fieldpaths {
+		if p == "labels" || strings.HasPrefix(p, "labels.containerd.io/snapshot/envsnap.") {
+			replacesLabels = true
+		}
+	}
+	if replacesLabels {
+		cur, err := s.Snapshotter.Stat(ctx, info.Name)
+		if err != nil {
+			return snapshots.Info{}, err
+		}
+		if _, lazy := cur.Labels[LabelLayerDigest]; lazy {
+			if info.Labels == nil {
+				info.Labels = make(map[string]string)
+			}
+			for k, v := range lazyLabels(cur.Labels) {
+				info.Labels[k] = v
+			}
+		}
+	}
+	return s.Snapshotter.Update(ctx, info, fieldpaths...)
+}
+
+// Remove removes a snapshot and unmounts its layer when it was the last
+// snapshot using it.
+func (s *Snapshotter) Remove(ctx context.Context, key string) error {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return err
+	}
+	if err := s.Snapshotter.Remove(ctx, key); err != nil {
+		return err
+	}
+	if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil && info.Kind == snapshots.KindCommitted {
+		s.unref(ctx, d)
+	}
+	return nil
+}
+
+// Cleanup removes disk resources of removed snapshots (overlay's Cleanup).
+func (s *Snapshotter) Cleanup(ctx context.Context) error {
+	c, ok := s.Snapshotter.(snapshots.Cleaner)
+	if !ok {
+		return nil
+	}
+	return c.Cleanup(ctx)
+}
+
+// Layers reports the layer mounts, sorted by nothing in particular.
+func (s *Snapshotter) Layers() []LayerStatus {
+	s.mu.Lock()
+	ls := make([]*layer, 0, len(s.layers))
+	refs := make([]int, 0, len(s.layers))
+	for _, l := range s.layers {
+		ls = append(ls, l)
+		refs = append(refs, l.refs)
+	}
+	s.mu.Unlock()
+	out := make([]LayerStatus, len(ls))
+	for i, l := range ls {
+		l.mu.Lock()
+		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Mounted: l.mounted}
+		if l.lastErr != nil {
+			out[i].Error = l.lastErr.Error()
+		}
+		l.mu.Unlock()
+	}
+	return out
+}
+
+// Close unmounts every layer mount and closes the metadata store. A layer
+// still used by a running container's rootfs cannot be unmounted cleanly
+// (EBUSY); that is logged, and those containers lose their lazy layers when
+// the daemon exits (keeping them alive across restarts is a later step).
+// Close is idempotent.
+func (s *Snapshotter) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	ls := make([]*layer, 0, len(s.layers))
+	for _, l := range s.layers {
+		ls = append(ls, l)
+	}
+	s.mu.Unlock()
+	ctx := context.Background()
+	for _, l := range ls {
+		l.mu.Lock()
+		s.unmountLocked(ctx, l)
+		l.mu.Unlock()
+	}
+	return s.Snapshotter.Close()
+}
