@@ -1,0 +1,133 @@
+package testenv
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Process is a daemon started by a test. It is always stopped by PID, never
+// by name, so parallel test runs and the developer's own daemons are safe.
+type Process struct {
+	Name    string
+	LogPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	err     error
+}
+
+// StartProcess starts bin with args, logging stdout and stderr to
+// dir/name.log, and registers a cleanup that stops it. On test failure the
+// tail of its log is printed.
+func StartProcess(t testing.TB, dir, name string, env []string, bin string, args ...string) *Process {
+	t.Helper()
+	logPath := filepath.Join(dir, name+".log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatalf("open log for %s: %v", name, err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.Env = append(os.Environ(), env...)
+	// A process group of its own, so a terminal ^C aimed at `go test` does
+	// not race our orderly shutdown.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		t.Fatalf("start %s (%s): %v", name, bin, err)
+	}
+	p := &Process{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		p.Stop(10 * time.Second)
+		if t.Failed() {
+			t.Logf("--- tail of %s log (%s) ---\n%s", name, logPath, p.LogTail(60))
+		}
+	})
+	return p
+}
+
+// PID returns the process ID.
+func (p *Process) PID() int { return p.cmd.Process.Pid }
+
+// Exited reports whether the process has exited, and its wait error.
+func (p *Process) Exited() (bool, error) {
+	select {
+	case <-p.done:
+		return true, p.err
+	default:
+		return false, nil
+	}
+}
+
+// Stop sends SIGTERM and escalates to SIGKILL after grace. It is idempotent.
+func (p *Process) Stop(grace time.Duration) {
+	if exited, _ := p.Exited(); exited {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return
+	case <-time.After(grace):
+	}
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// Kill sends SIGKILL and waits for the exit, for crash tests.
+func (p *Process) Kill() {
+	if exited, _ := p.Exited(); exited {
+		return
+	}
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// LogTail returns the last n lines of the process log.
+func (p *Process) LogTail(n int) string {
+	b, err := os.ReadFile(p.LogPath)
+	if err != nil {
+		return fmt.Sprintf("(read log: %v)", err)
+	}
+	lines := bytes.Split(bytes.TrimRight(b, "\n"), []byte("\n"))
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return string(bytes.Join(lines, []byte("\n")))
+}
+
+// LogContains reports whether the process log contains s.
+func (p *Process) LogContains(s string) bool {
+	b, err := os.ReadFile(p.LogPath)
+	return err == nil && strings.Contains(string(b), s)
+}
+
+// waitFor polls cond every 50ms until it returns nil or timeout passes.
+func waitFor(timeout time.Duration, what string, cond func() error) error {
+	deadline := time.Now().Add(timeout)
+	var err error
+	for {
+		if err = cond(); err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("timed out after %s waiting for %s: %w", timeout, what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+var errNotReady = errors.New("not ready")

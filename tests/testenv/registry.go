@@ -1,0 +1,216 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Registry is a distribution registry on loopback behind an in-process
+// reverse proxy. Clients use Host (the proxy), so the harness can count what
+// the registry serves and tests can inject faults.
+type Registry struct {
+	// Host is "127.0.0.1:PORT", the address clients use.
+	Host string
+	// StorageDir is the registry's filesystem storage root; tests that
+	// corrupt blobs edit files below it.
+	StorageDir string
+	backend    string
+	proc       *Process
+	server     *http.Server
+
+	blobBytes    atomic.Int64
+	blobRequests atomic.Int64
+	uploads      atomic.Int64
+	mu           sync.Mutex
+	perBlob      map[string]int64
+	intercept    func(http.ResponseWriter, *http.Request) bool
+}
+
+// StartRegistry starts the registry binary from the tools dir on a free
+// loopback port with the counting proxy in front of it.
+func StartRegistry(t testing.TB, dir string) *Registry {
+	t.Helper()
+	bin := Tool(t, "registry")
+	backendPort := freePort(t)
+	storage := filepath.Join(dir, "registry")
+	if err := os.MkdirAll(storage, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cfg := fmt.Sprintf(`version: 0.1
+log:
+  level: warn
+  accesslog:
+    disabled: true
+storage:
+  filesystem:
+    rootdirectory: %s
+  delete:
+    enabled: true
+http:
+  addr: 127.0.0.1:%d
+`, storage, backendPort)
+	cfgPath := filepath.Join(dir, "registry.yml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := &Registry{StorageDir: storage, backend: fmt.Sprintf("127.0.0.1:%d", backendPort), perBlob: map[string]int64{}}
+	r.proc = StartProcess(t, dir, "registry", nil, bin, "serve", cfgPath)
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Host = ln.Addr().String()
+	target := &url.URL{Scheme: "http", Host: r.backend}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	// Connection errors while the backend starts are expected; the readiness
+	// poll below reports real failures.
+	proxy.ErrorLog = log.New(io.Discard, "", 0)
+	r.server = &http.Server{Handler: r.handler(proxy), ReadHeaderTimeout: 10 * time.Second}
+	go r.server.Serve(ln)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = r.server.Shutdown(ctx)
+	})
+
+	if err := waitFor(20*time.Second, "registry to answer /v2/", func() error {
+		if exited, err := r.proc.Exited(); exited {
+			return fmt.Errorf("registry exited: %v", err)
+		}
+		resp, err := http.Get("http://" + r.Host + "/v2/")
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("GET /v2/: %s", resp.Status)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("start registry: %v\n%s", err, r.proc.LogTail(30))
+	}
+	return r
+}
+
+func (r *Registry) handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		r.mu.Lock()
+		intercept := r.intercept
+		r.mu.Unlock()
+		if intercept != nil && intercept(w, req) {
+			return
+		}
+		if req.Method == http.MethodPost || req.Method == http.MethodPatch ||
+			(req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/blobs/uploads/")) {
+			r.uploads.Add(1)
+		}
+		if req.Method != http.MethodGet || !strings.Contains(req.URL.Path, "/blobs/sha256:") {
+			next.ServeHTTP(w, req)
+			return
+		}
+		cw := &countingWriter{ResponseWriter: w}
+		next.ServeHTTP(cw, req)
+		r.blobRequests.Add(1)
+		r.blobBytes.Add(cw.n)
+		dgst := req.URL.Path[strings.LastIndex(req.URL.Path, "/")+1:]
+		r.mu.Lock()
+		r.perBlob[dgst] += cw.n
+		r.mu.Unlock()
+	})
+}
+
+// Intercept installs f in front of the registry; when f returns true it has
+// answered the request itself. Pass nil to remove it.
+func (r *Registry) Intercept(f func(http.ResponseWriter, *http.Request) bool) {
+	r.mu.Lock()
+	r.intercept = f
+	r.mu.Unlock()
+}
+
+// BlobBytesServed is the number of blob body bytes the registry served.
+func (r *Registry) BlobBytesServed() int64 { return r.blobBytes.Load() }
+
+// BlobRequests is the number of blob GET requests served.
+func (r *Registry) BlobRequests() int64 { return r.blobRequests.Load() }
+
+// UploadRequests counts blob upload requests (POST, PATCH, PUT to uploads).
+func (r *Registry) UploadRequests() int64 { return r.uploads.Load() }
+
+// BlobBytesServedFor is the number of body bytes served for one blob digest.
+func (r *Registry) BlobBytesServedFor(dgst string) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.perBlob[dgst]
+}
+
+// ResetCounters zeroes the byte and request counters.
+func (r *Registry) ResetCounters() {
+	r.blobBytes.Store(0)
+	r.blobRequests.Store(0)
+	r.uploads.Store(0)
+	r.mu.Lock()
+	r.perBlob = map[string]int64{}
+	r.mu.Unlock()
+}
+
+// BlobPath is where the registry stores a blob's data on disk.
+func (r *Registry) BlobPath(dgst string) string {
+	hex := strings.TrimPrefix(dgst, "sha256:")
+	return filepath.Join(r.StorageDir, "docker/registry/v2/blobs/sha256", hex[:2], hex, "data")
+}
+
+type countingWriter struct {
+	http.ResponseWriter
+	n int64
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.ResponseWriter.Write(p)
+	c.n += int64(n)
+	return n, err
+}
+
+func (c *countingWriter) Flush() {
+	if f, ok := c.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// WriteHostsDir writes a containerd certs.d tree under dir that makes host
+// reachable over plain HTTP, the same file containerd, our daemon and our
+// CLI all read.
+func WriteHostsDir(t testing.TB, dir, host string) {
+	t.Helper()
+	hostDir := filepath.Join(dir, host)
+	if err := os.MkdirAll(hostDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	toml := fmt.Sprintf("server = \"http://%s\"\n\n[host.\"http://%s\"]\n  capabilities = [\"pull\", \"resolve\", \"push\"]\n", host, host)
+	if err := os.WriteFile(filepath.Join(hostDir, "hosts.toml"), []byte(toml), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}

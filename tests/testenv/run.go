@@ -1,0 +1,159 @@
+package testenv
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/cio"
+	"github.com/containerd/containerd/v2/pkg/oci"
+	"github.com/containerd/containerd/v2/pkg/snapshotters"
+)
+
+// Pull pulls ref with the Go client path nerdctl uses: client.Pull with
+// unpack and the image-info labels that let a remote snapshotter serve
+// layers lazily.
+func (e *Env) Pull(t testing.TB, ref, snapshotter string) client.Image {
+	t.Helper()
+	img, err := e.Client.Pull(e.Context(), ref,
+		client.WithResolver(e.Resolver()),
+		client.WithPullUnpack,
+		client.WithPullSnapshotter(snapshotter),
+		client.WithImageHandlerWrapper(snapshotters.AppendInfoHandlerWrapper(ref)),
+	)
+	if err != nil {
+		t.Fatalf("pull %s with snapshotter %s: %v", ref, snapshotter, err)
+	}
+	return img
+}
+
+// RunOptions configures RunContainer.
+type RunOptions struct {
+	Snapshotter string            // default "overlayfs"
+	Runtime     string            // default "io.containerd.runc.v2"
+	Args        []string          // process args; default the image's
+	Annotations map[string]string // OCI spec annotations
+	Env         []string
+	Timeout     time.Duration // default 2 minutes
+	SpecOpts    []oci.SpecOpts
+}
+
+// RunResult is what a finished container left.
+type RunResult struct {
+	ID       string
+	Stdout   string
+	Stderr   string
+	ExitCode uint32
+}
+
+var containerCounter atomic.Int64
+
+// RunContainer creates, starts and waits for a container from img, then
+// deletes it with its snapshot. A non-zero exit is returned, not fatal.
+func (e *Env) RunContainer(t testing.TB, img client.Image, o RunOptions) RunResult {
+	t.Helper()
+	res, err := e.Run(e.Context(), img, o)
+	if err != nil {
+		t.Fatalf("run container from %s: %v", img.Name(), err)
+	}
+	return res
+}
+
+// Run is RunContainer returning errors instead of failing the test.
+func (e *Env) Run(ctx context.Context, img client.Image, o RunOptions) (RunResult, error) {
+	if o.Snapshotter == "" {
+		o.Snapshotter = "overlayfs"
+	}
+	if o.Runtime == "" {
+		o.Runtime = "io.containerd.runc.v2"
+	}
+	if o.Timeout == 0 {
+		o.Timeout = 2 * time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.Timeout)
+	defer cancel()
+	id := fmt.Sprintf("c%d-%d", time.Now().UnixNano()%1e6, containerCounter.Add(1))
+	res := RunResult{ID: id}
+	specOpts := []oci.SpecOpts{oci.WithImageConfig(img)}
+	if len(o.Args) > 0 {
+		specOpts = append(specOpts, oci.WithProcessArgs(o.Args...))
+	}
+	if len(o.Env) > 0 {
+		specOpts = append(specOpts, oci.WithEnv(o.Env))
+	}
+	if len(o.Annotations) > 0 {
+		specOpts = append(specOpts, oci.WithAnnotations(o.Annotations))
+	}
+	specOpts = append(specOpts, o.SpecOpts...)
+	c, err := e.Client.NewContainer(ctx, id,
+		client.WithSnapshotter(o.Snapshotter),
+		client.WithNewSnapshot(id+"-snap", img),
+		client.WithRuntime(o.Runtime, nil),
+		client.WithNewSpec(specOpts...),
+	)
+	if err != nil {
+		return res, fmt.Errorf("create container: %w", err)
+	}
+	defer func() {
+		dctx, dcancel := context.WithTimeout(e.Context(), 30*time.Second)
+		defer dcancel()
+		_ = c.Delete(dctx, client.WithSnapshotCleanup)
+	}()
+	var stdout, stderr syncBuffer
+	task, err := c.NewTask(ctx, cio.NewCreator(cio.WithStreams(nil, &stdout, &stderr)))
+	if err != nil {
+		return res, fmt.Errorf("create task: %w", err)
+	}
+	defer func() {
+		dctx, dcancel := context.WithTimeout(e.Context(), 30*time.Second)
+		defer dcancel()
+		_, _ = task.Delete(dctx, client.WithProcessKill)
+	}()
+	statusC, err := task.Wait(ctx)
+	if err != nil {
+		return res, fmt.Errorf("wait task: %w", err)
+	}
+	if err := task.Start(ctx); err != nil {
+		return res, fmt.Errorf("start task: %w", err)
+	}
+	select {
+	case st := <-statusC:
+		code, _, err := st.Result()
+		if err != nil {
+			return res, fmt.Errorf("task result: %w", err)
+		}
+		res.ExitCode = code
+	case <-ctx.Done():
+		_ = task.Kill(e.Context(), syscall.SIGKILL)
+		return res, fmt.Errorf("container %s did not exit within %s: %w (stdout so far %q)", id, o.Timeout, ctx.Err(), stdout.String())
+	}
+	// The IO copy finishes after the exit event; closing the IO waits for it.
+	if tio := task.IO(); tio != nil {
+		tio.Wait()
+	}
+	res.Stdout, res.Stderr = stdout.String(), stderr.String()
+	return res, nil
+}
+
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}

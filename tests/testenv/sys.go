@@ -1,0 +1,224 @@
+package testenv
+
+import (
+	"bufio"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// RequireRoot skips t unless it runs as root on a machine with /dev/fuse
+// and overlayfs, which every end-to-end test needs.
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (containerd, FUSE and overlayfs mounts)")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	if !hasFilesystem("overlay") {
+		t.Skip("needs overlayfs (modprobe overlay)")
+	}
+}
+
+func hasFilesystem(name string) bool {
+	b, err := os.ReadFile("/proc/filesystems")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 0 && f[len(f)-1] == name {
+			return true
+		}
+	}
+	return false
+}
+
+var (
+	rootOnce sync.Once
+	rootDir  string
+)
+
+// RepoRoot is the module root (the directory holding go.mod).
+func RepoRoot(t testing.TB) string {
+	t.Helper()
+	rootOnce.Do(func() {
+		out, err := exec.Command("go", "env", "GOMOD").Output()
+		if err == nil && strings.TrimSpace(string(out)) != "" && strings.TrimSpace(string(out)) != os.DevNull {
+			rootDir = filepath.Dir(strings.TrimSpace(string(out)))
+		}
+	})
+	if rootDir == "" {
+		t.Fatal("cannot find the module root (go env GOMOD)")
+	}
+	return rootDir
+}
+
+// BinDir is where `make build` puts our binaries ($ENVSNAP_BIN or bin/).
+func BinDir(t testing.TB) string {
+	if d := os.Getenv("ENVSNAP_BIN"); d != "" {
+		return d
+	}
+	return filepath.Join(RepoRoot(t), "bin")
+}
+
+// ToolsDir is where `make deps` puts containerd, runc, registry and crictl.
+func ToolsDir(t testing.TB) string {
+	if d := os.Getenv("ENVSNAP_TOOLS"); d != "" {
+		return d
+	}
+	return filepath.Join(BinDir(t), "tools")
+}
+
+// Tool returns the path of a tool installed by `make deps`.
+func Tool(t testing.TB, name string) string {
+	t.Helper()
+	p := filepath.Join(ToolsDir(t), name)
+	if _, err := os.Stat(p); err != nil {
+		t.Fatalf("%s not installed at %s: run `make deps`", name, p)
+	}
+	return p
+}
+
+// Binary returns the path of one of our binaries built by `make build`.
+func Binary(t testing.TB, name string) string {
+	t.Helper()
+	p := filepath.Join(BinDir(t), name)
+	if _, err := os.Stat(p); err != nil {
+		t.Fatalf("%s not built at %s: run `make build`", name, p)
+	}
+	return p
+}
+
+// killShims kills shim processes that serve the containerd below dir: they
+// outlive containerd by design, so a test that failed mid-way would leak
+// them. Matched by their -address argument, killed by PID.
+func killShims(t testing.TB, dir string) {
+	entries, _ := os.ReadDir("/proc")
+	for _, ent := range entries {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmdline), "\x00")
+		if len(args) == 0 || !strings.HasPrefix(filepath.Base(args[0]), "containerd-shim") {
+			continue
+		}
+		if strings.Contains(string(cmdline), dir) {
+			t.Logf("teardown: killing leftover shim pid %d", pid)
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+}
+
+// mountsBelow lists mountpoints at or below dir, deepest first.
+func mountsBelow(dir string) []string {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	var out []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		mp := unescapeMount(fields[4])
+		if mp == dir || strings.HasPrefix(mp, dir+"/") {
+			out = append(out, mp)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
+	return out
+}
+
+// MountsBelow returns the mountpoints currently at or below dir.
+func MountsBelow(dir string) []string { return mountsBelow(dir) }
+
+func unescapeMount(s string) string {
+	// mountinfo escapes space, tab, newline and backslash as \ooo.
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// unmountBelow detaches every mount below dir and returns what it found.
+func unmountBelow(dir string) []string {
+	var found []string
+	for attempt := 0; attempt < 5; attempt++ {
+		mps := mountsBelow(dir)
+		if len(mps) == 0 {
+			break
+		}
+		for _, mp := range mps {
+			if attempt == 0 {
+				found = append(found, mp)
+			}
+			_ = syscall.Unmount(mp, syscall.MNT_DETACH)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return found
+}
+
+// removeCgroups removes the cgroups runc created under the namespace name
+// in every v1 hierarchy and in the unified one.
+func removeCgroups(t testing.TB, namespace string) {
+	roots, _ := filepath.Glob("/sys/fs/cgroup/*")
+	roots = append(roots, "/sys/fs/cgroup")
+	for _, root := range roots {
+		dir := filepath.Join(root, namespace)
+		if _, err := os.Stat(dir); err != nil {
+			continue
+		}
+		// Children first: rmdir only works on empty cgroups.
+		var dirs []string
+		_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+			if err == nil && d.IsDir() {
+				dirs = append(dirs, p)
+			}
+			return nil
+		})
+		sort.Slice(dirs, func(i, j int) bool { return len(dirs[i]) > len(dirs[j]) })
+		for _, d := range dirs {
+			if err := syscall.Rmdir(d); err != nil {
+				t.Logf("teardown: rmdir cgroup %s: %v", d, err)
+			}
+		}
+	}
+}
+
+// removeEmptyCgroups removes name in every hierarchy if it is empty.
+func removeEmptyCgroups(name string) {
+	roots, _ := filepath.Glob("/sys/fs/cgroup/*")
+	for _, root := range append(roots, "/sys/fs/cgroup") {
+		_ = syscall.Rmdir(filepath.Join(root, name))
+	}
+}
