@@ -1,0 +1,12 @@
+package layerfmt
+
+import (
+	"crypto/sha256"
+
+	"github.com/opencontainers/go-digest"
+)
+
+func digestOf(b []byte) digest.Digest {
+	s := sha256.Sum256(b)
+	return digest.NewDigestFromBytes(digest.SHA256, s[:])
+}

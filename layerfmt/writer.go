@@ -1,0 +1,624 @@
+package layerfmt
+
+import (
+	"archive/tar"
+	"bufio"
+	"cmp"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash"
+	"io"
+	"math"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/klauspost/compress/zstd"
+	"github.com/opencontainers/go-digest"
+)
+
+// Write defaults. DefaultChunkSize was chosen by measurement (see
+// docs/layer-format.md and BenchmarkConvertSize): larger chunks buy little
+// compression on real layers but cost read amplification for small random
+// reads.
+const (
+	DefaultChunkSize        = 1 << 20
+	DefaultCompressionLevel = 3 // zstd's own default level
+	// MinChunkSize keeps the per-frame overhead negligible.
+	MinChunkSize = 4 << 10
+)
+
+type writeOptions struct {
+	chunkSize int
+	level     int
+}
+
+// WriteOption configures Convert.
+type WriteOption func(*writeOptions)
+
+// WithChunkSize sets the uncompressed size of file chunks (default
+// DefaultChunkSize; clamped to [MinChunkSize, MaxChunkSize]).
+func WithChunkSize(n int) WriteOption {
+	return func(o *writeOptions) { o.chunkSize = min(max(n, MinChunkSize), MaxChunkSize) }
+}
+
+// WithCompressionLevel sets the zstd level (1-22, as the zstd command line;
+// klauspost/compress maps it to its nearest encoder level).
+func WithCompressionLevel(level int) WriteOption {
+	return func(o *writeOptions) { o.level = level }
+}
+
+// WriteResult describes a converted layer.
+type WriteResult struct {
+	Digest    digest.Digest // of the blob
+	Size      int64         // blob size
+	DiffID    digest.Digest // sha256 of the uncompressed tar stream (rootfs.diff_ids)
+	TOCDigest digest.Digest
+	TOCSize   int64
+	Entries   int // TOC entries, including the root and implicit directories
+}
+
+// Annotations returns the annotations to put on the OCI layer descriptor.
+func (r *WriteResult) Annotations() map[string]string {
+	return map[string]string{
+		AnnotationTOCDigest: r.TOCDigest.String(),
+		AnnotationTOCSize:   strconv.FormatInt(r.TOCSize, 10),
+		AnnotationVersion:   strconv.Itoa(Version),
+	}
+}
+
+// Convert reads a tar stream and writes it to dst as a layer blob in this
+// format. The tar is re-serialised canonically (so the output's diffID is
+// the sha256 of the re-serialised tar, reported in the result); the same
+// input and options always give a byte-identical blob. Memory is bounded by
+// one chunk plus the TOC records.
+//
+// Convert refuses inputs the format cannot represent faithfully: absolute
+// names or names escaping the root with "..", duplicate names, entries
+// under a non-directory, hard links to entries not earlier in the same
+// stream, ids or device numbers beyond 32 bits, and tar types other than
+// regular files, directories, symlinks, hard links, devices and FIFOs (PAX
+// global headers are kept in the tar but not in the TOC).
+func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...WriteOption) (*WriteResult, error) {
+	o := writeOptions{chunkSize: DefaultChunkSize, level: DefaultCompressionLevel}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	enc, err := zstd.NewWriter(nil,
+		zstd.WithEncoderLevel(zstd.EncoderLevelFromZstd(o.level)),
+		zstd.WithEncoderCRC(false), // every frame is covered by a sha256
+		zstd.WithEncoderConcurrency(1),
+		// Single-segment frames always record their content size, which
+		// readers check before decompressing anything.
+		zstd.WithSingleSegment(true))
+	if err != nil {
+		return nil, fmt.Errorf("create zstd encoder: %w", err)
+	}
+	defer enc.Close()
+
+	bw := bufio.NewWriterSize(dst, 1<<20)
+	w := &convWriter{
+		out:      bw,
+		blobHash: sha256.New(),
+		diffHash: sha256.New(),
+		enc:      enc,
+		chunkCap: o.chunkSize,
+		nodes:    map[string]*node{},
+	}
+	w.root = &node{typ: TypeDir, mode: 0o755, implicit: true}
+	w.nodes["."] = w.root
+	tw := tar.NewWriter(w)
+	tr := tar.NewReader(tarStream)
+	for n := 0; ; n++ {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		hdr, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read tar entry %d: %w", n, err)
+		}
+		canon, nd, err := w.addHeader(hdr)
+		if err != nil {
+			return nil, fmt.Errorf("tar entry %d %q: %w", n, hdr.Name, err)
+		}
+		w.fileNode = nil
+		if err := tw.WriteHeader(canon); err != nil {
+			return nil, fmt.Errorf("write tar header %q: %w", hdr.Name, err)
+		}
+		if nd != nil && canon.Size > 0 {
+			if err := w.flushMeta(); err != nil {
+				return nil, err
+			}
+			w.fileNode = nd
+			if _, err := io.CopyN(tw, tr, canon.Size); err != nil {
+				return nil, fmt.Errorf("copy %q: %w", hdr.Name, err)
+			}
+			if err := w.flushChunk(); err != nil {
+				return nil, err
+			}
+			w.fileNode = nil
+		}
+	}
+	if err := tw.Close(); err != nil {
+		return nil, fmt.Errorf("finish tar: %w", err)
+	}
+	if w.err != nil {
+		return nil, w.err
+	}
+	if err := w.flushMeta(); err != nil {
+		return nil, err
+	}
+	dataEnd := w.off
+	rawTOC, entries, err := w.encodeTOC(dataEnd)
+	if err != nil {
+		return nil, err
+	}
+	toc := enc.EncodeAll(rawTOC, nil)
+	if len(toc) > MaxTOCSize {
+		return nil, fmt.Errorf("TOC of %d entries encodes to %d bytes, over the %d limit", entries, len(toc), MaxTOCSize)
+	}
+	tocSum := sha256.Sum256(toc)
+	tocDigest := digest.NewDigestFromBytes(digest.SHA256, tocSum[:])
+	var sh [skippableHeaderSize]byte
+	binary.LittleEndian.PutUint32(sh[0:], skippableTOCMagic)
+	binary.LittleEndian.PutUint32(sh[4:], uint32(len(toc)))
+	if err := w.write(sh[:]); err != nil {
+		return nil, err
+	}
+	tocOff := w.off
+	if err := w.write(toc); err != nil {
+		return nil, err
+	}
+	if err := w.write(footer{tocOffset: tocOff, tocSize: int64(len(toc)), tocDigest: tocDigest}.marshal()); err != nil {
+		return nil, err
+	}
+	if err := bw.Flush(); err != nil {
+		return nil, fmt.Errorf("write layer blob: %w", err)
+	}
+	return &WriteResult{
+		Digest:    digest.NewDigest(digest.SHA256, w.blobHash),
+		Size:      w.off,
+		DiffID:    digest.NewDigest(digest.SHA256, w.diffHash),
+		TOCDigest: tocDigest,
+		TOCSize:   int64(len(toc)),
+		Entries:   entries,
+	}, nil
+}
+
+// node is the writer's in-memory TOC record of one entry.
+type node struct {
+	base               string
+	typ                EntryType
+	mode               uint32
+	uid, gid           uint32
+	size               int64
+	mtime              time.Time
+	link               string
+	devmajor, devminor uint32
+	xattrs             [][2]string // sorted by key
+	chunks             []chunkRec
+	children           []*node
+	implicit           bool
+}
+
+type chunkRec struct {
+	off, fileOff int64
+	csize, size  uint32
+	sum          [32]byte
+}
+
+// convWriter receives the canonical tar stream from archive/tar and cuts it
+// into zstd frames: tar headers and padding accumulate in meta and are
+// flushed as one frame before each file's data; file data goes into
+// chunk-sized frames recorded in the file's node.
+type convWriter struct {
+	out      *bufio.Writer
+	off      int64
+	blobHash hash.Hash
+	diffHash hash.Hash
+	enc      *zstd.Encoder
+	chunkCap int
+	meta     []byte
+	chunk    []byte
+	fileNode *node // non-nil while file data is being written
+	fileOff  int64
+	frame    []byte
+	err      error
+
+	root  *node
+	nodes map[string]*node // writer side only: cleaned path -> node
+	count int
+}
+
+func (w *convWriter) write(b []byte) error {
+	if _, err := w.out.Write(b); err != nil {
+		return fmt.Errorf("write layer blob: %w", err)
+	}
+	w.blobHash.Write(b)
+	w.off += int64(len(b))
+	return nil
+}
+
+// Write is the sink of the tar writer.
+func (w *convWriter) Write(p []byte) (int, error) {
+	if w.err != nil {
+		return 0, w.err
+	}
+	w.diffHash.Write(p)
+	if w.fileNode == nil {
+		w.meta = append(w.meta, p...)
+		if len(w.meta) >= w.chunkCap {
+			if err := w.flushMeta(); err != nil {
+				return 0, err
+			}
+		}
+		return len(p), nil
+	}
+	n := len(p)
+	for len(p) > 0 {
+		if w.chunk == nil {
+			w.chunk = make([]byte, 0, w.chunkCap)
+		}
+		k := min(len(p), w.chunkCap-len(w.chunk))
+		w.chunk = append(w.chunk, p[:k]...)
+		p = p[k:]
+		if len(w.chunk) == w.chunkCap {
+			if err := w.flushChunk(); err != nil {
+				return 0, err
+			}
+		}
+	}
+	return n, nil
+}
+
+func (w *convWriter) compress(b []byte) []byte {
+	w.frame = w.enc.EncodeAll(b, w.frame[:0])
+	return w.frame
+}
+
+func (w *convWriter) flushMeta() error {
+	if len(w.meta) == 0 {
+		return nil
+	}
+	err := w.write(w.compress(w.meta))
+	w.meta = w.meta[:0]
+	if err != nil {
+		w.err = err
+	}
+	return err
+}
+
+func (w *convWriter) flushChunk() error {
+	if len(w.chunk) == 0 {
+		return nil
+	}
+	frame := w.compress(w.chunk)
+	c := chunkRec{off: w.off, fileOff: w.fileOff, csize: uint32(len(frame)), size: uint32(len(w.chunk)), sum: sha256.Sum256(frame)}
+	if err := w.write(frame); err != nil {
+		w.err = err
+		return err
+	}
+	nd := w.fileNode
+	if len(nd.chunks) == 0 {
+		c.fileOff = 0
+	} else {
+		last := nd.chunks[len(nd.chunks)-1]
+		c.fileOff = last.fileOff + int64(last.size)
+	}
+	nd.chunks = append(nd.chunks, c)
+	w.chunk = w.chunk[:0]
+	return nil
+}
+
+// cleanName turns a tar name into a TOC path, refusing names that escape
+// the root.
+func cleanName(name string) (string, error) {
+	if name == "" {
+		return "", errors.New("empty name")
+	}
+	if strings.HasPrefix(name, "/") {
+		return "", errors.New("absolute name")
+	}
+	p := path.Clean(name)
+	if p == ".." || strings.HasPrefix(p, "../") {
+		return "", errors.New("name escapes the layer root")
+	}
+	if p != "." {
+		for _, c := range strings.Split(p, "/") {
+			if !validBase([]byte(c)) {
+				return "", fmt.Errorf("bad path component %q", c)
+			}
+		}
+	}
+	return p, nil
+}
+
+const xattrPrefix = "SCHILY.xattr."
+
+// addHeader validates a tar header, records its TOC node and returns the
+// canonical header to write. The node is returned for regular files.
+func (w *convWriter) addHeader(h *tar.Header) (*tar.Header, *node, error) {
+	canon := &tar.Header{
+		Typeflag:   h.Typeflag,
+		Name:       h.Name,
+		Mode:       h.Mode & unixModeMask,
+		Uid:        h.Uid,
+		Gid:        h.Gid,
+		Uname:      h.Uname,
+		Gname:      h.Gname,
+		ModTime:    h.ModTime,
+		AccessTime: h.AccessTime,
+		ChangeTime: h.ChangeTime,
+	}
+	for k, v := range h.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			continue // the data is written dense
+		}
+		if canon.PAXRecords == nil {
+			canon.PAXRecords = map[string]string{}
+		}
+		canon.PAXRecords[k] = v
+	}
+	if h.ModTime.Nanosecond() != 0 || !h.AccessTime.IsZero() || !h.ChangeTime.IsZero() {
+		canon.Format = tar.FormatPAX // the other formats would round times
+	}
+	var typ EntryType
+	switch h.Typeflag {
+	case tar.TypeReg, tar.TypeRegA, tar.TypeGNUSparse:
+		typ, canon.Typeflag, canon.Size = TypeReg, tar.TypeReg, h.Size
+	case tar.TypeDir:
+		typ = TypeDir
+	case tar.TypeSymlink:
+		typ, canon.Linkname = TypeSymlink, h.Linkname
+	case tar.TypeLink:
+		typ, canon.Linkname = TypeHardlink, h.Linkname
+	case tar.TypeChar, tar.TypeBlock:
+		typ = TypeChar
+		if h.Typeflag == tar.TypeBlock {
+			typ = TypeBlock
+		}
+		if h.Devmajor < 0 || h.Devmajor > math.MaxUint32 || h.Devminor < 0 || h.Devminor > math.MaxUint32 {
+			return nil, nil, fmt.Errorf("device %d:%d out of range", h.Devmajor, h.Devminor)
+		}
+		canon.Devmajor, canon.Devminor = h.Devmajor, h.Devminor
+	case tar.TypeFifo:
+		typ = TypeFIFO
+	case tar.TypeXGlobalHeader:
+		// Kept for fidelity (git archive writes one); not a file.
+		return &tar.Header{Typeflag: tar.TypeXGlobalHeader, Name: h.Name, PAXRecords: canon.PAXRecords, Format: tar.FormatPAX}, nil, nil
+	default:
+		return nil, nil, fmt.Errorf("unsupported tar type %q", h.Typeflag)
+	}
+	if h.Uid < 0 || h.Uid > math.MaxUint32 || h.Gid < 0 || h.Gid > math.MaxUint32 {
+		return nil, nil, fmt.Errorf("uid/gid %d/%d out of range", h.Uid, h.Gid)
+	}
+	if canon.Size < 0 {
+		return nil, nil, fmt.Errorf("negative size")
+	}
+	name, err := cleanName(h.Name)
+	if err != nil {
+		return nil, nil, err
+	}
+	nd := &node{
+		typ:      typ,
+		mode:     uint32(canon.Mode),
+		uid:      uint32(h.Uid),
+		gid:      uint32(h.Gid),
+		size:     canon.Size,
+		mtime:    h.ModTime,
+		devmajor: uint32(canon.Devmajor),
+		devminor: uint32(canon.Devminor),
+	}
+	if nsec := h.ModTime.UnixNano(); h.ModTime.Unix() < math.MinInt64/2 || nsec == math.MinInt64 {
+		return nil, nil, errors.New("modification time out of range")
+	}
+	switch typ {
+	case TypeSymlink:
+		if h.Linkname == "" || len(h.Linkname) > MaxNameLen || strings.IndexByte(h.Linkname, 0) >= 0 {
+			return nil, nil, fmt.Errorf("bad symlink target %q", h.Linkname)
+		}
+		nd.link = h.Linkname
+	case TypeHardlink:
+		target, err := cleanName(h.Linkname)
+		if err != nil || target == "." {
+			return nil, nil, fmt.Errorf("bad hard-link target %q", h.Linkname)
+		}
+		t, ok := w.nodes[target]
+		if !ok || t.typ == TypeDir {
+			return nil, nil, fmt.Errorf("hard-link target %q is not an earlier non-directory entry", target)
+		}
+		nd.link = target
+	}
+	for k, v := range canon.PAXRecords {
+		if key, ok := strings.CutPrefix(k, xattrPrefix); ok {
+			if key == "" || len(key) > maxXattrKeyLen || len(v) > maxXattrValLen {
+				return nil, nil, fmt.Errorf("bad xattr %q", key)
+			}
+			nd.xattrs = append(nd.xattrs, [2]string{key, v})
+		}
+	}
+	slices.SortFunc(nd.xattrs, func(a, b [2]string) int { return cmp.Compare(a[0], b[0]) })
+
+	if name == "." {
+		if typ != TypeDir || !w.root.implicit {
+			return nil, nil, errors.New("root entry is not a directory or repeated")
+		}
+		nd.children = w.root.children
+		*w.root = *nd
+		return canon, nil, nil
+	}
+	if old, ok := w.nodes[name]; ok {
+		// A directory implied by an earlier path may be given its real
+		// metadata once; anything else is a duplicate.
+		if !old.implicit || typ != TypeDir {
+			return nil, nil, errors.New("duplicate name")
+		}
+		nd.base, nd.children = old.base, old.children
+		*old = *nd
+		return canon, nil, nil
+	}
+	dir, base := path.Split(name)
+	parent, err := w.dir(strings.TrimSuffix(dir, "/"))
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(w.nodes) >= MaxEntries {
+		return nil, nil, fmt.Errorf("more than %d entries", MaxEntries)
+	}
+	nd.base = base
+	parent.children = append(parent.children, nd)
+	w.nodes[name] = nd
+	if typ == TypeReg {
+		return canon, nd, nil
+	}
+	return canon, nil, nil
+}
+
+// dir returns the directory node for p, creating implicit ones.
+func (w *convWriter) dir(p string) (*node, error) {
+	if p == "" {
+		p = "."
+	}
+	if nd, ok := w.nodes[p]; ok {
+		if nd.typ != TypeDir {
+			return nil, fmt.Errorf("parent %q is not a directory", p)
+		}
+		return nd, nil
+	}
+	d, base := path.Split(p)
+	parent, err := w.dir(strings.TrimSuffix(d, "/"))
+	if err != nil {
+		return nil, err
+	}
+	nd := &node{base: base, typ: TypeDir, mode: 0o755, implicit: true}
+	parent.children = append(parent.children, nd)
+	w.nodes[p] = nd
+	return nd, nil
+}
+
+// encodeTOC lays the nodes out breadth-first and encodes the raw TOC.
+func (w *convWriter) encodeTOC(dataEnd int64) ([]byte, int, error) {
+	order := []*node{w.root}
+	parents := []uint32{0}
+	for i := 0; i < len(order); i++ {
+		nd := order[i]
+		slices.SortFunc(nd.children, func(a, b *node) int { return strings.Compare(a.base, b.base) })
+		for _, c := range nd.children {
+			order = append(order, c)
+			parents = append(parents, uint32(i))
+		}
+	}
+	n := len(order)
+	var nChunks, nXattrs int
+	for _, nd := range order {
+		nChunks += len(nd.chunks)
+		nXattrs += len(nd.xattrs)
+	}
+	var strs []byte
+	addStr := func(s string) (uint32, uint32, error) {
+		if uint64(len(strs))+uint64(len(s)) > math.MaxUint32 {
+			return 0, 0, errors.New("TOC string table exceeds 4 GiB")
+		}
+		off := uint32(len(strs))
+		strs = append(strs, s...)
+		return off, uint32(len(s)), nil
+	}
+	raw := make([]byte, tocHeaderSize+n*entryRecSize+nChunks*chunkRecSize+nXattrs*xattrRecSize)
+	le := binary.LittleEndian
+	copy(raw, tocMagic)
+	le.PutUint32(raw[8:], Version)
+	le.PutUint32(raw[16:], uint32(n))
+	le.PutUint32(raw[20:], uint32(nChunks))
+	le.PutUint32(raw[24:], uint32(nXattrs))
+	le.PutUint32(raw[32:], entryRecSize)
+	le.PutUint32(raw[36:], chunkRecSize)
+	le.PutUint32(raw[40:], xattrRecSize)
+	le.PutUint64(raw[48:], uint64(dataEnd))
+	entries := raw[tocHeaderSize:]
+	chunks := entries[n*entryRecSize:]
+	xattrs := chunks[nChunks*chunkRecSize:]
+	next := 1 // index of the first child of the next directory in BFS order
+	var ci, xi int
+	for i, nd := range order {
+		r := entries[i*entryRecSize:]
+		le.PutUint32(r[0:], parents[i])
+		if i != 0 {
+			off, l, err := addStr(nd.base)
+			if err != nil {
+				return nil, 0, err
+			}
+			le.PutUint32(r[4:], off)
+			le.PutUint32(r[8:], l)
+		}
+		if len(nd.children) > 0 {
+			le.PutUint32(r[12:], uint32(next))
+			le.PutUint32(r[16:], uint32(len(nd.children)))
+			next += len(nd.children)
+		}
+		r[20] = byte(nd.typ)
+		if nd.implicit {
+			r[21] = flagImplicit
+		}
+		le.PutUint32(r[24:], nd.mode)
+		le.PutUint32(r[28:], nd.uid)
+		le.PutUint32(r[32:], nd.gid)
+		le.PutUint64(r[40:], uint64(nd.size))
+		if !nd.mtime.IsZero() {
+			le.PutUint64(r[48:], uint64(nd.mtime.Unix()))
+			le.PutUint32(r[56:], uint32(nd.mtime.Nanosecond()))
+		}
+		if nd.link != "" {
+			off, l, err := addStr(nd.link)
+			if err != nil {
+				return nil, 0, err
+			}
+			le.PutUint32(r[60:], off)
+			le.PutUint32(r[64:], l)
+		}
+		le.PutUint32(r[68:], nd.devmajor)
+		le.PutUint32(r[72:], nd.devminor)
+		if len(nd.chunks) > 0 {
+			le.PutUint32(r[76:], uint32(ci))
+			le.PutUint32(r[80:], uint32(len(nd.chunks)))
+			for _, c := range nd.chunks {
+				cr := chunks[ci*chunkRecSize:]
+				le.PutUint64(cr[0:], uint64(c.off))
+				le.PutUint64(cr[8:], uint64(c.fileOff))
+				le.PutUint32(cr[16:], c.csize)
+				le.PutUint32(cr[20:], c.size)
+				copy(cr[24:56], c.sum[:])
+				ci++
+			}
+		}
+		if len(nd.xattrs) > 0 {
+			le.PutUint32(r[84:], uint32(xi))
+			le.PutUint32(r[88:], uint32(len(nd.xattrs)))
+			for _, kv := range nd.xattrs {
+				xr := xattrs[xi*xattrRecSize:]
+				ko, kl, err := addStr(kv[0])
+				if err != nil {
+					return nil, 0, err
+				}
+				vo, vl, err := addStr(kv[1])
+				if err != nil {
+					return nil, 0, err
+				}
+				le.PutUint32(xr[0:], ko)
+				le.PutUint32(xr[4:], kl)
+				le.PutUint32(xr[8:], vo)
+				le.PutUint32(xr[12:], vl)
+				xi++
+			}
+		}
+	}
+	le.PutUint32(raw[28:], uint32(len(strs)))
+	return append(raw, strs...), n, nil
+}
