@@ -1,0 +1,94 @@
+package envlet
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/containerd/cgroups/v3"
+
+	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
+)
+
+// Sample and Event are the sampler's types (see package cgroupfs).
+type (
+	Sample = cgroupfs.Sample
+	Event  = cgroupfs.Event
+)
+
+// Errors a Cgroup returns.
+var (
+	ErrVanished = cgroupfs.ErrVanished
+	ErrBusy     = cgroupfs.ErrBusy
+)
+
+// Cgroup is one container's cgroup as the controller sees it. Sample must
+// be cheap (it runs every tick for every environment); Apply returns an
+// error wrapping ErrBusy when the kernel refuses to lower memory below
+// usage (v1) and ErrVanished once the cgroup is gone. Events wakes the
+// controller between ticks.
+type Cgroup interface {
+	Sample(*Sample) error
+	Apply(Resources) error
+	Events() <-chan Event
+	Close() error
+}
+
+// thresholdSetter is implemented by cgroups that arm kernel usage
+// thresholds (v1 eventfds).
+type thresholdSetter interface {
+	SetThresholds(fracs ...float64) error
+}
+
+// memoryCapper is implemented by cgroups with a hard limit above the grant
+// (v2 memory.max).
+type memoryCapper interface {
+	SetMemoryCap(int64)
+}
+
+// OpenCgroup opens the container cgroup at path, the OCI cgroupsPath as
+// runc resolves it ("/ns/id"), on v1 (cpu, cpuacct, memory hierarchies;
+// also on hybrid hosts, whose unified mount has no controllers) or on v2.
+func OpenCgroup(path string) (Cgroup, error) {
+	switch cgroups.Mode() {
+	case cgroups.Unified:
+		c, err := cgroupfs.OpenV2("/sys/fs/cgroup", path)
+		if err != nil {
+			return nil, err
+		}
+		return &v2Cgroup{c}, nil
+	case cgroups.Legacy, cgroups.Hybrid:
+		m, err := cgroupfs.FindV1Mounts()
+		if err != nil {
+			return nil, err
+		}
+		c, err := cgroupfs.OpenV1(m, path)
+		if err != nil {
+			return nil, err
+		}
+		return &v1Cgroup{c}, nil
+	}
+	return nil, fmt.Errorf("open cgroup %s: no cgroup hierarchy mounted", path)
+}
+
+type v1Cgroup struct{ *cgroupfs.V1 }
+
+func (c *v1Cgroup) Apply(r Resources) error {
+	return c.V1.Apply(cgroupfs.Limits{CPU: r.CPU, Memory: r.Memory})
+}
+
+type v2Cgroup struct{ *cgroupfs.V2 }
+
+func (c *v2Cgroup) Apply(r Resources) error {
+	return c.V2.Apply(cgroupfs.Limits{CPU: r.CPU, Memory: r.Memory})
+}
+
+// Clock is time as the controller sees it; tests substitute a fake.
+type Clock interface {
+	Now() time.Time
+	After(d time.Duration) <-chan time.Time
+}
+
+type realClock struct{}
+
+func (realClock) Now() time.Time                         { return time.Now() }
+func (realClock) After(d time.Duration) <-chan time.Time { return time.After(d) }

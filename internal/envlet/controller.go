@@ -1,0 +1,457 @@
+// Package envlet is the per-environment elastic quota controller of the
+// envlet shim: it samples a container's cgroup every 200 ms (and on kernel
+// memory events in between), grows CPU and memory fast when the workload
+// is starved, shrinks them slowly when it is not, asks a node Arbiter for
+// every grow, and fails the environment loudly when memory it needs cannot
+// be granted. The decisions are made by Policy, a pure function of
+// (state, observation) so traces replay on a fake clock; Controller does
+// the I/O around it.
+package envlet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+)
+
+// TimelinePoint is one tick of quota history, for plots and tests.
+type TimelinePoint struct {
+	T         time.Time
+	Limit     Resources // after this tick's actions
+	CPUUsed   float64   // cores
+	Throttled float64   // share of the tick
+	WS        int64
+	MemUsage  int64
+	// Wake is "tick" or "event"; Actions lists what changed ("cpu x4",
+	// "mem /2", "mem busy", "reclaim", "mem denied"), empty when nothing.
+	Wake    string
+	Actions string
+}
+
+// Status is a snapshot of a controller.
+type Status struct {
+	Env        string
+	Limit      Resources
+	Sampled    time.Time
+	CPUUsed    float64 // cores over the last tick
+	CPUUtil    float64 // CPUUsed / CPU limit
+	Throttled  float64
+	WorkingSet int64
+	MemUsage   int64
+	Idle       bool
+
+	CPUGrows, CPUShrinks, MemGrows, MemShrinks int
+	Reclaims, Busy, Denied, OOMs, Failures     int
+	Failure                                    *Failure
+}
+
+// Option configures a Controller.
+type Option func(*Controller)
+
+// WithClock replaces the wall clock (tests).
+func WithClock(c Clock) Option { return func(ctl *Controller) { ctl.clock = c } }
+
+// WithLogger sets the logger (default: log.G(ctx) of Run, with the env id).
+func WithLogger(l *log.Entry) Option { return func(ctl *Controller) { ctl.log = l } }
+
+// WithTimeline keeps the last n ticks of history (default 3000: 10 min at
+// 200 ms); 0 disables it.
+func WithTimeline(n int) Option { return func(ctl *Controller) { ctl.tlCap = n } }
+
+// Controller runs the elastic policy for one environment.
+type Controller struct {
+	env   string
+	cg    Cgroup
+	cfg   Config
+	pol   Policy
+	arb   Arbiter
+	clock Clock
+	log   *log.Entry
+	ncpu  int
+
+	admitted   bool
+	st         State
+	prev, cur  Sample
+	prevAt     time.Time
+	havePrev   bool
+	lastReport time.Time
+
+	mu       sync.Mutex // guards status and timeline
+	status   Status
+	tl       []TimelinePoint
+	tlCap    int
+	tlNext   int
+	tlFilled bool
+}
+
+// NewController validates cfg and prepares a controller; nothing is
+// applied until Run.
+func NewController(env string, cg Cgroup, cfg Config, arb Arbiter, opts ...Option) (*Controller, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c := &Controller{
+		env: env, cg: cg, cfg: cfg, pol: Policy{Cfg: cfg}, arb: arb,
+		clock: realClock{}, ncpu: runtime.NumCPU(), tlCap: 3000,
+		st: NewState(&cfg),
+	}
+	c.status.Env = env
+	for _, o := range opts {
+		o(c)
+	}
+	if c.tlCap > 0 {
+		c.tl = make([]TimelinePoint, 0, min(c.tlCap, 256))
+	}
+	if ts, ok := cg.(thresholdSetter); ok {
+		if err := ts.SetThresholds(cfg.MemGrowWS, cfg.MemGrow4WS); err != nil {
+			return nil, fmt.Errorf("arm memory thresholds for %s: %w", env, err)
+		}
+	}
+	if mc, ok := cg.(memoryCapper); ok {
+		mc.SetMemoryCap(cfg.Cap.Memory)
+	}
+	return c, nil
+}
+
+func (c *Controller) logger(ctx context.Context) *log.Entry {
+	if c.log == nil {
+		c.log = log.G(ctx).WithField("env", c.env)
+	}
+	return c.log
+}
+
+// Admit reserves the initial quota with the arbiter. The shim calls it at
+// Create so a full node rejects the container before it starts (the error
+// wraps errdefs.ErrResourceExhausted); Run calls it if the shim did not.
+func (c *Controller) Admit(ctx context.Context) error {
+	if c.admitted {
+		return nil
+	}
+	actx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout*10)
+	defer cancel()
+	if err := c.arb.Admit(actx, c.env, c.cfg.Initial); err != nil {
+		f := Failure{Env: c.env, Reason: ReasonAdmissionRejected, Requested: c.cfg.Initial.Memory, Cap: c.cfg.Cap.Memory,
+			Message: fmt.Sprintf("node cannot admit %v: %v", c.cfg.Initial, err)}
+		c.mu.Lock()
+		c.status.Failures++
+		c.status.Failure = &f
+		c.mu.Unlock()
+		return &FailureError{Failure: f, Err: err}
+	}
+	c.admitted = true
+	return nil
+}
+
+// Run applies the initial quota and controls the cgroup until ctx is
+// cancelled (nil), the cgroup vanishes (nil: the task is gone), or the
+// environment must die (*FailureError: the caller kills the task and
+// reports the failure). It releases the arbiter lease on return.
+func (c *Controller) Run(ctx context.Context) error {
+	l := c.logger(ctx)
+	if err := c.Admit(ctx); err != nil {
+		return err
+	}
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.ArbiterTimeout*10)
+		defer cancel()
+		if err := c.arb.Release(rctx, c.env); err != nil {
+			l.WithError(err).Warn("envlet: release arbiter lease")
+		}
+	}()
+	if err := c.cg.Apply(c.cfg.Initial); err != nil {
+		if errors.Is(err, ErrVanished) {
+			return nil
+		}
+		if !errors.Is(err, ErrBusy) {
+			return fmt.Errorf("apply initial quota %v to %s: %w", c.cfg.Initial, c.env, err)
+		}
+		// The container already uses more than the initial memory (v1):
+		// start from there; the policy grows or shrinks it.
+		l.WithError(err).Info("envlet: initial memory below usage, keeping the current limit")
+	}
+	c.st = NewState(&c.cfg)
+	c.lastReport = c.clock.Now()
+	wake := "tick"
+	for {
+		if err := c.step(ctx, wake); err != nil {
+			if errors.Is(err, ErrVanished) {
+				l.Debug("envlet: cgroup vanished, stopping")
+				return nil
+			}
+			return err
+		}
+		period := c.cfg.SamplePeriod
+		if c.st.Idle {
+			period = c.cfg.IdlePeriod
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-c.clock.After(period):
+			wake = "tick"
+		case <-c.cg.Events():
+			wake = "event"
+		}
+	}
+}
+
+func sub(a, b uint64) uint64 {
+	if a < b {
+		return 0
+	}
+	return a - b
+}
+
+func (c *Controller) observe(now time.Time) Observation {
+	o := Observation{Now: now, WS: c.cur.WorkingSet(), MemUsage: c.cur.MemUsage, UnderOOM: c.cur.UnderOOM}
+	if c.havePrev {
+		if dt := now.Sub(c.prevAt).Seconds(); dt > 0 {
+			o.CPUValid = true
+			o.CPUUsed = float64(sub(c.cur.CPUUsageNs, c.prev.CPUUsageNs)) / 1e9 / dt
+			// throttled_time is summed over the per-CPU run queues; divide by
+			// the CPUs the quota can keep busy so the share stays in 0..1.
+			n := min(max(math.Ceil(c.st.Limit.CPU), 1), float64(max(c.ncpu, 1)))
+			o.Throttled = math.Min(float64(sub(c.cur.ThrottledNs, c.prev.ThrottledNs))/1e9/dt/n, 1)
+		}
+		if c.cur.MemStat {
+			o.NewOOMs = int(max(sub(c.cur.OOM, c.prev.OOM), sub(c.cur.OOMKill, c.prev.OOMKill)))
+			o.LimitHits = c.cur.Failcnt > c.prev.Failcnt || c.cur.High > c.prev.High
+		}
+	}
+	return o
+}
+
+// step is one tick: sample, decide, ask, apply, report.
+func (c *Controller) step(ctx context.Context, wake string) error {
+	now := c.clock.Now()
+	c.prev = c.cur
+	if err := c.cg.Sample(&c.cur); err != nil {
+		if errors.Is(err, ErrVanished) {
+			return err
+		}
+		c.cur = c.prev
+		c.logger(ctx).WithError(err).Warn("envlet: sample cgroup")
+		return nil
+	}
+	o := c.observe(now)
+	c.prevAt, c.havePrev = now, true
+	var acts []string
+
+	st, d := c.pol.Decide(c.st, o)
+	granted := st.Limit
+	memAsk := d.Mem.Kind == Grow && d.Mem.To > st.Limit.Memory
+	if d.CPU.Kind == Grow || memAsk {
+		var want Resources
+		if d.CPU.Kind == Grow {
+			want.CPU = d.CPU.To
+		}
+		if memAsk {
+			want.Memory = d.Mem.To
+		}
+		gctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
+		g, err := c.arb.Grow(gctx, c.env, want)
+		cancel()
+		if err != nil {
+			// Without an answer CPU fails open up to 2 x base (starving a
+			// task of CPU only slows it, but so does waiting) and memory
+			// fails closed (memory handed out cannot be taken back).
+			c.logger(ctx).WithError(err).Warn("envlet: arbiter grow failed")
+			if d.CPU.Kind == Grow {
+				granted.CPU = math.Max(st.Limit.CPU, math.Min(d.CPU.To, 2*st.Base.CPU))
+			}
+		} else {
+			if d.CPU.Kind == Grow {
+				granted.CPU = g.CPU
+			}
+			if memAsk {
+				granted.Memory = g.Memory
+			}
+		}
+	}
+	st, next, fail := c.pol.Resolve(st, o, d, granted)
+	if d.Mem.Kind == Grow && next.Memory <= st.Limit.Memory {
+		acts = append(acts, "mem denied")
+		c.mu.Lock()
+		c.status.Denied++
+		c.mu.Unlock()
+	}
+	if fail != nil {
+		fail.Env = c.env
+		fail.Message = fail.describe()
+		c.st = st
+		c.record(o, wake, append(acts, "fail "+fail.Reason))
+		c.mu.Lock()
+		c.status.Failures++
+		c.status.Failure = fail
+		c.mu.Unlock()
+		c.logger(ctx).WithField("reason", fail.Reason).Error("envlet: " + fail.Message)
+		return &FailureError{Failure: *fail}
+	}
+	c.st = st
+	if next != st.Limit {
+		var err error
+		if acts, err = c.apply(ctx, next, d, acts); err != nil {
+			return err
+		}
+	}
+
+	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {
+		c.lastReport = now
+		var err error
+		if acts, err = c.report(ctx, o, acts); err != nil {
+			return err
+		}
+	}
+	c.record(o, wake, acts)
+	return nil
+}
+
+// apply writes next and records what happened. A v1 EBUSY on a memory
+// shrink leaves memory where it was ("not now"; the next low window
+// retries).
+func (c *Controller) apply(ctx context.Context, next Resources, d Decision, acts []string) ([]string, error) {
+	old := c.st.Limit
+	err := c.cg.Apply(next)
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrBusy):
+		next.Memory = old.Memory
+		acts = append(acts, "mem busy")
+		c.mu.Lock()
+		c.status.Busy++
+		c.mu.Unlock()
+	case errors.Is(err, ErrVanished):
+		return acts, err
+	default:
+		c.logger(ctx).WithError(err).Warnf("envlet: apply %v", next)
+		return acts, nil
+	}
+	c.st = c.st.Applied(next)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case next.CPU > old.CPU:
+		c.status.CPUGrows++
+		acts = append(acts, fmt.Sprintf("cpu x%d", max(d.CPU.Factor, 1)))
+	case next.CPU < old.CPU:
+		c.status.CPUShrinks++
+		acts = append(acts, "cpu /2")
+	}
+	switch {
+	case next.Memory > old.Memory:
+		c.status.MemGrows++
+		acts = append(acts, fmt.Sprintf("mem x%d", max(d.Mem.Factor, 1)))
+	case next.Memory < old.Memory:
+		c.status.MemShrinks++
+		acts = append(acts, "mem /2")
+	}
+	return acts, nil
+}
+
+// report sends usage to the arbiter and applies admission reclaim.
+func (c *Controller) report(ctx context.Context, o Observation, acts []string) ([]string, error) {
+	rctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
+	defer cancel()
+	lim, err := c.arb.Report(rctx, c.env, c.st.Limit, Resources{CPU: o.CPUUsed, Memory: o.WS})
+	switch {
+	case errdefs.IsNotFound(err):
+		// The arbiter lost us (restart): the shim holds the truth.
+		if err := c.arb.Admit(rctx, c.env, c.st.Base); err == nil {
+			_, err = c.arb.Grow(rctx, c.env, c.st.Limit)
+			if err != nil {
+				c.logger(ctx).WithError(err).Warn("envlet: re-register current limits")
+			}
+		} else {
+			c.logger(ctx).WithError(err).Warn("envlet: re-admit after arbiter restart")
+		}
+		return acts, nil
+	case err != nil:
+		c.logger(ctx).WithError(err).Debug("envlet: arbiter report failed")
+		return acts, nil
+	}
+	if lim.CPU >= c.st.Limit.CPU && lim.Memory >= c.st.Limit.Memory {
+		return acts, nil
+	}
+	target := c.pol.Reclaim(c.st, o, lim)
+	if target == c.st.Limit {
+		return acts, nil
+	}
+	old := c.st.Limit
+	err = c.cg.Apply(target)
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrBusy):
+		target.Memory = old.Memory
+		acts = append(acts, "mem busy")
+	case errors.Is(err, ErrVanished):
+		return acts, err
+	default:
+		c.logger(ctx).WithError(err).Warnf("envlet: apply reclaim %v", target)
+		return acts, nil
+	}
+	c.st = c.st.Applied(target)
+	c.mu.Lock()
+	c.status.Reclaims++
+	c.mu.Unlock()
+	return append(acts, fmt.Sprintf("reclaim to %v", target)), nil
+}
+
+func (c *Controller) record(o Observation, wake string, acts []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := &c.status
+	s.Limit = c.st.Limit
+	s.Sampled = o.Now
+	s.CPUUsed, s.Throttled = o.CPUUsed, o.Throttled
+	if c.st.Limit.CPU > 0 {
+		s.CPUUtil = o.CPUUsed / c.st.Limit.CPU
+	}
+	s.WorkingSet, s.MemUsage = o.WS, o.MemUsage
+	s.Idle = c.st.Idle
+	s.OOMs += o.NewOOMs
+	if c.tlCap <= 0 {
+		return
+	}
+	p := TimelinePoint{T: o.Now, Limit: c.st.Limit, CPUUsed: o.CPUUsed, Throttled: o.Throttled,
+		WS: o.WS, MemUsage: o.MemUsage, Wake: wake, Actions: strings.Join(acts, ",")}
+	if len(c.tl) < c.tlCap {
+		c.tl = append(c.tl, p)
+		return
+	}
+	c.tl[c.tlNext] = p
+	c.tlNext = (c.tlNext + 1) % c.tlCap
+	c.tlFilled = true
+}
+
+// Status returns a snapshot.
+func (c *Controller) Status() Status {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.status
+	if s.Failure != nil {
+		f := *s.Failure
+		s.Failure = &f
+	}
+	return s
+}
+
+// Timeline returns the retained history, oldest first.
+func (c *Controller) Timeline() []TimelinePoint {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]TimelinePoint, 0, len(c.tl))
+	if c.tlFilled {
+		out = append(out, c.tl[c.tlNext:]...)
+		out = append(out, c.tl[:c.tlNext]...)
+		return out
+	}
+	return append(out, c.tl...)
+}

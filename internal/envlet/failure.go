@@ -1,0 +1,44 @@
+package envlet
+
+import "fmt"
+
+// Failure is the explicit end of an environment: memory could not be
+// granted while it was OOMing or stuck at its limit, or it was not
+// admitted. The shim kills the task and publishes this (event, exit
+// status, termination message). Sizes are bytes.
+type Failure struct {
+	Env        string `json:"id"`
+	Reason     string `json:"reason"` // MEM_NODE_EXHAUSTED | MEM_CAP_EXCEEDED | ADMISSION_REJECTED
+	Requested  int64  `json:"requested"`
+	Granted    int64  `json:"granted"`
+	Cap        int64  `json:"cap"`
+	WorkingSet int64  `json:"ws"`
+	OOMs       int    `json:"ooms"`
+	Message    string `json:"message"`
+}
+
+// FailureError is returned by Controller.Run when the environment must die.
+type FailureError struct {
+	Failure
+	// Err is the underlying cause when there is one (the arbiter's
+	// errdefs.ErrResourceExhausted on admission).
+	Err error
+}
+
+func (e *FailureError) Error() string {
+	return fmt.Sprintf("envlet: environment %s failed: %s: %s", e.Env, e.Reason, e.Message)
+}
+
+func (e *FailureError) Unwrap() error { return e.Err }
+
+func (f *Failure) describe() string {
+	switch f.Reason {
+	case ReasonCapExceeded:
+		return fmt.Sprintf("memory working set %s needs %s, above the per-environment cap %s (%d OOMs)",
+			FormatBytes(f.WorkingSet), FormatBytes(f.Requested), FormatBytes(f.Cap), f.OOMs)
+	case ReasonNodeExhausted:
+		return fmt.Sprintf("memory working set %s needs %s, node granted only %s (%d OOMs)",
+			FormatBytes(f.WorkingSet), FormatBytes(f.Requested), FormatBytes(f.Granted), f.OOMs)
+	}
+	return f.Reason
+}
