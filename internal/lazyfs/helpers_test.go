@@ -1,0 +1,181 @@
+package lazyfs
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// requireFUSE skips tests that need to mount.
+func requireFUSE(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount FUSE and overlayfs")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skipf("no /dev/fuse: %v", err)
+	}
+}
+
+// tarFile is one entry of a synthetic layer.
+type tarFile struct {
+	hdr  tar.Header
+	data []byte
+}
+
+func buildTar(t testing.TB, files []tarFile) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, f := range files {
+		h := f.hdr
+		if h.Typeflag == tar.TypeReg {
+			h.Size = int64(len(f.data))
+		}
+		if h.Format == tar.FormatUnknown {
+			h.Format = tar.FormatPAX
+		}
+		if err := tw.WriteHeader(&h); err != nil {
+			t.Fatalf("tar header %s: %v", h.Name, err)
+		}
+		if _, err := tw.Write(f.data); err != nil {
+			t.Fatalf("tar data %s: %v", h.Name, err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// convert turns a tar stream into an envsnap blob and decodes its TOC.
+func convert(t testing.TB, tarStream io.Reader, opts ...layerfmt.WriteOption) ([]byte, *layerfmt.TOC) {
+	t.Helper()
+	var blob bytes.Buffer
+	res, err := layerfmt.Convert(context.Background(), &blob, tarStream, opts...)
+	if err != nil {
+		t.Fatalf("convert: %v", err)
+	}
+	toc, err := layerfmt.ReadTOC(context.Background(), bytes.NewReader(blob.Bytes()), int64(blob.Len()), res.TOCDigest)
+	if err != nil {
+		t.Fatalf("read TOC: %v", err)
+	}
+	return blob.Bytes(), toc
+}
+
+// blobSource serves chunks from a blob through layerfmt.DecodeChunk (so
+// digests are verified as the real fetcher does) and records every call.
+type blobSource struct {
+	ra io.ReaderAt
+
+	mu    sync.Mutex
+	reads map[int64]int // chunk blob offset -> ReadChunk calls
+	calls atomic.Int64
+
+	// hook, when set, replaces the normal behaviour (for failure tests).
+	hook func(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
+}
+
+func newBlobSource(ra io.ReaderAt) *blobSource {
+	return &blobSource{ra: ra, reads: map[int64]int{}}
+}
+
+func (s *blobSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	s.calls.Add(1)
+	s.mu.Lock()
+	s.reads[c.Offset]++
+	s.mu.Unlock()
+	if s.hook != nil {
+		return s.hook(ctx, c)
+	}
+	compressed := make([]byte, c.CompressedSize)
+	if _, err := s.ra.ReadAt(compressed, c.Offset); err != nil {
+		return nil, err
+	}
+	return layerfmt.DecodeChunk(c, compressed, nil)
+}
+
+// readOffsets returns the blob offsets of the chunks read so far.
+func (s *blobSource) readOffsets() map[int64]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[int64]int, len(s.reads))
+	for k, v := range s.reads {
+		out[k] = v
+	}
+	return out
+}
+
+func (s *blobSource) reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.reads = map[int64]int{}
+	s.calls.Store(0)
+}
+
+// mountLayer mounts toc on a fresh temp dir and unmounts it at cleanup,
+// forcefully if a test left it busy.
+func mountLayer(t testing.TB, toc *layerfmt.TOC, src ChunkSource, opts ...Option) (string, *Server) {
+	t.Helper()
+	mnt := t.TempDir()
+	srv, err := Mount(context.Background(), mnt, toc, src, opts...)
+	if err != nil {
+		t.Fatalf("mount: %v", err)
+	}
+	t.Cleanup(func() { cleanupMount(t, mnt, srv) })
+	return mnt, srv
+}
+
+func cleanupMount(t testing.TB, mnt string, srv *Server) {
+	t.Helper()
+	if err := srv.Unmount(); err != nil {
+		t.Logf("unmount %s: %v; detaching", mnt, err)
+		if err := forceUnmount(mnt); err != nil {
+			// Last resort; the helper knows mounts made by anyone.
+			out, ferr := exec.Command("fusermount3", "-u", "-z", mnt).CombinedOutput()
+			t.Errorf("detach %s: %v; fusermount3: %v %s", mnt, err, ferr, out)
+		}
+	}
+	done := make(chan struct{})
+	go func() { srv.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Errorf("FUSE server for %s still serving 10s after unmount", mnt)
+	}
+}
+
+// withinDeadline runs f and fails the test if it has not returned after d:
+// a hang detector, not a performance assertion.
+func withinDeadline(t *testing.T, d time.Duration, what string, f func() error) error {
+	t.Helper()
+	ch := make(chan error, 1)
+	go func() { ch <- f() }()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(d):
+		t.Fatalf("%s hung for %s", what, d)
+		return nil
+	}
+}
+
+func errnoOf(err error) unix.Errno {
+	var e unix.Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	return 0
+}

@@ -1,0 +1,278 @@
+// Package lazyfs serves one envsnap layer as a read-only FUSE filesystem
+// whose file data is fetched chunk by chunk on first read.
+//
+// Everything but file data comes from the layer's TOC, which the caller has
+// already verified against the manifest: lookups, stat, readdir, readlink
+// and xattrs never touch the network. A read maps its byte range to the
+// chunks of the file that hold it and asks the ChunkSource for exactly
+// those, so what a container never reads is never fetched. The layer is
+// immutable, so the kernel is told to cache entries, attributes and pages
+// indefinitely; one mount serves every container using the layer, from one
+// page cache.
+//
+// The mount is meant to be an overlayfs lower directory: OCI whiteouts
+// (".wh.<name>") are presented as overlayfs whiteouts (0:0 character
+// devices) and opaque markers (".wh..wh..opq") as the trusted.overlay.opaque
+// xattr on their directory.
+//
+// Invariant: a read either returns the exact bytes of the layer or fails
+// with EIO (logged); it never blocks longer than the read timeout and never
+// returns zeros or partial data for bytes it could not obtain.
+package lazyfs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"github.com/containerd/log"
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// ChunkSource returns the verified, decompressed bytes of one chunk. The
+// returned slice must hold exactly c.Size bytes and must not be modified
+// afterwards by the source. Implementations should honour ctx, but lazyfs
+// does not rely on it: a read fails at its timeout either way.
+type ChunkSource interface {
+	ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
+}
+
+// layer is the state shared by every node of one mount.
+type layer struct {
+	ctx  context.Context // logging only; never cancelled
+	toc  *layerfmt.TOC
+	src  ChunkSource
+	opts options
+
+	// extraLinks counts, per hard-link target entry, the hard links to it,
+	// so st_nlink matches what the tar described. Computed once because
+	// the links can be anywhere in the tree.
+	extraLinks map[int]uint32
+	totalSize  int64
+	stats      *counters
+}
+
+func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options) (*layer, error) {
+	if toc == nil || toc.Len() == 0 || toc.Type(0) != layerfmt.TypeDir {
+		return nil, fmt.Errorf("lazyfs: TOC has no root directory: %w", layerfmt.ErrBadTOC)
+	}
+	if src == nil {
+		return nil, errors.New("lazyfs: nil chunk source")
+	}
+	l := &layer{
+		ctx:        context.WithoutCancel(ctx),
+		toc:        toc,
+		src:        src,
+		opts:       o,
+		extraLinks: map[int]uint32{},
+		stats:      &counters{},
+	}
+	for i := 1; i < toc.Len(); i++ {
+		switch toc.Type(i) {
+		case layerfmt.TypeReg:
+			l.totalSize += max(toc.Size(i), 0)
+		case layerfmt.TypeHardlink:
+			if t, ok := toc.Resolve(i); ok && toc.Type(t) != layerfmt.TypeDir {
+				l.extraLinks[t]++
+			}
+		}
+	}
+	return l, nil
+}
+
+// NewRoot returns the root node of the filesystem for toc, for callers that
+// mount it themselves (tests, fs.Mount with their own options). Mount is
+// the normal entry point.
+func NewRoot(toc *layerfmt.TOC, src ChunkSource, opts ...Option) (fs.InodeEmbedder, error) {
+	o := defaultOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	l, err := newLayer(context.Background(), toc, src, o)
+	if err != nil {
+		return nil, err
+	}
+	return l.root(), nil
+}
+
+func (l *layer) root() *node {
+	return &node{l: l, idx: 0, opaque: l.isOpaque(0)}
+}
+
+// Server is one mounted layer and the FUSE server behind it. (It cannot be
+// called Mount: that is the function creating it.)
+type Server struct {
+	mountpoint string
+	dev        uint64 // st_dev of the mounted root: tells our mount from whatever is there later
+	srv        *fuse.Server
+	layer      *layer
+	devFD      bool
+	metrics    *collector
+
+	unmountMu sync.Mutex
+	unmounted bool
+}
+
+// fsOptions are the go-fuse node options for an immutable layer.
+func fsOptions(o options) *fs.Options {
+	timeout := cacheTimeout
+	return &fs.Options{
+		EntryTimeout:    &timeout,
+		AttrTimeout:     &timeout,
+		NegativeTimeout: &timeout,
+		// Inode numbers derive from TOC indices (see ino); using them as
+		// node IDs too keeps every ID the kernel holds a function of the
+		// TOC, which a replacement server needs to serve an existing
+		// connection.
+		ExternalNodeID: true,
+		RootStableAttr: &fs.StableAttr{Ino: ino(0)},
+		// Mode 0 files must stay mode 0, not be "fixed" to 0644/0755.
+		NullPermissions: true,
+		MountOptions: fuse.MountOptions{
+			FsName:     o.fsName,
+			Name:       fuseSubtype,
+			AllowOther: true,
+			// The kernel checks permissions from our modes (the
+			// daemon runs as root and has no per-caller policy).
+			// "ro" keeps the fusermount3 fallback read-only too.
+			Options:     []string{"ro", "default_permissions"},
+			DirectMount: true,
+			// nosuid/nodev do not affect containers: overlayfs checks
+			// the flags of its own mount when executing or opening a
+			// device, not those of the lower layers.
+			DirectMountFlags:         syscall.MS_RDONLY | syscall.MS_NOSUID | syscall.MS_NODEV,
+			MaxWrite:                 maxRequest,
+			MaxReadAhead:             maxRequest,
+			MaxBackground:            maxBackground,
+			EnableSymlinkCaching:     true,
+			ExplicitDataCacheControl: true,
+			Debug:                    o.debug,
+		},
+	}
+}
+
+// Mount mounts the layer described by toc at mountpoint (an existing
+// directory) and serves it until Unmount. src supplies file data. ctx is
+// used for logging only: cancelling it does not unmount.
+func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkSource, opts ...Option) (*Server, error) {
+	o := defaultOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	ctx = log.WithLogger(ctx, log.G(ctx).WithFields(log.Fields{"mountpoint": mountpoint, "fsname": o.fsName}))
+	l, err := newLayer(ctx, toc, src, o)
+	if err != nil {
+		return nil, err
+	}
+	fsOpts := fsOptions(o)
+	raw := fs.NewNodeFS(l.root(), fsOpts)
+
+	target := mountpoint
+	if o.devFD >= 0 {
+		target = fmt.Sprintf("/dev/fd/%d", o.devFD)
+	}
+	srv, err := fuse.NewServer(raw, target, &fsOpts.MountOptions)
+	if err != nil {
+		return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		if o.devFD < 0 {
+			_ = srv.Unmount()
+		}
+		return nil, fmt.Errorf("lazyfs: wait for mount %s: %w", mountpoint, err)
+	}
+
+	m := &Server{mountpoint: mountpoint, srv: srv, layer: l, devFD: o.devFD >= 0}
+	var st unix.Stat_t
+	if err := unix.Stat(mountpoint, &st); err != nil {
+		_ = m.unmount()
+		return nil, fmt.Errorf("lazyfs: stat mounted %s: %w", mountpoint, err)
+	}
+	m.dev = st.Dev
+
+	if o.registerer != nil {
+		m.metrics = newCollector(l.stats, o.layerLabel)
+		if err := o.registerer.Register(m.metrics); err != nil {
+			m.metrics = nil
+			_ = m.Unmount()
+			return nil, fmt.Errorf("lazyfs: register metrics for layer %q: %w", o.layerLabel, err)
+		}
+	}
+	log.G(ctx).WithField("entries", toc.Len()).Debug("lazyfs: mounted")
+	return m, nil
+}
+
+// Mountpoint returns the directory the layer is mounted on.
+func (m *Server) Mountpoint() string { return m.mountpoint }
+
+// Unmount unmounts the layer. It fails with EBUSY while files are in use
+// (overlayfs holding it as a lower layer counts). It is safe to call more
+// than once and after the mount disappeared by other means.
+func (m *Server) Unmount() error {
+	m.unmountMu.Lock()
+	defer m.unmountMu.Unlock()
+	if m.unmounted {
+		return nil
+	}
+	if err := m.unmount(); err != nil {
+		return err
+	}
+	m.unmounted = true
+	if m.metrics != nil {
+		m.layer.opts.registerer.Unregister(m.metrics)
+	}
+	return nil
+}
+
+func (m *Server) unmount() error {
+	if !m.mounted() {
+		return nil
+	}
+	err := unix.Unmount(m.mountpoint, 0)
+	if err == nil || !m.mounted() {
+		return nil
+	}
+	if errors.Is(err, unix.EPERM) && !m.devFD {
+		// Not root: the fusermount3 helper can unmount what it mounted.
+		if ferr := m.srv.Unmount(); ferr == nil {
+			return nil
+		}
+	}
+	return fmt.Errorf("lazyfs: unmount %s: %w", m.mountpoint, err)
+}
+
+// mounted reports whether our FUSE mount is still at the mountpoint. A
+// different st_dev means it is gone (and something else may be there now,
+// which must not be unmounted).
+func (m *Server) mounted() bool {
+	var st unix.Stat_t
+	if err := unix.Stat(m.mountpoint, &st); err != nil {
+		// ENOTCONN: our connection is dead but still mounted.
+		return errors.Is(err, unix.ENOTCONN)
+	}
+	return st.Dev == m.dev
+}
+
+// Wait blocks until the FUSE connection ends (after Unmount, or when the
+// kernel aborts it).
+func (m *Server) Wait() { m.srv.Wait() }
+
+// Stats returns the mount's counters.
+func (m *Server) Stats() Stats { return m.layer.stats.snapshot() }
+
+// forceUnmount is for tests and error paths: detach even if busy.
+func forceUnmount(mountpoint string) error {
+	err := unix.Unmount(mountpoint, unix.MNT_DETACH)
+	if err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}

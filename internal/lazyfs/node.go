@@ -1,0 +1,381 @@
+package lazyfs
+
+import (
+	"context"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// OCI whiteout names (image-spec layer.md). They are translated to the
+// overlayfs representation and never shown under their own names.
+const (
+	whiteoutPrefix = ".wh."
+	opaqueMarker   = ".wh..wh..opq"
+
+	// overlayXattrPrefix and userOverlayXattrPrefix are the namespaces
+	// overlayfs interprets on lower layers (the second one with the
+	// userxattr mount option). Layer content must not be able to set them:
+	// a tar carrying trusted.overlay.redirect or .metacopy would otherwise
+	// steer overlayfs lookups. Only the opaque marker we derive from the
+	// OCI whiteout is exposed.
+	overlayXattrPrefix     = "trusted.overlay."
+	userOverlayXattrPrefix = "user.overlay."
+	opaqueXattr            = "trusted.overlay.opaque"
+)
+
+// node is one inode of the layer. A single type serves every file type:
+// the kernel only sends directory operations to directories and data
+// operations to regular files, so the unused methods are never reached.
+type node struct {
+	fs.Inode
+	l *layer
+
+	// idx is the TOC entry that holds this inode's metadata: the hard-link
+	// target for hard links, the ".wh.<name>" marker for whiteouts.
+	idx int
+	// whiteout marks an OCI whiteout presented as an overlayfs whiteout
+	// (character device 0:0).
+	whiteout bool
+	// opaque marks a directory overlayfs must not merge with lower layers.
+	opaque bool
+}
+
+var (
+	_ fs.NodeGetattrer   = (*node)(nil)
+	_ fs.NodeLookuper    = (*node)(nil)
+	_ fs.NodeReaddirer   = (*node)(nil)
+	_ fs.NodeReadlinker  = (*node)(nil)
+	_ fs.NodeGetxattrer  = (*node)(nil)
+	_ fs.NodeListxattrer = (*node)(nil)
+	_ fs.NodeOpener      = (*node)(nil)
+	_ fs.NodeReader      = (*node)(nil)
+	_ fs.NodeStatfser    = (*node)(nil)
+)
+
+// ino maps a TOC index to an inode number. The root (index 0) becomes
+// FUSE_ROOT_ID 1; with ExternalNodeID the inode number is also the FUSE
+// node ID, so both are a pure function of the TOC and survive a restart.
+func ino(idx int) uint64 { return uint64(idx) + 1 }
+
+// typeBits maps an entry type to S_IFMT bits; 0 for types we cannot
+// present (unresolved hard links, unknown values from a hostile TOC).
+func typeBits(t layerfmt.EntryType) uint32 {
+	switch t {
+	case layerfmt.TypeReg:
+		return syscall.S_IFREG
+	case layerfmt.TypeDir:
+		return syscall.S_IFDIR
+	case layerfmt.TypeSymlink:
+		return syscall.S_IFLNK
+	case layerfmt.TypeChar:
+		return syscall.S_IFCHR
+	case layerfmt.TypeBlock:
+		return syscall.S_IFBLK
+	case layerfmt.TypeFIFO:
+		return syscall.S_IFIFO
+	}
+	return 0
+}
+
+// child describes what a directory entry name resolves to.
+type child struct {
+	idx      int
+	mode     uint32 // S_IFMT bits
+	whiteout bool
+}
+
+// resolveChild maps the TOC child k of directory dir to what is presented
+// for it. ok is false for entries that are hidden: whiteout markers that
+// are shadowed or malformed, the opaque marker, broken hard links and hard
+// links to directories (which would make the tree a graph).
+func (l *layer) resolveChild(dir, k int) (c child, name string, ok bool) {
+	t := l.toc
+	base := t.BaseName(k)
+	if base == opaqueMarker {
+		return child{}, "", false
+	}
+	if target, isWh := strings.CutPrefix(base, whiteoutPrefix); isWh {
+		if target == "" || target == "." || target == ".." || strings.Contains(target, "/") {
+			return child{}, "", false
+		}
+		// OCI: a whiteout only applies to lower layers; an entry of the
+		// same name in this layer is what this layer shows.
+		if _, shadowed := t.LookupChild(dir, target); shadowed {
+			return child{}, "", false
+		}
+		return child{idx: k, mode: syscall.S_IFCHR, whiteout: true}, target, true
+	}
+	idx := k
+	if t.Type(k) == layerfmt.TypeHardlink {
+		var found bool
+		if idx, found = t.Resolve(k); !found || t.Type(idx) == layerfmt.TypeDir {
+			return child{}, "", false
+		}
+	}
+	mode := typeBits(t.Type(idx))
+	if mode == 0 {
+		return child{}, "", false
+	}
+	return child{idx: idx, mode: mode}, base, true
+}
+
+// isOpaque reports whether overlayfs must hide lower-layer content of
+// directory dir: it holds the OCI opaque marker, or the layer deletes and
+// re-creates it (".wh.<dir>" next to "<dir>" in the parent), which OCI
+// defines as the same thing.
+func (l *layer) isOpaque(dir int) bool {
+	t := l.toc
+	if _, ok := t.LookupChild(dir, opaqueMarker); ok {
+		return true
+	}
+	if dir == 0 {
+		return false
+	}
+	_, ok := t.LookupChild(t.Parent(dir), whiteoutPrefix+t.BaseName(dir))
+	return ok
+}
+
+func (l *layer) newNode(c child) *node {
+	n := &node{l: l, idx: c.idx, whiteout: c.whiteout}
+	if c.mode == syscall.S_IFDIR {
+		n.opaque = l.isOpaque(c.idx)
+	}
+	return n
+}
+
+func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (_ *fs.Inode, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opLookup, start, errno != 0 && errno != syscall.ENOENT) }()
+
+	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeDir || strings.HasPrefix(name, whiteoutPrefix) {
+		return nil, syscall.ENOENT
+	}
+	t := n.l.toc
+	k, ok := t.LookupChild(n.idx, name)
+	if !ok {
+		if k, ok = t.LookupChild(n.idx, whiteoutPrefix+name); !ok {
+			return nil, syscall.ENOENT
+		}
+	}
+	c, _, ok := n.l.resolveChild(n.idx, k)
+	if !ok {
+		return nil, syscall.ENOENT
+	}
+	cn := n.l.newNode(c)
+	cn.fillAttr(&out.Attr)
+	return n.NewInode(ctx, cn, fs.StableAttr{Mode: c.mode, Ino: ino(c.idx)}), 0
+}
+
+func (n *node) Readdir(ctx context.Context) (_ fs.DirStream, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opReaddir, start, errno != 0) }()
+
+	t := n.l.toc
+	if n.whiteout || t.Type(n.idx) != layerfmt.TypeDir {
+		return nil, syscall.ENOTDIR
+	}
+	first, cnt := t.ChildRange(n.idx)
+	entries := make([]fuse.DirEntry, 0, cnt)
+	for k := first; k < first+cnt; k++ {
+		c, name, ok := n.l.resolveChild(n.idx, k)
+		if !ok {
+			continue
+		}
+		entries = append(entries, fuse.DirEntry{Name: name, Mode: c.mode, Ino: ino(c.idx)})
+	}
+	// Whiteouts are renamed, so restore name order for readers that expect
+	// getdents to look like a sorted TOC (and for deterministic tests).
+	sort.Slice(entries, func(a, b int) bool { return entries[a].Name < entries[b].Name })
+	return fs.NewListDirStream(entries), 0
+}
+
+func (n *node) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	start := time.Now()
+	n.fillAttr(&out.Attr)
+	n.l.stats.record(opGetattr, start, false)
+	return 0
+}
+
+// fillAttr sets the attributes of n from the TOC alone.
+func (n *node) fillAttr(a *fuse.Attr) {
+	t := n.l.toc
+	e := t.Entry(n.idx)
+	*a = fuse.Attr{}
+	a.Ino = ino(n.idx)
+	a.Owner = fuse.Owner{Uid: clampID(e.UID), Gid: clampID(e.GID)}
+	mtime := e.ModTime.Unix()
+	if mtime < 0 {
+		mtime = 0
+	}
+	a.Mtime, a.Mtimensec = uint64(mtime), uint32(e.ModTime.Nanosecond())
+	a.Atime, a.Atimensec = a.Mtime, a.Mtimensec
+	a.Ctime, a.Ctimensec = a.Mtime, a.Mtimensec
+	a.Blksize = 4096
+	a.Nlink = 1
+
+	if n.whiteout {
+		// overlayfs recognises exactly a 0:0 character device; keep the
+		// owner and mtime of the marker for anyone listing the lower dir.
+		a.Mode = syscall.S_IFCHR
+		return
+	}
+	a.Mode = typeBits(e.Type) | t.UnixMode(n.idx)&0o7777
+	switch e.Type {
+	case layerfmt.TypeReg:
+		a.Size = uint64(max(e.Size, 0))
+		a.Nlink += n.l.extraLinks[n.idx]
+	case layerfmt.TypeSymlink:
+		a.Size = uint64(len(e.Linkname))
+	case layerfmt.TypeDir:
+		a.Nlink = 2 + n.l.subdirs(n.idx)
+	case layerfmt.TypeChar, layerfmt.TypeBlock:
+		a.Rdev = encodeDev(e.Devmajor, e.Devminor)
+		a.Nlink += n.l.extraLinks[n.idx]
+	default:
+		a.Nlink += n.l.extraLinks[n.idx]
+	}
+	a.Blocks = (a.Size + 511) / 512
+}
+
+// subdirs counts the directories directly inside dir (for st_nlink, which
+// find(1) uses to skip stat calls).
+func (l *layer) subdirs(dir int) uint32 {
+	first, cnt := l.toc.ChildRange(dir)
+	var d uint32
+	for k := first; k < first+cnt; k++ {
+		if l.toc.Type(k) == layerfmt.TypeDir {
+			d++
+		}
+	}
+	return d
+}
+
+// encodeDev packs a device number the way the FUSE protocol carries it
+// (the kernel's new_encode_dev; fuse_attr.rdev is 32 bits).
+func encodeDev(major, minor uint32) uint32 {
+	return (minor & 0xff) | (major&0xfff)<<8 | (minor&^0xff)<<12
+}
+
+// clampID maps ids that do not fit uid_t to the kernel's overflow id.
+func clampID(id int) uint32 {
+	if id < 0 || id > 1<<32-2 {
+		return 65534
+	}
+	return uint32(id)
+}
+
+func (n *node) Readlink(ctx context.Context) (_ []byte, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opReadlink, start, errno != 0) }()
+	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeSymlink {
+		return nil, syscall.EINVAL
+	}
+	return []byte(n.l.toc.Entry(n.idx).Linkname), 0
+}
+
+// xattrs returns the extended attributes presented for n, sorted by name.
+func (n *node) xattrs() (names []string, values map[string]string) {
+	if n.whiteout {
+		return nil, nil
+	}
+	values = n.l.toc.Entry(n.idx).Xattrs
+	for k := range values {
+		if strings.HasPrefix(k, overlayXattrPrefix) || strings.HasPrefix(k, userOverlayXattrPrefix) {
+			delete(values, k)
+		}
+	}
+	if n.opaque {
+		if values == nil {
+			values = map[string]string{}
+		}
+		values[opaqueXattr] = "y"
+	}
+	for k := range values {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	return names, values
+}
+
+func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (_ uint32, errno syscall.Errno) {
+	start := time.Now()
+	defer func() {
+		n.l.stats.record(opGetxattr, start, errno != 0 && errno != syscall.ENODATA && errno != syscall.ERANGE)
+	}()
+	_, values := n.xattrs()
+	v, ok := values[attr]
+	if !ok {
+		return 0, syscall.ENODATA
+	}
+	if len(dest) < len(v) {
+		return uint32(len(v)), syscall.ERANGE
+	}
+	return uint32(copy(dest, v)), 0
+}
+
+func (n *node) Listxattr(ctx context.Context, dest []byte) (_ uint32, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opListxattr, start, errno != 0 && errno != syscall.ERANGE) }()
+	names, _ := n.xattrs()
+	size := 0
+	for _, k := range names {
+		size += len(k) + 1
+	}
+	if len(dest) < size {
+		return uint32(size), syscall.ERANGE
+	}
+	off := 0
+	for _, k := range names {
+		off += copy(dest[off:], k)
+		dest[off] = 0
+		off++
+	}
+	return uint32(size), 0
+}
+
+func (n *node) Open(ctx context.Context, flags uint32) (_ fs.FileHandle, _ uint32, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opOpen, start, errno != 0) }()
+	if flags&(syscall.O_WRONLY|syscall.O_RDWR|syscall.O_TRUNC|syscall.O_APPEND) != 0 {
+		return nil, 0, syscall.EROFS
+	}
+	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeReg {
+		return nil, 0, syscall.EINVAL
+	}
+	// The layer is immutable: let the kernel keep cached pages across
+	// opens, so every container sharing this mount reads them from the
+	// one page cache.
+	return nil, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+func (n *node) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (_ fuse.ReadResult, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opRead, start, errno != 0) }()
+	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeReg {
+		return nil, syscall.EINVAL
+	}
+	cnt, errno := n.l.read(dest, off, n.idx)
+	if errno != 0 {
+		return nil, errno
+	}
+	n.l.stats.bytesRead.Add(uint64(cnt))
+	return fuse.ReadResultData(dest[:cnt]), 0
+}
+
+func (n *node) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	const bsize = 4096
+	*out = fuse.StatfsOut{}
+	out.Bsize = bsize
+	out.Frsize = bsize
+	out.Blocks = uint64(n.l.totalSize+bsize-1) / bsize
+	out.Files = uint64(n.l.toc.Len())
+	out.NameLen = 255
+	return 0
+}

@@ -1,0 +1,152 @@
+package lazyfs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"syscall"
+
+	"github.com/containerd/log"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// maxParallelChunks bounds the concurrent ReadChunk calls of one FUSE read.
+// A read is at most maxRequest bytes, so with the default 1 MiB chunks it
+// touches one or two chunks; small chunk sizes are where this matters.
+const maxParallelChunks = 8
+
+var errTimeout = errors.New("read timeout expired")
+
+// read fills dest with the bytes of regular file idx at off. It returns the
+// number of bytes (short only at EOF) or EIO; it never returns bytes it has
+// not received from the chunk source for exactly the chunk that holds them.
+func (l *layer) read(dest []byte, off int64, idx int) (int, syscall.Errno) {
+	if off < 0 {
+		return 0, syscall.EINVAL
+	}
+	size := l.toc.Size(idx)
+	if off >= size || len(dest) == 0 {
+		return 0, 0
+	}
+	end := min(off+int64(len(dest)), size)
+
+	chunks, err := l.covering(idx, off, end)
+	if err == nil {
+		err = l.fetchInto(dest, off, end, chunks)
+	}
+	if err != nil {
+		l.stats.readErrors.Add(1)
+		if errors.Is(err, errTimeout) {
+			l.stats.readTimeouts.Add(1)
+		}
+		log.G(l.ctx).WithError(err).WithFields(log.Fields{
+			"path":   l.toc.Name(idx),
+			"offset": off,
+			"length": end - off,
+		}).Error("lazyfs: read failed, returning EIO")
+		return 0, syscall.EIO
+	}
+	return int(end - off), 0
+}
+
+// covering returns the chunks of file idx that hold [off, end), checking
+// that they tile the range without gaps: a TOC that does not cover a byte
+// yields an error, never zeros.
+func (l *layer) covering(idx int, off, end int64) ([]layerfmt.Chunk, error) {
+	first := l.toc.ChunkAt(idx, off)
+	if first < 0 {
+		return nil, fmt.Errorf("no chunk holds offset %d of %d-byte file", off, l.toc.Size(idx))
+	}
+	n := l.toc.NumChunks(idx)
+	var out []layerfmt.Chunk
+	for k, pos := first, off; pos < end; k++ {
+		if k >= n {
+			return nil, fmt.Errorf("chunks of file end before offset %d", pos)
+		}
+		c := l.toc.Chunk(idx, k)
+		if c.Size <= 0 || c.FileOffset > pos || c.FileOffset+c.Size <= pos {
+			return nil, fmt.Errorf("chunk %d (file offset %d size %d) does not continue at offset %d", k, c.FileOffset, c.Size, pos)
+		}
+		out = append(out, c)
+		pos = c.FileOffset + c.Size
+	}
+	return out, nil
+}
+
+// fetchInto reads chunks (concurrently when there are several) and copies
+// the window [off, end) of the file into dest, all within one read timeout.
+func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk) error {
+	ctx, cancel := context.WithTimeout(l.ctx, l.opts.readTimeout)
+	defer cancel()
+
+	place := func(c layerfmt.Chunk, data []byte) {
+		lo := max(off, c.FileOffset)
+		hi := min(end, c.FileOffset+c.Size)
+		copy(dest[lo-off:hi-off], data[lo-c.FileOffset:hi-c.FileOffset])
+	}
+	if len(chunks) == 1 {
+		data, err := l.fetch(ctx, chunks[0])
+		if err != nil {
+			return err
+		}
+		place(chunks[0], data)
+		return nil
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(maxParallelChunks)
+	for _, c := range chunks {
+		g.Go(func() error {
+			data, err := l.fetch(gctx, c)
+			if err != nil {
+				return err
+			}
+			// Chunks write disjoint windows of dest.
+			place(c, data)
+			return nil
+		})
+	}
+	return g.Wait()
+}
+
+// fetch calls the chunk source and checks what it returned has the size
+// the TOC promises. The source runs in its own goroutine so that a source
+// that ignores ctx still cannot hold the reader past the timeout; its late
+// result is dropped.
+func (l *layer) fetch(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	type result struct {
+		data []byte
+		err  error
+	}
+	ch := make(chan result, 1)
+	l.stats.chunkReads.Add(1)
+	go func() {
+		defer func() {
+			// A panicking source must not take the daemon (and every
+			// container using its mounts) down.
+			if r := recover(); r != nil {
+				ch <- result{err: fmt.Errorf("chunk source panicked: %v", r)}
+			}
+		}()
+		data, err := l.src.ReadChunk(ctx, c)
+		ch <- result{data, err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			return nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, r.err)
+		}
+		if int64(len(r.data)) != c.Size {
+			return nil, fmt.Errorf("read chunk %s at blob offset %d: got %d bytes, TOC says %d", c.Digest, c.Offset, len(r.data), c.Size)
+		}
+		l.stats.chunkBytes.Add(uint64(len(r.data)))
+		return r.data, nil
+	case <-ctx.Done():
+		err := ctx.Err()
+		if errors.Is(err, context.DeadlineExceeded) {
+			err = fmt.Errorf("%w after %s", errTimeout, l.opts.readTimeout)
+		}
+		return nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, err)
+	}
+}
