@@ -1,0 +1,77 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/containerd/log"
+	"github.com/urfave/cli/v3"
+
+	"github.com/envsnap/envsnap/internal/daemon"
+)
+
+var serveCommand = &cli.Command{
+	Name:  "serve",
+	Usage: "run the lazy snapshotter for containerd (proxy plugin \"envsnap\")",
+	Flags: []cli.Flag{
+		&cli.StringFlag{Name: "config", Value: daemon.DefaultConfigPath, Usage: "TOML configuration file; flags override it"},
+		&cli.StringFlag{Name: "root", Value: daemon.DefaultRoot, Usage: "state directory (snapshots, layer mounts, chunk cache)"},
+		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "unix socket containerd connects to"},
+		&cli.StringFlag{Name: "hosts-dir", Value: daemon.DefaultHostsDir, Usage: "containerd certs.d directory for registry hosts"},
+		&cli.StringFlag{Name: "docker-config", Usage: "docker config.json (or its directory) with registry credentials"},
+		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics, /healthz and /status (off when empty)"},
+		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
+		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
+		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
+		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
+	},
+	Action: runServe,
+}
+
+func init() { commands = append(commands, serveCommand) }
+
+func runServe(ctx context.Context, c *cli.Command) error {
+	cfg, err := daemon.LoadConfig(c.String("config"), c.IsSet("config"))
+	if err != nil {
+		return err
+	}
+	// Flags given explicitly win over the file.
+	set := func(name string, apply func()) {
+		if c.IsSet(name) {
+			apply()
+		}
+	}
+	set("root", func() { cfg.Root = c.String("root") })
+	set("address", func() { cfg.Address = c.String("address") })
+	set("hosts-dir", func() { cfg.HostsDir = c.String("hosts-dir") })
+	set("docker-config", func() { cfg.DockerConfig = c.String("docker-config") })
+	set("metrics-address", func() { cfg.MetricsAddress = c.String("metrics-address") })
+	set("fill", func() { cfg.Fill = c.Bool("fill") })
+	set("read-timeout", func() { cfg.ReadTimeout = daemon.Duration(c.Duration("read-timeout")) })
+	set("log-level", func() { cfg.LogLevel = c.String("log-level") })
+	if c.IsSet("cache-size") {
+		n, err := daemon.ParseSize(c.String("cache-size"))
+		if err != nil {
+			return fmt.Errorf("--cache-size: %w", err)
+		}
+		cfg.CacheSize = daemon.Size(n)
+	}
+	if err := log.SetLevel(cfg.LogLevel); err != nil {
+		return fmt.Errorf("log level: %w", err)
+	}
+	if err := log.SetFormat(log.TextFormat); err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := daemon.Run(ctx, cfg); err != nil {
+		log.G(ctx).WithError(err).Error("containerd-envsnap serve")
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,72 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/envsnap/envsnap/internal/daemon"
+)
+
+var statusCommand = &cli.Command{
+	Name:  "status",
+	Usage: "show the layers a running daemon serves and how much of each is fetched",
+	Flags: []cli.Flag{
+		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "the daemon's gRPC socket, or http://host:port of its metrics address"},
+		&cli.BoolFlag{Name: "json", Usage: "print the raw JSON status"},
+	},
+	Action: func(ctx context.Context, c *cli.Command) error {
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		st, err := daemon.GetStatus(ctx, c.String("address"))
+		if err != nil {
+			return err
+		}
+		if c.Bool("json") {
+			enc := json.NewEncoder(os.Stdout)
+			enc.SetIndent("", "  ")
+			return enc.Encode(st)
+		}
+		w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(w, "LAYER\tSNAPSHOTS\tMOUNTED\tFETCHED\tSIZE\tREF")
+		for _, l := range st.Layers {
+			mounted := "yes"
+			if !l.Mounted {
+				mounted = "no"
+				if l.Error != "" {
+					mounted = "error: " + l.Error
+				}
+			}
+			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, humanSize(l.BlobSize), l.Ref)
+		}
+		if err := w.Flush(); err != nil {
+			return err
+		}
+		cs := st.Cache
+		fmt.Printf("cache: %s of %s in %d chunks (%d pinned), %d hits, %d misses, %d evictions, %d corrupt\n",
+			humanSize(cs.Size), humanSize(cs.MaxBytes), cs.Entries, cs.Pinned, cs.Hits, cs.Misses, cs.Evictions, cs.Corrupt)
+		return nil
+	},
+}
+
+func init() { commands = append(commands, statusCommand) }
+
+func humanSize(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%dB", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f%ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}

@@ -1,0 +1,183 @@
+// Package daemon wires the envsnap node daemon together: configuration, the
+// snapshotter with its lazy layer store, the containerd snapshots gRPC
+// service, and the HTTP endpoints for metrics, health and status.
+package daemon
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+)
+
+// Defaults, all in one place.
+const (
+	DefaultConfigPath  = "/etc/envsnap/config.toml"
+	DefaultRoot        = "/var/lib/containerd-envsnap"
+	DefaultAddress     = "/run/containerd-envsnap/containerd-envsnap.sock"
+	DefaultHostsDir    = "/etc/containerd/certs.d"
+	DefaultCacheSize   = Size(20 << 30)
+	DefaultReadTimeout = Duration(30 * time.Second)
+	DefaultLogLevel    = "info"
+	// StatusSocketSuffix is appended to the gRPC address for the local
+	// HTTP socket that serves /status, /healthz and /metrics, so the
+	// status command finds a daemon from its address alone.
+	StatusSocketSuffix = ".http"
+)
+
+// Config is the daemon configuration (TOML, see config.toml in docs).
+type Config struct {
+	// Root holds snapshots, their metadata, the layer mounts and the cache.
+	Root string `toml:"root"`
+	// Address is the unix socket containerd's proxy plugin connects to.
+	Address string `toml:"address"`
+	// HostsDir is a containerd certs.d tree (hosts.toml per registry).
+	HostsDir string `toml:"hosts_dir"`
+	// DockerConfig is a docker config.json for registry credentials;
+	// empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
+	DockerConfig string `toml:"docker_config"`
+	// MetricsAddress is a TCP address (host:port) for /metrics, /healthz
+	// and /status; empty disables it. The same handlers are always served
+	// on the unix socket Address+StatusSocketSuffix.
+	MetricsAddress string `toml:"metrics_address"`
+	// CacheDir defaults to <Root>/cache.
+	CacheDir string `toml:"cache_dir"`
+	// CacheSize bounds the node chunk cache ("20GiB", "512MiB", bytes).
+	CacheSize Size `toml:"cache_size"`
+	// Fill starts fetching a layer's remaining chunks in the background
+	// as soon as it is mounted.
+	Fill bool `toml:"fill"`
+	// ReadTimeout bounds one FUSE read; a read that cannot be served in
+	// time fails with EIO.
+	ReadTimeout Duration `toml:"read_timeout"`
+	// LogLevel is one of trace, debug, info, warn, error.
+	LogLevel string `toml:"log_level"`
+}
+
+// DefaultConfig returns the configuration used when nothing is set.
+func DefaultConfig() Config {
+	return Config{
+		Root:        DefaultRoot,
+		Address:     DefaultAddress,
+		HostsDir:    DefaultHostsDir,
+		CacheSize:   DefaultCacheSize,
+		Fill:        true,
+		ReadTimeout: DefaultReadTimeout,
+		LogLevel:    DefaultLogLevel,
+	}
+}
+
+// LoadConfig reads path over the defaults. A missing file at the default
+// path is not an error (the daemon runs on defaults and flags); a missing
+// file that was asked for explicitly is.
+func LoadConfig(path string, explicit bool) (Config, error) {
+	cfg := DefaultConfig()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		if os.IsNotExist(err) && !explicit {
+			return cfg, nil
+		}
+		return cfg, fmt.Errorf("read config: %w", err)
+	}
+	d := toml.NewDecoder(strings.NewReader(string(b)))
+	d.DisallowUnknownFields()
+	if err := d.Decode(&cfg); err != nil {
+		return cfg, fmt.Errorf("parse config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// Validate checks the configuration and fills derived defaults.
+func (c *Config) Validate() error {
+	if c.Root == "" || !filepath.IsAbs(c.Root) {
+		return fmt.Errorf("root %q: must be an absolute path", c.Root)
+	}
+	if c.Address == "" {
+		return fmt.Errorf("address must be set")
+	}
+	if c.CacheDir == "" {
+		c.CacheDir = filepath.Join(c.Root, "cache")
+	}
+	if c.CacheSize <= 0 {
+		return fmt.Errorf("cache_size must be positive")
+	}
+	if c.ReadTimeout <= 0 {
+		return fmt.Errorf("read_timeout must be positive")
+	}
+	return nil
+}
+
+// StatusSocket is the local HTTP socket of a daemon serving address.
+func StatusSocket(address string) string { return address + StatusSocketSuffix }
+
+// Size is a byte count written as an integer or with a binary or decimal
+// unit suffix ("10GiB", "500MB").
+type Size int64
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (s *Size) UnmarshalText(b []byte) error {
+	v, err := ParseSize(string(b))
+	if err != nil {
+		return err
+	}
+	*s = Size(v)
+	return nil
+}
+
+// String formats s in the largest binary unit that divides it.
+func (s Size) String() string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	v, i := int64(s), 0
+	for i < len(units)-1 && v != 0 && v%1024 == 0 {
+		v /= 1024
+		i++
+	}
+	return strconv.FormatInt(v, 10) + units[i]
+}
+
+// ParseSize parses "1048576", "512MiB", "20GiB", "1.5GB".
+func ParseSize(s string) (int64, error) {
+	s = strings.TrimSpace(s)
+	mult := []struct {
+		suffix string
+		n      float64
+	}{
+		{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40},
+		{"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+		{"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}, {"T", 1 << 40}, {"B", 1},
+	}
+	for _, m := range mult {
+		if num, ok := strings.CutSuffix(s, m.suffix); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(num), 64)
+			if err != nil || f < 0 {
+				return 0, fmt.Errorf("invalid size %q", s)
+			}
+			return int64(f * m.n), nil
+		}
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("invalid size %q", s)
+	}
+	return n, nil
+}
+
+// Duration is a time.Duration written as a Go duration string ("30s").
+type Duration time.Duration
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("invalid duration %q: %w", b, err)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// String formats d like time.Duration.
+func (d Duration) String() string { return time.Duration(d).String() }

@@ -1,0 +1,87 @@
+package daemon
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+func TestLoadConfig(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name    string
+		toml    string
+		want    func(Config) bool
+		wantErr bool
+	}{
+		{"empty file keeps defaults", "", func(c Config) bool { return c == DefaultConfig() }, false},
+		{"all fields", `
+root = "/srv/envsnap"
+address = "/run/x.sock"
+hosts_dir = "/etc/hosts.d"
+docker_config = "/root/.docker"
+metrics_address = "127.0.0.1:9111"
+cache_dir = "/cache"
+cache_size = "512MiB"
+fill = false
+read_timeout = "5s"
+log_level = "debug"
+`, func(c Config) bool {
+			return c.Root == "/srv/envsnap" && c.Address == "/run/x.sock" && c.HostsDir == "/etc/hosts.d" &&
+				c.DockerConfig == "/root/.docker" && c.MetricsAddress == "127.0.0.1:9111" && c.CacheDir == "/cache" &&
+				c.CacheSize == 512<<20 && !c.Fill && time.Duration(c.ReadTimeout) == 5*time.Second && c.LogLevel == "debug"
+		}, false},
+		{"unknown field", `cache_sise = "1GiB"`, nil, true},
+		{"bad size", `cache_size = "lots"`, nil, true},
+		{"bad duration", `read_timeout = "soon"`, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := filepath.Join(dir, tc.name+".toml")
+			if err := os.WriteFile(p, []byte(tc.toml), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			c, err := LoadConfig(p, true)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tc.wantErr)
+			}
+			if err == nil && !tc.want(c) {
+				t.Fatalf("config %+v", c)
+			}
+		})
+	}
+	if _, err := LoadConfig(filepath.Join(dir, "missing.toml"), false); err != nil {
+		t.Errorf("missing default config: %v", err)
+	}
+	if _, err := LoadConfig(filepath.Join(dir, "missing.toml"), true); err == nil {
+		t.Error("missing explicit config accepted")
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+		bad  bool
+	}{
+		{"1048576", 1 << 20, false},
+		{"20GiB", 20 << 30, false},
+		{"1.5GB", 1500000000, false},
+		{"64M", 64 << 20, false},
+		{"7B", 7, false},
+		{"-1", 0, true},
+		{"GiB", 0, true},
+		{"12 apples", 0, true},
+	} {
+		got, err := ParseSize(tc.in)
+		if (err != nil) != tc.bad || got != tc.want {
+			t.Errorf("ParseSize(%q) = %d, %v", tc.in, got, err)
+		}
+	}
+	if s := Size(20 << 30).String(); s != "20GiB" {
+		t.Errorf("Size.String = %q", s)
+	}
+	if n, _ := ParseSize(DefaultCacheSize.String()); n != int64(DefaultCacheSize) {
+		t.Errorf("default cache size does not round-trip")
+	}
+}

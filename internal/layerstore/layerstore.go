@@ -1,0 +1,276 @@
+//go:build linux
+
+// Package layerstore is the data plane behind the snapshotter: it turns the
+// labels of a remote snapshot (image ref, manifest digest, layer digest) into
+// a lazily fetched FUSE mount of that layer.
+//
+// Trust chain: the manifest is fetched by the digest containerd resolved and
+// verified against it; the layer descriptor in it carries the TOC digest
+// (layerfmt.AnnotationTOCDigest), against which the TOC read from the blob's
+// tail is verified; the TOC holds the digest of every chunk, verified on
+// every fetch. Nothing unverified is ever served.
+package layerstore
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/fetch"
+	"github.com/envsnap/envsnap/internal/lazyfs"
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/snapshotter"
+)
+
+// Defaults, all in one place.
+const (
+	// DefaultReadTimeout bounds one FUSE read.
+	DefaultReadTimeout = lazyfs.DefaultReadTimeout
+	// manifestCacheEntries bounds the parsed manifests kept in memory: an
+	// image's layers arrive as consecutive Prepares, each needing the same
+	// manifest, so a handful is enough.
+	manifestCacheEntries = 32
+	// fuseSuperMagic is the f_type statfs reports for FUSE mounts.
+	fuseSuperMagic = 0x65735546
+)
+
+// Config configures a Store.
+type Config struct {
+	// Hosts resolves registries; required. See registry.ConfigureHosts.
+	Hosts docker.RegistryHosts
+	// Cache is the node chunk cache; required.
+	Cache *chunkcache.Cache
+	// Fill fetches every chunk of a layer in the background once mounted.
+	Fill bool
+	// ReadTimeout bounds one FUSE read (DefaultReadTimeout when zero).
+	ReadTimeout time.Duration
+	// Registerer receives per-layer FUSE metrics; may be nil.
+	Registerer prometheus.Registerer
+	// FetchMetrics records registry and cache traffic; may be nil.
+	FetchMetrics *fetch.Metrics
+}
+
+// Store implements snapshotter.FileSystem.
+type Store struct {
+	cfg Config
+
+	mu        sync.Mutex
+	mounts    map[string]*mounted // by mountpoint
+	manifests map[digest.Digest]*ocispec.Manifest
+	mfOrder   []digest.Digest
+}
+
+type mounted struct {
+	ref    string
+	desc   ocispec.Descriptor
+	layer  *fetch.Layer
+	srv    *lazyfs.Server
+	cancel context.CancelFunc // stops the background fill
+}
+
+var _ snapshotter.FileSystem = (*Store)(nil)
+
+// New returns a Store.
+func New(cfg Config) (*Store, error) {
+	if cfg.Hosts == nil || cfg.Cache == nil {
+		return nil, errors.New("layerstore: Hosts and Cache are required")
+	}
+	if cfg.ReadTimeout <= 0 {
+		cfg.ReadTimeout = DefaultReadTimeout
+	}
+	return &Store{
+		cfg:       cfg,
+		mounts:    make(map[string]*mounted),
+		manifests: make(map[digest.Digest]*ocispec.Manifest),
+	}, nil
+}
+
+// Mount makes the layer named by labels readable at mountpoint. Layers
+// without our TOC annotation fail with errdefs.ErrNotImplemented.
+func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]string) (retErr error) {
+	ref := labels[snapshotter.LabelImageRef]
+	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
+	if err != nil {
+		return fmt.Errorf("manifest digest label: %w", err)
+	}
+	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
+	if err != nil {
+		return fmt.Errorf("layer digest label: %w", err)
+	}
+	s.mu.Lock()
+	_, busy := s.mounts[mountpoint]
+	s.mu.Unlock()
+	if busy {
+		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, errdefs.ErrAlreadyExists)
+	}
+
+	mf, err := s.manifest(ctx, ref, mdgst)
+	if err != nil {
+		return err
+	}
+	desc, ok := findLayer(mf, ldgst)
+	if !ok {
+		return fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
+	}
+	tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
+	if err != nil {
+		return fmt.Errorf("layer %s has no valid %s annotation: %w: %w", ldgst, layerfmt.AnnotationTOCDigest, layerfmt.ErrNotLayer, errdefs.ErrNotImplemented)
+	}
+
+	blob, err := fetch.NewBlobReader(s.cfg.Hosts, ref, desc, fetch.WithRequestMetrics(s.cfg.FetchMetrics))
+	if err != nil {
+		return fmt.Errorf("open blob %s of %s: %w", ldgst, ref, err)
+	}
+	toc, err := layerfmt.ReadTOC(ctx, blob.ReaderAt(ctx), desc.Size, tocDigest)
+	if err != nil {
+		return fmt.Errorf("read TOC of layer %s: %w", ldgst, err)
+	}
+	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
+		fetch.WithFill(s.cfg.Fill),
+		fetch.WithReadTimeout(s.cfg.ReadTimeout),
+		fetch.WithMetrics(s.cfg.FetchMetrics))
+	defer func() {
+		if retErr != nil {
+			layer.Close()
+		}
+	}()
+	opts := []lazyfs.Option{
+		lazyfs.WithReadTimeout(s.cfg.ReadTimeout),
+		lazyfs.WithFSName(ldgst.String()),
+	}
+	if s.cfg.Registerer != nil {
+		opts = append(opts, lazyfs.WithMetrics(s.cfg.Registerer, ldgst.String()))
+	}
+	// The mount outlives the Prepare that created it: log with the
+	// daemon's fields, not the request's cancellation.
+	srv, err := lazyfs.Mount(context.WithoutCancel(ctx), mountpoint, toc, layer, opts...)
+	if err != nil {
+		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
+	}
+	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
+	layer.StartFill(fillCtx) // a no-op unless Fill
+
+	s.mu.Lock()
+	s.mounts[mountpoint] = m
+	s.mu.Unlock()
+	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).Info("mounted lazy layer")
+	return nil
+}
+
+// manifest fetches (or recalls) the manifest dgst of ref, verified by digest.
+func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*ocispec.Manifest, error) {
+	s.mu.Lock()
+	mf, ok := s.manifests[dgst]
+	s.mu.Unlock()
+	if ok {
+		return mf, nil
+	}
+	b, err := fetch.FetchManifest(ctx, s.cfg.Hosts, ref, dgst)
+	if err != nil {
+		return nil, fmt.Errorf("fetch manifest %s of %s: %w", dgst, ref, err)
+	}
+	mf = new(ocispec.Manifest)
+	if err := json.Unmarshal(b, mf); err != nil {
+		return nil, fmt.Errorf("decode manifest %s of %s: %w", dgst, ref, err)
+	}
+	if !images.IsManifestType(mf.MediaType) && mf.MediaType != "" {
+		return nil, fmt.Errorf("%s of %s is a %s, not an image manifest: %w", dgst, ref, mf.MediaType, errdefs.ErrNotImplemented)
+	}
+	s.mu.Lock()
+	if _, ok := s.manifests[dgst]; !ok {
+		s.manifests[dgst] = mf
+		s.mfOrder = append(s.mfOrder, dgst)
+		if len(s.mfOrder) > manifestCacheEntries {
+			delete(s.manifests, s.mfOrder[0])
+			s.mfOrder = s.mfOrder[1:]
+		}
+	}
+	s.mu.Unlock()
+	return mf, nil
+}
+
+func findLayer(mf *ocispec.Manifest, d digest.Digest) (ocispec.Descriptor, bool) {
+	for _, l := range mf.Layers {
+		if l.Digest == d {
+			return l, true
+		}
+	}
+	return ocispec.Descriptor{}, false
+}
+
+// Check reports whether mountpoint is still a live FUSE mount of ours. A
+// mount whose server died answers statfs with ENOTCONN.
+func (s *Store) Check(ctx context.Context, mountpoint string, labels map[string]string) error {
+	s.mu.Lock()
+	_, ok := s.mounts[mountpoint]
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("no layer mounted at %s: %w", mountpoint, errdefs.ErrNotFound)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(mountpoint, &st); err != nil {
+		return fmt.Errorf("statfs %s: %w", mountpoint, err)
+	}
+	if st.Type != fuseSuperMagic {
+		return fmt.Errorf("%s is not a FUSE mount (f_type %#x)", mountpoint, st.Type)
+	}
+	return nil
+}
+
+// Unmount stops the layer's background fill and unmounts it. It fails (and
+// keeps the layer) while the mount is busy.
+func (s *Store) Unmount(ctx context.Context, mountpoint string) error {
+	s.mu.Lock()
+	m, ok := s.mounts[mountpoint]
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("no layer mounted at %s: %w", mountpoint, errdefs.ErrNotFound)
+	}
+	if err := m.srv.Unmount(); err != nil {
+		return fmt.Errorf("unmount layer %s: %w", m.desc.Digest, err)
+	}
+	m.cancel()
+	m.layer.Close()
+	s.mu.Lock()
+	delete(s.mounts, mountpoint)
+	s.mu.Unlock()
+	return nil
+}
+
+// LayerStatus describes one mounted layer.
+type LayerStatus struct {
+	Mountpoint string
+	Ref        string
+	Digest     digest.Digest
+	BlobSize   int64
+	// CachedBytes of TotalBytes (compressed bytes of the layer's chunks)
+	// are in the node cache.
+	CachedBytes, TotalBytes int64
+}
+
+// Status reports every mounted layer, keyed by mountpoint.
+func (s *Store) Status() map[string]LayerStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]LayerStatus, len(s.mounts))
+	for mp, m := range s.mounts {
+		ls := LayerStatus{Mountpoint: mp, Ref: m.ref, Digest: m.desc.Digest, BlobSize: m.desc.Size}
+		ls.CachedBytes, ls.TotalBytes = m.layer.Progress()
+		out[mp] = ls
+	}
+	return out
+}

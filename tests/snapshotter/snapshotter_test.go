@@ -1,0 +1,331 @@
+// Package snapshotter_test runs containerd against the envsnap daemon:
+// converted images are served lazily, plain images unpack normally, corrupt
+// chunks fail loudly, and nothing stays mounted.
+package snapshotter_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/images"
+	timage "github.com/containerd/containerd/v2/core/transfer/image"
+	tregistry "github.com/containerd/containerd/v2/core/transfer/registry"
+	"github.com/containerd/platforms"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// lazyImage is a converted image pushed to the harness registry.
+type lazyImage struct {
+	testenv.Image
+	Results []*layerfmt.WriteResult // per layer, lowest first
+}
+
+// pushLazyImage builds busybox plus files, converts every layer to the
+// envsnap format and pushes the image as name.
+func pushLazyImage(t testing.TB, env *testenv.Env, name string, files []testenv.File, cmd ...string) lazyImage {
+	t.Helper()
+	ctx := env.Context()
+	bb, err := testenv.BusyboxFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tars [][]byte
+	for _, fs := range [][]testenv.File{bb, files} {
+		if len(fs) == 0 {
+			continue
+		}
+		tb, err := testenv.LayerTar(fs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tars = append(tars, tb)
+	}
+	img := lazyImage{Image: testenv.Image{Ref: env.Registry.Host + "/" + name}}
+	cfg := ocispec.Image{
+		Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
+		RootFS:   ocispec.RootFS{Type: "layers"},
+		Config: ocispec.ImageConfig{
+			Cmd: cmd,
+			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		},
+	}
+	for _, tb := range tars {
+		var blob bytes.Buffer
+		res, err := layerfmt.Convert(ctx, &blob, bytes.NewReader(tb))
+		if err != nil {
+			t.Fatalf("convert layer: %v", err)
+		}
+		desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()}
+		writeBlob(t, env, desc, blob.Bytes())
+		img.Layers = append(img.Layers, desc)
+		img.Results = append(img.Results, res)
+		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, res.DiffID)
+	}
+	img.Config = writeJSON(t, env, ocispec.MediaTypeImageConfig, cfg)
+	img.Manifest = writeJSON(t, env, ocispec.MediaTypeImageManifest, ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    img.Config,
+		Layers:    img.Layers,
+	})
+	if err := env.Push(ctx, img.Ref, img.Manifest); err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+func writeBlob(t testing.TB, env *testenv.Env, desc ocispec.Descriptor, b []byte) {
+	t.Helper()
+	if err := content.WriteBlob(env.Context(), env.ContentStore, desc.Digest.String(), bytes.NewReader(b), desc); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func writeJSON(t testing.TB, env *testenv.Env, mediaType string, v any) ocispec.Descriptor {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
+	writeBlob(t, env, desc, b)
+	return desc
+}
+
+// transferPull pulls ref the way `ctr images pull --snapshotter envsnap`
+// does: through containerd's transfer service.
+func transferPull(t testing.TB, env *testenv.Env, ref string) client.Image {
+	t.Helper()
+	ctx := env.Context()
+	reg, err := tregistry.NewOCIRegistry(ctx, ref, tregistry.WithHostDir(env.HostsDir), tregistry.WithDefaultScheme("http"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := platforms.DefaultSpec()
+	is := timage.NewStore(ref, timage.WithPlatforms(p), timage.WithUnpack(p, "envsnap"))
+	if err := env.Client.Transfer(ctx, reg, is); err != nil {
+		t.Fatalf("transfer pull %s: %v", ref, err)
+	}
+	img, err := env.Client.GetImage(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+func layerBytes(img lazyImage) int64 {
+	var n int64
+	for _, l := range img.Layers {
+		n += l.Size
+	}
+	return n
+}
+
+func servedForLayers(env *testenv.Env, img lazyImage) int64 {
+	var n int64
+	for _, l := range img.Layers {
+		n += env.Registry.BlobBytesServedFor(l.Digest.String())
+	}
+	return n
+}
+
+func envsnapStatus(t testing.TB, env *testenv.Env) daemon.Status {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := daemon.GetStatus(ctx, env.SnapshotterSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// removeImage deletes the image and lets containerd's GC remove its
+// snapshots (which unmounts the lazy layers).
+func removeImage(t testing.TB, env *testenv.Env, ref string) {
+	t.Helper()
+	if err := env.Client.ImageService().Delete(env.Context(), ref, images.SynchronousDelete()); err != nil {
+		t.Fatalf("delete image %s: %v", ref, err)
+	}
+}
+
+// waitNoLayers waits for containerd's garbage collector to have removed the
+// snapshots, and with them the daemon's layer mounts.
+func waitNoLayers(t testing.TB, env *testenv.Env) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		st := envsnapStatus(t, env)
+		if len(st.Layers) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("layers still mounted after removing the image: %+v", st.Layers)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func TestLazyPullRun(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		pull func(testing.TB, *testenv.Env, string) client.Image
+	}{
+		{"client.Pull", func(t testing.TB, env *testenv.Env, ref string) client.Image { return env.Pull(t, ref, "envsnap") }},
+		{"transfer", transferPull},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := testenv.New(t, testenv.WithEnvsnap("--fill=false"))
+			big := testenv.RandomFile("/data/big.bin", 64<<20, 7)
+			img := pushLazyImage(t, env, "lazy/app:1", []testenv.File{big}, "/bin/echo", "hello from a lazy layer")
+			env.Registry.ResetCounters()
+
+			image := tc.pull(t, env, img.Ref)
+			res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap"})
+			served := servedForLayers(env, img)
+			total := layerBytes(img)
+			if res.ExitCode != 0 || strings.TrimSpace(res.Stdout) != "hello from a lazy layer" {
+				t.Fatalf("container: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
+			}
+			t.Logf("first output after %d of %d layer bytes (%.2f%%)", served, total, 100*float64(served)/float64(total))
+			if served*20 >= total {
+				t.Fatalf("fetched %d of %d layer bytes before first output, want < 5%%", served, total)
+			}
+
+			st := envsnapStatus(t, env)
+			if len(st.Layers) != len(img.Layers) {
+				t.Fatalf("daemon serves %d layers, want %d: %+v", len(st.Layers), len(img.Layers), st.Layers)
+			}
+			for _, l := range st.Layers {
+				if !l.Mounted {
+					t.Errorf("layer %s not mounted: %s", l.Digest, l.Error)
+				}
+			}
+
+			res = env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", big.Path}})
+			if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, big.Digest().Encoded()) {
+				t.Fatalf("sha256sum: exit %d stdout %q stderr %q, want %s", res.ExitCode, res.Stdout, res.Stderr, big.Digest().Encoded())
+			}
+
+			out, err := exec.Command(testenv.Binary(t, "containerd-envsnap"), "status", "--address", env.SnapshotterSocket).CombinedOutput()
+			if err != nil {
+				t.Fatalf("status: %v\n%s", err, out)
+			}
+			t.Logf("containerd-envsnap status:\n%s", out)
+			if !strings.Contains(string(out), img.Layers[1].Digest.Encoded()[:12]) || !strings.Contains(string(out), "100.0%") {
+				t.Errorf("status does not show the fully read data layer:\n%s", out)
+			}
+
+			removeImage(t, env, img.Ref)
+			waitNoLayers(t, env)
+			if mps := testenv.MountsBelow(env.EnvsnapRoot); len(mps) != 0 {
+				t.Errorf("mounts left below %s: %v", env.EnvsnapRoot, mps)
+			}
+		})
+	}
+}
+
+// TestPlainImage: an image in an ordinary format unpacks normally under the
+// envsnap snapshotter.
+func TestPlainImage(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap())
+	img := env.PushImage(t, "plain/app:1", []testenv.File{{Path: "/etc/greeting", Data: []byte("plain layers work\n")}},
+		testenv.WithCmd("/bin/cat", "/etc/greeting"))
+	image := env.Pull(t, img.Ref, "envsnap")
+	res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap"})
+	if res.ExitCode != 0 || res.Stdout != "plain layers work\n" {
+		t.Fatalf("container: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
+	}
+	if st := envsnapStatus(t, env); len(st.Layers) != 0 {
+		t.Fatalf("plain layers were mounted lazily: %+v", st.Layers)
+	}
+}
+
+// TestCorruptChunk: a chunk whose bytes in the registry do not match the
+// TOC is never served: the read fails with EIO and the daemon logs the
+// mismatch.
+func TestCorruptChunk(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap("--fill=false", "--read-timeout=20s"))
+	f := testenv.RandomFile("/data/f.bin", 8<<20, 3)
+	img := pushLazyImage(t, env, "lazy/corrupt:1", []testenv.File{f}, "/bin/true")
+
+	// Flip one byte in the middle of the file's first chunk, in the
+	// registry's own storage.
+	layer := img.Layers[1]
+	blob, err := os.ReadFile(env.Registry.BlobPath(layer.Digest.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := layerfmt.NewReader(bytes.NewReader(blob), int64(len(blob)), img.Results[1].TOCDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, ok := r.TOC().Lookup("data/f.bin")
+	if !ok {
+		t.Fatal("data/f.bin not in TOC")
+	}
+	c := r.TOC().Chunks(idx)[0]
+	off := c.Offset + c.CompressedSize/2
+	blob[off] ^= 0xff
+	if err := os.WriteFile(env.Registry.BlobPath(layer.Digest.String()), blob, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	image := env.Pull(t, img.Ref, "envsnap")
+	res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"cat", f.Path}})
+	if res.ExitCode == 0 {
+		t.Fatalf("reading a corrupt chunk succeeded (%d bytes)", len(res.Stdout))
+	}
+	if !strings.Contains(res.Stderr, "I/O error") {
+		t.Errorf("cat stderr %q, want an I/O error", res.Stderr)
+	}
+	if !env.Envsnap.LogContains(c.Digest.String()) || !env.Envsnap.LogContains("mismatch") {
+		t.Errorf("daemon log does not name the mismatching chunk %s:\n%s", c.Digest, env.Envsnap.LogTail(30))
+	}
+}
+
+// TestRestart: a stopped daemon unmounts its layers; a restarted one
+// remounts them from its metadata and serves the same image again.
+func TestRestart(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap())
+	f := testenv.RandomFile("/data/f.bin", 4<<20, 5)
+	img := pushLazyImage(t, env, "lazy/restart:1", []testenv.File{f}, "/bin/true")
+	image := env.Pull(t, img.Ref, "envsnap")
+	if st := envsnapStatus(t, env); len(st.Layers) != 2 {
+		t.Fatalf("layers before restart: %+v", st.Layers)
+	}
+
+	env.Envsnap.Stop(20 * time.Second)
+	if mps := testenv.MountsBelow(env.EnvsnapRoot); len(mps) != 0 {
+		t.Fatalf("mounts left after a clean shutdown: %v", mps)
+	}
+	env.StartEnvsnap(t)
+	st := envsnapStatus(t, env)
+	if len(st.Layers) != 2 {
+		t.Fatalf("layers after restart: %+v", st.Layers)
+	}
+	for _, l := range st.Layers {
+		if !l.Mounted || l.Snapshots != 1 {
+			t.Errorf("restored layer %+v", l)
+		}
+	}
+	res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", f.Path}})
+	if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, f.Digest().Encoded()) {
+		t.Fatalf("after restart: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
+	}
+}
