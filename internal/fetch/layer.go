@@ -1,0 +1,710 @@
+package fetch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/opencontainers/go-digest"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// Defaults of a Layer. The coalescing numbers come from the link we are
+// measured on (DESIGN.md: 1 Gbit/s, 20 ms round trip): one round trip is
+// worth ~2.5 MB of transfer, so fetching a few hundred KiB of bytes nobody
+// asked for costs less than one extra request, and the measured failure
+// mode was ~440 serial 50 kB requests.
+const (
+	DefaultReadTimeout = 30 * time.Second
+	// DefaultReadAhead is how many compressed bytes of following chunks
+	// (next chunks of the same file, then the next files in the blob) a
+	// foreground miss fetches in the same request: 1 MiB costs ~8 ms at
+	// 1 Gbit/s, less than half a round trip.
+	DefaultReadAhead = 1 << 20
+	// DefaultMaxGap is the largest hole (bytes of no chunk we want: tar
+	// headers, cached chunks are never bridged) coalesced into one request.
+	DefaultMaxGap = 256 << 10
+	// DefaultFillBatch and DefaultFillParallel shape the background fill:
+	// large requests keep per-request overhead negligible, a few in
+	// parallel fill a long fat pipe without starving foreground reads.
+	DefaultFillBatch    = 8 << 20
+	DefaultFillParallel = 3
+	// DefaultWholeBlobMax: when a registry ignores Range, every read costs
+	// the whole blob anyway, so for blobs up to this size the first miss
+	// caches every chunk it carried.
+	DefaultWholeBlobMax = 256 << 20
+	// fillGap is the largest hole bridged inside a fill batch: the fill
+	// wants nearly everything, holes are only tar headers and chunks
+	// already cached.
+	fillGap = 1 << 20
+	// fillAbortAfter consecutive failed fill batches stop the fill; reads
+	// keep working on demand.
+	fillAbortAfter = 3
+)
+
+// LayerOption configures a Layer.
+type LayerOption func(*layerOptions)
+
+type layerOptions struct {
+	readTimeout  time.Duration
+	fillRate     int64
+	fill         bool
+	metrics      *Metrics
+	readAhead    int64
+	maxGap       int64
+	fillBatch    int64
+	fillParallel int
+	wholeBlobMax int64
+}
+
+// WithReadTimeout bounds one ReadChunk, retries included (default
+// DefaultReadTimeout). Past it the read fails and FUSE returns EIO.
+func WithReadTimeout(d time.Duration) LayerOption {
+	return func(o *layerOptions) { o.readTimeout = d }
+}
+
+// WithFillRate limits the background fill to bytesPerSec of compressed
+// data (0, the default, is unlimited).
+func WithFillRate(bytesPerSec int64) LayerOption {
+	return func(o *layerOptions) { o.fillRate = bytesPerSec }
+}
+
+// WithFill enables (default) or disables the background fill; with false,
+// StartFill does nothing.
+func WithFill(enabled bool) LayerOption { return func(o *layerOptions) { o.fill = enabled } }
+
+// WithMetrics records the layer's traffic and fill progress.
+func WithMetrics(m *Metrics) LayerOption { return func(o *layerOptions) { o.metrics = m } }
+
+// WithReadAhead sets the compressed bytes of following chunks fetched with a
+// foreground miss (default DefaultReadAhead; 0 disables read-ahead).
+func WithReadAhead(n int64) LayerOption { return func(o *layerOptions) { o.readAhead = n } }
+
+// WithMaxGap sets the largest hole coalesced into one foreground request
+// (default DefaultMaxGap).
+func WithMaxGap(n int64) LayerOption { return func(o *layerOptions) { o.maxGap = n } }
+
+// WithFillBatch sets the size of background fill requests and how many run
+// in parallel (defaults DefaultFillBatch, DefaultFillParallel).
+func WithFillBatch(size int64, parallel int) LayerOption {
+	return func(o *layerOptions) { o.fillBatch, o.fillParallel = size, max(parallel, 1) }
+}
+
+// span is one chunk's place in the blob; the Chunk itself (with its digest)
+// is read back from the TOC when needed, which keeps a mounted layer's index
+// at 24 bytes per chunk.
+type span struct {
+	off, csize int64
+	entry, k   int32
+}
+
+// Layer serves verified, decompressed chunks of one lazy layer: node cache
+// first, then the registry. It is safe for concurrent use.
+type Layer struct {
+	blob  *BlobReader
+	toc   *layerfmt.TOC
+	cache *chunkcache.Cache
+	o     layerOptions
+	label string // layer digest, the metrics label
+	owner string // pin owner, unique per Layer
+
+	spans []span // sorted by offset, one per distinct offset
+	// canon maps a span to the first span with the same digest (identical
+	// chunks within one layer are fetched and counted once); nil when the
+	// layer has no duplicates.
+	canon      []int32
+	totalBytes int64
+
+	cachedBytes atomic.Int64
+	waiting     atomic.Int32 // foreground reads waiting on the network
+	fillStarted atomic.Bool
+	lastFullLog atomic.Int64
+
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu       sync.Mutex
+	closed   bool
+	cached   []bool // by canonical span index
+	inflight map[digest.Digest]*flight
+}
+
+var layerSeq atomic.Uint64
+
+// NewLayer prepares serving the layer read by blob and described by toc
+// (verified by the caller against the manifest's TOC digest). It pins all
+// the layer's chunks in cache until Close.
+func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts ...LayerOption) *Layer {
+	o := layerOptions{
+		readTimeout:  DefaultReadTimeout,
+		fill:         true,
+		readAhead:    DefaultReadAhead,
+		maxGap:       DefaultMaxGap,
+		fillBatch:    DefaultFillBatch,
+		fillParallel: DefaultFillParallel,
+		wholeBlobMax: DefaultWholeBlobMax,
+	}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &Layer{
+		blob:     blob,
+		toc:      toc,
+		cache:    cache,
+		o:        o,
+		label:    blob.Descriptor().Digest.String(),
+		ctx:      ctx,
+		cancel:   cancel,
+		inflight: map[digest.Digest]*flight{},
+	}
+	l.owner = fmt.Sprintf("%s#%d", l.label, layerSeq.Add(1))
+
+	for i := 0; i < toc.Len(); i++ {
+		for k := range toc.NumChunks(i) {
+			c := toc.Chunk(i, k)
+			l.spans = append(l.spans, span{off: c.Offset, csize: c.CompressedSize, entry: int32(i), k: int32(k)})
+		}
+	}
+	sort.Slice(l.spans, func(a, b int) bool { return l.spans[a].off < l.spans[b].off })
+	l.spans = compactSpans(l.spans)
+
+	first := make(map[digest.Digest]int32, len(l.spans))
+	pins := make([]digest.Digest, 0, len(l.spans))
+	var canon []int32
+	for j := range l.spans {
+		d := l.chunk(j).Digest
+		if f, dup := first[d]; dup {
+			if canon == nil {
+				canon = make([]int32, len(l.spans))
+				for x := range canon {
+					canon[x] = int32(x)
+				}
+			}
+			canon[j] = f
+			continue
+		}
+		first[d] = int32(j)
+		pins = append(pins, d)
+		l.totalBytes += l.spans[j].csize
+	}
+	l.canon = canon
+	l.cached = make([]bool, len(l.spans))
+	cache.Pin(l.owner, pins)
+	for _, d := range pins {
+		if cache.Contains(d) {
+			j := first[d]
+			l.cached[j] = true
+			l.cachedBytes.Add(l.spans[j].csize)
+		}
+	}
+	if m := o.metrics; m != nil {
+		m.fillTotal.WithLabelValues(l.label).Set(float64(l.totalBytes))
+		m.fillCached.WithLabelValues(l.label).Set(float64(l.cachedBytes.Load()))
+	}
+	return l
+}
+
+func compactSpans(s []span) []span {
+	out := s[:0]
+	for _, x := range s {
+		if len(out) > 0 && out[len(out)-1].off == x.off {
+			continue // hard links share their target's chunks
+		}
+		out = append(out, x)
+	}
+	return out
+}
+
+func (l *Layer) chunk(j int) layerfmt.Chunk {
+	s := l.spans[j]
+	return l.toc.Chunk(int(s.entry), int(s.k))
+}
+
+func (l *Layer) canonical(j int) int {
+	if l.canon == nil {
+		return j
+	}
+	return int(l.canon[j])
+}
+
+// find returns the span index of c, or -1 if c is not a chunk of this layer.
+func (l *Layer) find(c layerfmt.Chunk) int {
+	j := sort.Search(len(l.spans), func(x int) bool { return l.spans[x].off >= c.Offset })
+	if j < len(l.spans) && l.spans[j].off == c.Offset && l.spans[j].csize == c.CompressedSize {
+		return j
+	}
+	return -1
+}
+
+// flight is one registry request for a set of chunks; readers of any of
+// them wait for it instead of sending their own (singleflight by digest).
+type flight struct {
+	done   chan struct{}
+	data   map[digest.Digest][]byte
+	errs   map[digest.Digest]error
+	putErr error
+}
+
+func (f *flight) result(d digest.Digest) ([]byte, error) {
+	if err, ok := f.errs[d]; ok {
+		return nil, err
+	}
+	b, ok := f.data[d]
+	if !ok {
+		return nil, fmt.Errorf("chunk %s missing from its fetch: %w", d, errdefs.ErrUnknown)
+	}
+	return b, nil
+}
+
+var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
+
+// ReadChunk returns the decompressed bytes of chunk c, verified against its
+// digest. It is what the FUSE filesystem calls on a read. A miss fetches c
+// together with following uncached chunks in one request (read-ahead).
+func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
+	defer cancel()
+	if b, ok := l.cache.Get(c.Digest); ok {
+		out, err := layerfmt.DecodeChunk(c, b, nil)
+		if err != nil {
+			return nil, fmt.Errorf("decode cached chunk %s at offset %d: %w", c.Digest, c.Offset, err)
+		}
+		if j := l.find(c); j >= 0 {
+			l.markCached(j)
+		}
+		if m := l.o.metrics; m != nil {
+			m.cacheBytes.WithLabelValues(l.label).Add(float64(len(b)))
+		}
+		return out, nil
+	}
+
+	l.waiting.Add(1)
+	defer l.waiting.Add(-1)
+	for {
+		f := l.join(ctx, c)
+		select {
+		case <-f.done:
+		case <-ctx.Done():
+			err := fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, ctx.Err())
+			log.G(ctx).WithError(err).Error("lazy read failed")
+			return nil, err
+		}
+		b, err := f.result(c.Digest)
+		if err != nil {
+			// A fetch started by someone with less time (or a cancelled
+			// fill batch) gave up; if we still have time, fetch again.
+			if (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) &&
+				l.ctx.Err() == nil && timeLeft(ctx) > 2*margin(l.o.readTimeout) {
+				continue
+			}
+			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
+			log.G(ctx).WithError(err).Error("lazy read failed")
+			return nil, err
+		}
+		out, err := layerfmt.DecodeChunk(c, b, nil)
+		if err != nil {
+			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
+			log.G(ctx).WithError(err).Error("lazy read failed")
+			return nil, err
+		}
+		return out, nil
+	}
+}
+
+func timeLeft(ctx context.Context) time.Duration {
+	d, ok := ctx.Deadline()
+	if !ok {
+		return time.Hour
+	}
+	return time.Until(d)
+}
+
+// margin is how much earlier than the reader's deadline its fetch gives up,
+// so the reader receives the fetch's reason (the registry error) rather
+// than a bare "deadline exceeded".
+func margin(budget time.Duration) time.Duration {
+	return min(budget/20, 100*time.Millisecond)
+}
+
+// join returns the flight that will deliver c, starting one if none is in
+// progress.
+func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if f, ok := l.inflight[c.Digest]; ok {
+		return f
+	}
+	if l.closed {
+		f := &flight{done: make(chan struct{}), errs: map[digest.Digest]error{c.Digest: errClosed}}
+		close(f.done)
+		return f
+	}
+	chunks := l.planLocked(c)
+	f := l.registerLocked(chunks)
+	deadline := time.Now().Add(l.o.readTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	deadline = deadline.Add(-margin(l.o.readTimeout))
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		// Detached from the reader's cancellation: other readers may be
+		// waiting on this fetch, and its result is cached either way.
+		ctx, cancel := context.WithDeadline(log.WithLogger(l.ctx, log.G(ctx)), deadline)
+		defer cancel()
+		l.run(ctx, f, chunks, "read")
+	}()
+	return f
+}
+
+func (l *Layer) registerLocked(chunks []layerfmt.Chunk) *flight {
+	f := &flight{done: make(chan struct{}), data: map[digest.Digest][]byte{}, errs: map[digest.Digest]error{}}
+	for _, c := range chunks {
+		l.inflight[c.Digest] = f
+	}
+	return f
+}
+
+// planLocked chooses the chunks to fetch with c: following chunks that are
+// neither cached nor being fetched, while the holes between them stay small
+// and the extra bytes stay within the read-ahead budget.
+func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
+	chunks := []layerfmt.Chunk{c}
+	idx := l.find(c)
+	if idx < 0 {
+		return chunks
+	}
+	if l.blob.RangeIgnored() && l.blob.Size() <= l.o.wholeBlobMax {
+		// Whatever range we ask for, the registry sends the whole blob:
+		// keep every chunk it carries.
+		for j := range l.spans {
+			if j == idx || l.canonical(j) != j || l.cached[j] {
+				continue
+			}
+			cj := l.chunk(j)
+			if _, busy := l.inflight[cj.Digest]; busy || cj.Digest == c.Digest {
+				continue
+			}
+			chunks = append(chunks, cj)
+		}
+		sort.Slice(chunks, func(a, b int) bool { return chunks[a].Offset < chunks[b].Offset })
+		return chunks
+	}
+	end := c.Offset + c.CompressedSize
+	limit := end + l.o.readAhead
+	for j := idx + 1; j < len(l.spans); j++ {
+		s := l.spans[j]
+		if s.off-end > l.o.maxGap || s.off+s.csize > limit {
+			break
+		}
+		if l.cached[l.canonical(j)] {
+			break
+		}
+		cj := l.chunk(j)
+		if _, busy := l.inflight[cj.Digest]; busy {
+			break
+		}
+		if cj.Digest != c.Digest {
+			chunks = append(chunks, cj)
+		}
+		end = s.off + s.csize
+	}
+	return chunks
+}
+
+// run fetches chunks (sorted by offset) in one range request, verifies each
+// against its digest, caches the good ones and completes f.
+func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) {
+	defer func() {
+		l.mu.Lock()
+		for _, c := range chunks {
+			if l.inflight[c.Digest] == f {
+				delete(l.inflight, c.Digest)
+			}
+		}
+		l.mu.Unlock()
+		close(f.done)
+	}()
+	off := chunks[0].Offset
+	last := chunks[len(chunks)-1]
+	n := last.Offset + last.CompressedSize - off
+	start := time.Now()
+	data, err := l.blob.ReadRange(ctx, off, n)
+	m := l.o.metrics
+	if m != nil {
+		m.latency.WithLabelValues(kind).Observe(time.Since(start).Seconds())
+	}
+	if err != nil {
+		for _, c := range chunks {
+			f.errs[c.Digest] = err
+		}
+		return
+	}
+	if m != nil {
+		m.registryBytes.WithLabelValues(l.label).Add(float64(n))
+	}
+	for _, c := range chunks {
+		b := data[c.Offset-off : c.Offset-off+c.CompressedSize]
+		if got := c.Digest.Algorithm().FromBytes(b); got != c.Digest {
+			// Never cached, never served, never retried into success: a
+			// registry or proxy returning wrong bytes needs a human.
+			err := fmt.Errorf("chunk at offset %d of %s: fetched bytes have digest %s, want %s: %w",
+				c.Offset, l.label, got, c.Digest, layerfmt.ErrDigestMismatch)
+			log.G(ctx).WithField("digest", c.Digest).WithField("layer", l.label).WithField("offset", c.Offset).
+				WithError(err).Error("chunk digest mismatch")
+			if m != nil {
+				m.mismatches.Inc()
+			}
+			f.errs[c.Digest] = err
+			continue
+		}
+		f.data[c.Digest] = b
+		if err := l.cache.Put(c.Digest, b); err != nil {
+			f.putErr = err
+			l.logPutError(ctx, err)
+			continue
+		}
+		if j := l.find(c); j >= 0 {
+			l.markCached(j)
+		}
+	}
+}
+
+// logPutError reports a cache that cannot store chunks at most every 10 s:
+// reads are still served, uncached, and every later Put tries again.
+func (l *Layer) logPutError(ctx context.Context, err error) {
+	now := time.Now().UnixNano()
+	last := l.lastFullLog.Load()
+	if now-last < int64(10*time.Second) || !l.lastFullLog.CompareAndSwap(last, now) {
+		return
+	}
+	log.G(ctx).WithError(err).WithField("layer", l.label).Warn("chunk cache cannot store chunks; serving uncached")
+}
+
+func (l *Layer) markCached(j int) {
+	j = l.canonical(j)
+	l.mu.Lock()
+	if l.cached[j] {
+		l.mu.Unlock()
+		return
+	}
+	l.cached[j] = true
+	l.mu.Unlock()
+	v := l.cachedBytes.Add(l.spans[j].csize)
+	if m := l.o.metrics; m != nil {
+		m.fillCached.WithLabelValues(l.label).Set(float64(v))
+	}
+}
+
+// Progress returns the compressed bytes of this layer's distinct chunks that
+// are in the node cache, and their total.
+func (l *Layer) Progress() (cachedBytes, totalBytes int64) {
+	return l.cachedBytes.Load(), l.totalBytes
+}
+
+// StartFill fetches every chunk not yet cached in the background, in large
+// coalesced requests, a few in parallel, pausing while foreground reads wait
+// on the network. It returns at once; the fill stops at ctx's end, at Close,
+// when the cache is full, or after repeated registry failures. Calling it
+// again does nothing.
+func (l *Layer) StartFill(ctx context.Context) {
+	if !l.o.fill || !l.fillStarted.CompareAndSwap(false, true) {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return
+	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		l.fill(ctx)
+	}()
+}
+
+func (l *Layer) fill(parent context.Context) {
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	stop := context.AfterFunc(l.ctx, cancel)
+	defer stop()
+	logger := log.G(ctx).WithField("layer", l.label)
+
+	batches := l.fillPlan()
+	start := time.Now()
+	var (
+		issued   atomic.Int64
+		failures atomic.Int32
+		full     atomic.Bool
+		wg       sync.WaitGroup
+		work     = make(chan []int)
+	)
+	for range l.o.fillParallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for b := range work {
+				if ctx.Err() != nil || full.Load() || failures.Load() >= fillAbortAfter {
+					continue
+				}
+				err := l.fillBatch(ctx, b, start, &issued)
+				switch {
+				case err == nil:
+					failures.Store(0)
+				case errors.Is(err, chunkcache.ErrFull):
+					full.Store(true)
+				case ctx.Err() == nil:
+					failures.Add(1)
+					logger.WithError(err).Warn("background fill batch failed")
+				}
+			}
+		}()
+	}
+feed:
+	for _, b := range batches {
+		select {
+		case work <- b:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(work)
+	wg.Wait()
+
+	cached, total := l.Progress()
+	entry := logger.WithField("cached", cached).WithField("total", total).WithField("elapsed", time.Since(start).Round(time.Millisecond))
+	switch {
+	case ctx.Err() != nil:
+		entry.Debug("background fill cancelled")
+	case full.Load():
+		entry.Warn("background fill stopped: chunk cache full")
+	case failures.Load() >= fillAbortAfter:
+		entry.Error("background fill aborted after repeated registry failures; reads continue on demand")
+	default:
+		entry.Info("background fill complete")
+	}
+}
+
+// fillPlan groups the chunks not cached yet into batches of span indexes in
+// blob order.
+func (l *Layer) fillPlan() [][]int {
+	var batches [][]int
+	var cur []int
+	var curStart, curEnd int64
+	for j := range l.spans {
+		if l.canonical(j) != j {
+			continue
+		}
+		l.mu.Lock()
+		cached := l.cached[j]
+		l.mu.Unlock()
+		if cached {
+			continue
+		}
+		if l.cache.Contains(l.chunk(j).Digest) {
+			// Cached meanwhile, possibly by another layer sharing it.
+			l.markCached(j)
+			continue
+		}
+		s := l.spans[j]
+		if len(cur) > 0 && (s.off-curEnd > fillGap || s.off+s.csize-curStart > l.o.fillBatch) {
+			batches = append(batches, cur)
+			cur = nil
+		}
+		if len(cur) == 0 {
+			curStart = s.off
+		}
+		cur = append(cur, j)
+		curEnd = s.off + s.csize
+	}
+	if len(cur) > 0 {
+		batches = append(batches, cur)
+	}
+	return batches
+}
+
+// fillBatch fetches one batch at low priority: it waits while foreground
+// reads are waiting on the network and paces itself to the fill rate.
+func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issued *atomic.Int64) error {
+	for l.waiting.Load() > 0 {
+		t := time.NewTimer(2 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+
+	l.mu.Lock()
+	var chunks []layerfmt.Chunk
+	for _, j := range idx {
+		if l.cached[j] {
+			continue
+		}
+		c := l.chunk(j)
+		if _, busy := l.inflight[c.Digest]; busy {
+			continue
+		}
+		chunks = append(chunks, c)
+	}
+	if len(chunks) == 0 {
+		l.mu.Unlock()
+		return nil
+	}
+	f := l.registerLocked(chunks)
+	l.mu.Unlock()
+
+	n := chunks[len(chunks)-1].Offset + chunks[len(chunks)-1].CompressedSize - chunks[0].Offset
+	if rate := l.o.fillRate; rate > 0 {
+		due := start.Add(time.Duration(float64(issued.Add(n)-n) / float64(rate) * float64(time.Second)))
+		if d := time.Until(due); d > 0 {
+			t := time.NewTimer(d)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+			case <-t.C:
+			}
+		}
+	}
+	rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
+	defer cancel()
+	l.run(rctx, f, chunks, "fill")
+	for _, err := range f.errs {
+		return err
+	}
+	return f.putErr
+}
+
+// Close stops the background fill, waits for fetches in progress and
+// releases the layer's pins in the cache.
+func (l *Layer) Close() error {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return nil
+	}
+	l.closed = true
+	l.mu.Unlock()
+	l.cancel()
+	l.wg.Wait()
+	l.cache.Unpin(l.owner)
+	if m := l.o.metrics; m != nil {
+		m.registryBytes.DeleteLabelValues(l.label)
+		m.cacheBytes.DeleteLabelValues(l.label)
+		m.fillCached.DeleteLabelValues(l.label)
+		m.fillTotal.DeleteLabelValues(l.label)
+	}
+	return nil
+}
