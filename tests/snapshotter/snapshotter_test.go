@@ -291,7 +291,7 @@ func TestCorruptChunk(t *testing.T) {
 	if res.ExitCode == 0 {
 		t.Fatalf("reading a corrupt chunk succeeded (%d bytes)", len(res.Stdout))
 	}
-	if !strings.Contains(res.Stderr, "I/O error") {
+	if !strings.Contains(res.Stderr, "Input/output error") {
 		t.Errorf("cat stderr %q, want an I/O error", res.Stderr)
 	}
 	if !env.Envsnap.LogContains(c.Digest.String()) || !env.Envsnap.LogContains("mismatch") {
