@@ -85,3 +85,15 @@ func TestParseSize(t *testing.T) {
 		t.Errorf("default cache size does not round-trip")
 	}
 }
+
+// TestDeployedConfigLoads keeps the shipped example config in step with
+// the Config struct (unknown keys are errors).
+func TestDeployedConfigLoads(t *testing.T) {
+	c, err := LoadConfig("../../deploy/envsnap/config.toml", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+}
