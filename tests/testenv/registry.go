@@ -36,6 +36,8 @@ type Registry struct {
 	uploads      atomic.Int64
 	mu           sync.Mutex
 	perBlob      map[string]int64
+	uploaded     []string
+	mounted      []string
 	intercept    func(http.ResponseWriter, *http.Request) bool
 }
 
@@ -117,6 +119,14 @@ func (r *Registry) handler(next http.Handler) http.Handler {
 		if req.Method == http.MethodPost || req.Method == http.MethodPatch ||
 			(req.Method == http.MethodPut && strings.Contains(req.URL.Path, "/blobs/uploads/")) {
 			r.uploads.Add(1)
+			r.mu.Lock()
+			if d := req.URL.Query().Get("digest"); req.Method == http.MethodPut && d != "" {
+				r.uploaded = append(r.uploaded, d)
+			}
+			if d := req.URL.Query().Get("mount"); req.Method == http.MethodPost && d != "" {
+				r.mounted = append(r.mounted, d)
+			}
+			r.mu.Unlock()
 		}
 		if req.Method != http.MethodGet || !strings.Contains(req.URL.Path, "/blobs/sha256:") {
 			next.ServeHTTP(w, req)
@@ -157,6 +167,21 @@ func (r *Registry) BlobBytesServedFor(dgst string) int64 {
 	return r.perBlob[dgst]
 }
 
+// UploadedDigests lists the blobs whose bytes were uploaded (completed
+// PUTs), in order.
+func (r *Registry) UploadedDigests() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.uploaded...)
+}
+
+// MountRequests lists the blobs clients asked to cross-repository mount.
+func (r *Registry) MountRequests() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.mounted...)
+}
+
 // ResetCounters zeroes the byte and request counters.
 func (r *Registry) ResetCounters() {
 	r.blobBytes.Store(0)
@@ -164,6 +189,7 @@ func (r *Registry) ResetCounters() {
 	r.uploads.Store(0)
 	r.mu.Lock()
 	r.perBlob = map[string]int64{}
+	r.uploaded, r.mounted = nil, nil
 	r.mu.Unlock()
 }
 

@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io/fs"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/urfave/cli/v3"
+
+	"github.com/envsnap/envsnap/internal/group"
+)
+
+var groupCommand = &cli.Command{
+	Name:  "group",
+	Usage: "manage layer groups (independently versioned environment components)",
+	Commands: []*cli.Command{{
+		Name:      "publish",
+		Usage:     "convert a component to envsnap layers and push it as a group",
+		ArgsUsage: "REF",
+		Flags: append([]cli.Flag{
+			&cli.StringFlag{Name: "kind", Required: true, Usage: "group kind: base, task, harness, evaluator or any name"},
+			&cli.StringFlag{Name: "name", Usage: "group name recorded in the manifest (default: from REF)"},
+			&cli.StringSliceFlag{Name: "from-dir", Usage: "directory to publish as one layer (repeatable: one layer each)"},
+			&cli.StringSliceFlag{Name: "from-tar", Usage: "tar file (plain, gzip or zstd) to publish as one layer (repeatable)"},
+			&cli.StringFlag{Name: "prefix", Usage: "with --from-dir: where the directory's contents land in the image, e.g. /opt/harness"},
+			&cli.StringFlag{Name: "owner", Usage: "with --from-dir: UID:GID for every entry (e.g. 0:0)"},
+			&cli.StringFlag{Name: "mode-mask", Usage: "with --from-dir: octal mask ANDed into permissions (e.g. 755)"},
+			&cli.StringFlag{Name: "mtime", Usage: "with --from-dir: RFC 3339 time or unix seconds for every entry (reproducible rebuilds)"},
+			&cli.StringSliceFlag{Name: "env", Usage: "environment contribution K=V (PATH-like values are prepended when composed)"},
+			&cli.StringFlag{Name: "workdir", Usage: "working directory contribution"},
+			&cli.StringSliceFlag{Name: "label", Usage: "config label k=v"},
+		}, registryFlags()...),
+		Action: runGroupPublish,
+	}},
+}
+
+func init() { commands = append(commands, groupCommand) }
+
+func runGroupPublish(ctx context.Context, c *cli.Command) error {
+	if c.Args().Len() != 1 {
+		return fmt.Errorf("group publish: want one REF argument")
+	}
+	ref := c.Args().First()
+	opts, err := dirOptions(c)
+	if err != nil {
+		return err
+	}
+	var sources []group.TarSource
+	for _, d := range c.StringSlice("from-dir") {
+		if fi, err := os.Stat(d); err != nil || !fi.IsDir() {
+			return fmt.Errorf("--from-dir %s: not a directory", d)
+		}
+		sources = append(sources, group.DirSource(d, opts))
+	}
+	for _, t := range c.StringSlice("from-tar") {
+		sources = append(sources, group.TarFileSource(t))
+	}
+	if len(sources) == 0 {
+		return fmt.Errorf("group publish: give --from-dir or --from-tar")
+	}
+	labels := map[string]string{}
+	for _, kv := range c.StringSlice("label") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return fmt.Errorf("--label %q: want k=v", kv)
+		}
+		labels[k] = v
+	}
+	name := c.String("name")
+	if name == "" {
+		name = refName(ref)
+	}
+	resolver, _, err := resolverFromFlags(ctx, c)
+	if err != nil {
+		return err
+	}
+	p := &group.Publisher{Resolver: resolver, Progress: os.Stderr}
+	res, err := p.Publish(ctx, ref, sources, group.Meta{
+		Kind: c.String("kind"), Name: name, Env: c.StringSlice("env"), WorkingDir: c.String("workdir"), Labels: labels,
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s@%s kind=%s layers=%d uploaded=%d (%d bytes) existing=%d in %s\n",
+		ref, res.Manifest.Digest, c.String("kind"), len(res.Layers), res.UploadedLayers, res.UploadedBytes, res.SkippedLayers, res.Duration.Round(time.Millisecond))
+	return nil
+}
+
+func dirOptions(c *cli.Command) (group.DirOptions, error) {
+	o := group.DirOptions{Prefix: c.String("prefix")}
+	if s := c.String("owner"); s != "" {
+		u, g, ok := strings.Cut(s, ":")
+		uid, err1 := strconv.Atoi(u)
+		gid, err2 := strconv.Atoi(g)
+		if !ok || err1 != nil || err2 != nil {
+			return o, fmt.Errorf("--owner %q: want UID:GID", s)
+		}
+		o.UID, o.GID = &uid, &gid
+	}
+	if s := c.String("mode-mask"); s != "" {
+		m, err := strconv.ParseUint(s, 8, 32)
+		if err != nil {
+			return o, fmt.Errorf("--mode-mask %q: %w", s, err)
+		}
+		o.ModeMask = fs.FileMode(m)
+	}
+	if s := c.String("mtime"); s != "" {
+		t, err := time.Parse(time.RFC3339, s)
+		if err != nil {
+			secs, err2 := strconv.ParseInt(s, 10, 64)
+			if err2 != nil {
+				return o, fmt.Errorf("--mtime %q: want RFC 3339 or unix seconds", s)
+			}
+			t = time.Unix(secs, 0)
+		}
+		o.ModTime = &t
+	}
+	return o, nil
+}
+
+// refName is the last path element of a reference without tag or digest:
+// "reg/envsnap/harness/claude-code:2.0" -> "claude-code".
+func refName(ref string) string {
+	if i := strings.IndexByte(ref, '@'); i >= 0 {
+		ref = ref[:i]
+	}
+	if i := strings.LastIndexByte(ref, '/'); i >= 0 {
+		ref = ref[i+1:]
+	}
+	if i := strings.IndexByte(ref, ':'); i >= 0 {
+		ref = ref[:i]
+	}
+	return ref
+}
