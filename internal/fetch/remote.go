@@ -188,6 +188,9 @@ func (r *remote) do(ctx context.Context, what, path string, header http.Header, 
 	// containerd's own fetcher does.
 	ctx = docker.ContextWithAppendPullRepositoryScope(ctx, r.repo)
 
+	// prevErr keeps the last registry error of earlier rounds: when the
+	// deadline cuts a request short, it is the reason worth reporting.
+	var prevErr error
 	for attempt := 0; ; attempt++ {
 		var (
 			errs      []error
@@ -202,6 +205,9 @@ func (r *remote) do(ctx context.Context, what, path string, header http.Header, 
 				return nil
 			}
 			if ctx.Err() != nil {
+				if prevErr != nil {
+					err = prevErr
+				}
 				return fmt.Errorf("%s: %w (last error: %w)", what, ctx.Err(), err)
 			}
 			errs = append(errs, err)
@@ -214,6 +220,7 @@ func (r *remote) do(ctx context.Context, what, path string, header http.Header, 
 			}
 		}
 		lastErr := errors.Join(errs...)
+		prevErr = lastErr
 		if allAbsent {
 			return fmt.Errorf("%s: %w", what, lastErr)
 		}

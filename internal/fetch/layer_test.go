@@ -1,0 +1,462 @@
+package fetch
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+const testChunkSize = 64 << 10
+
+type layerFixture struct {
+	reg   *fakeRegistry
+	toc   *layerfmt.TOC
+	cache *chunkcache.Cache
+	layer *Layer
+	files map[string][]byte
+}
+
+func newLayerFixture(t *testing.T, cache *chunkcache.Cache, files []testFile, opts ...LayerOption) *layerFixture {
+	t.Helper()
+	reg := newFakeRegistry(t)
+	blob, toc := testLayer(t, testChunkSize, files...)
+	desc := reg.addBlob(blob)
+	if cache == nil {
+		var err error
+		if cache, err = chunkcache.Open(t.TempDir(), 1<<30); err != nil {
+			t.Fatal(err)
+		}
+	}
+	br, err := NewBlobReader(hostsFor(nil, reg), testRef, desc, fastRetry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := NewLayer(br, toc, cache, opts...)
+	t.Cleanup(func() { l.Close() })
+	fx := &layerFixture{reg: reg, toc: toc, cache: cache, layer: l, files: map[string][]byte{}}
+	for _, f := range files {
+		fx.files[f.name] = f.data
+	}
+	return fx
+}
+
+// chunksOf returns every chunk of every regular file with the bytes it must
+// decode to.
+func (fx *layerFixture) chunksOf(t *testing.T, name string) []layerfmt.Chunk {
+	t.Helper()
+	i, ok := fx.toc.Lookup(name)
+	if !ok {
+		t.Fatalf("%s not in TOC", name)
+	}
+	return fx.toc.Chunks(i)
+}
+
+func (fx *layerFixture) allChunks(t *testing.T) (cs []layerfmt.Chunk, want [][]byte) {
+	for _, name := range []string{"big.bin", "a.txt", "b.txt", "empty", "c.bin"} {
+		if _, ok := fx.files[name]; !ok {
+			continue
+		}
+		for _, c := range fx.chunksOf(t, name) {
+			cs = append(cs, c)
+			want = append(want, fx.files[name][c.FileOffset:c.FileOffset+c.Size])
+		}
+	}
+	return cs, want
+}
+
+func (fx *layerFixture) readAll(t *testing.T) {
+	t.Helper()
+	cs, want := fx.allChunks(t)
+	for k, c := range cs {
+		got, err := fx.layer.ReadChunk(context.Background(), c)
+		if err != nil {
+			t.Fatalf("ReadChunk %d (%s): %v", k, c.Digest, err)
+		}
+		if !bytes.Equal(got, want[k]) {
+			t.Fatalf("ReadChunk %d: wrong bytes", k)
+		}
+	}
+}
+
+func TestLayerCoalescing(t *testing.T) {
+	files := standardFiles()
+	const limited = 128 << 10
+	tests := []struct {
+		name      string
+		opts      []LayerOption
+		readAhead int64
+		requests  func(frames int) (lo, hi int)
+	}{
+		// Everything (~790 KiB) is within the default 1 MiB read-ahead of
+		// the first chunk: one request serves the whole sequential scan.
+		{"default read-ahead", nil, DefaultReadAhead, func(int) (int, int) { return 1, 1 }},
+		// A smaller budget: several requests, each within the budget.
+		{"128 KiB read-ahead", []LayerOption{WithReadAhead(limited)}, limited, func(n int) (int, int) { return 2, n - 1 }},
+		// The evaluator's failure mode: one request per frame.
+		{"read-ahead off", []LayerOption{WithReadAhead(0)}, 0, func(n int) (int, int) { return n, n }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkGoroutines(t)
+			fx := newLayerFixture(t, nil, files, tt.opts...)
+			cs, _ := fx.allChunks(t)
+			frames := map[int64]bool{}
+			var maxFrame int64
+			for _, c := range cs {
+				frames[c.Offset] = true
+				maxFrame = max(maxFrame, c.CompressedSize)
+			}
+			fx.readAll(t)
+			lo, hi := tt.requests(len(frames))
+			if got := fx.reg.requests(); got < lo || got > hi {
+				t.Errorf("%d frames read with %d requests, want %d..%d (ranges %v)", len(frames), got, lo, hi, fx.reg.rangeLog())
+			}
+			for _, r := range fx.reg.rangeLog() {
+				var a, z int64
+				if _, err := fmt.Sscanf(r, "bytes=%d-%d", &a, &z); err != nil || strings.Contains(r, ",") {
+					t.Fatalf("not a single range: %q", r)
+				}
+				if z-a+1 > tt.readAhead+maxFrame {
+					t.Errorf("request %q is larger than the read-ahead budget", r)
+				}
+			}
+			// Everything read is cached: a second pass costs nothing.
+			fx.reg.resetCounts()
+			fx.readAll(t)
+			if n := fx.reg.requests(); n != 0 {
+				t.Errorf("second pass sent %d requests", n)
+			}
+		})
+	}
+}
+
+func TestLayerSingleflight(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles())
+	fx.reg.latency = 100 * time.Millisecond
+	big := fx.chunksOf(t, "big.bin")
+	want := fx.files["big.bin"]
+	var wg sync.WaitGroup
+	for g := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Half ask for chunk 0, half for chunk 3, which chunk 0's
+			// read-ahead covers: still one request.
+			c := big[0]
+			if g%2 == 1 {
+				c = big[3]
+			}
+			got, err := fx.layer.ReadChunk(context.Background(), c)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if !bytes.Equal(got, want[c.FileOffset:c.FileOffset+c.Size]) {
+				t.Error("wrong bytes")
+			}
+		}()
+		if g == 0 {
+			time.Sleep(10 * time.Millisecond) // let the first reader start the fetch
+		}
+	}
+	wg.Wait()
+	if n := fx.reg.requests(); n != 1 {
+		t.Fatalf("16 concurrent reads sent %d requests, want 1", n)
+	}
+}
+
+func TestLayerCorruptChunk(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0))
+	c := fx.chunksOf(t, "b.txt")[0]
+	fx.reg.setFaults(faultCorrupt)
+	for range 2 {
+		got, err := fx.layer.ReadChunk(context.Background(), c)
+		if !errors.Is(err, layerfmt.ErrDigestMismatch) || got != nil {
+			t.Fatalf("corrupt chunk: got %d bytes, err %v; want ErrDigestMismatch and no bytes", len(got), err)
+		}
+		if !strings.Contains(err.Error(), c.Digest.String()) {
+			t.Errorf("error does not name the digest: %v", err)
+		}
+		if fx.cache.Contains(c.Digest) {
+			t.Fatal("corrupt chunk cached")
+		}
+	}
+	if n := fx.reg.requests(); n != 2 {
+		t.Errorf("%d requests: a mismatch must not be retried behind the reader's back", n)
+	}
+}
+
+// TestLayerCorruptReadAhead: a corrupt chunk among read-ahead chunks does not
+// fail the chunk asked for, and is not cached.
+func TestLayerCorruptReadAhead(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles())
+	cs, want := fx.allChunks(t)
+	fx.reg.setFaults(faultNone, faultCorrupt) // flips one byte in the middle of the range
+	got, err := fx.layer.ReadChunk(context.Background(), cs[0])
+	if err != nil || !bytes.Equal(got, want[0]) {
+		t.Fatalf("requested chunk: %v", err)
+	}
+	var missing []int
+	for k, c := range cs {
+		if !fx.cache.Contains(c.Digest) {
+			missing = append(missing, k)
+		}
+	}
+	if len(missing) != 1 {
+		t.Fatalf("chunks not cached after a range with one corrupt chunk: %v, want exactly one", missing)
+	}
+	// The registry is healthy again: the next read fetches a good copy.
+	got, err = fx.layer.ReadChunk(context.Background(), cs[missing[0]])
+	if err != nil || !bytes.Equal(got, want[missing[0]]) {
+		t.Fatalf("refetch after mismatch: %v", err)
+	}
+}
+
+func TestLayerDeadline(t *testing.T) {
+	tests := []struct {
+		name    string
+		latency time.Duration
+		always  fault
+		reason  string
+	}{
+		{"slow registry", 3 * time.Second, faultNone, "deadline exceeded"},
+		{"registry down", 0, fault503, "503"},
+		{"connection resets", 0, faultReset, "reset"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkGoroutines(t)
+			fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(400*time.Millisecond))
+			fx.reg.latency = tt.latency
+			fx.reg.setFaults(tt.always)
+			c := fx.chunksOf(t, "a.txt")[0]
+			got, err := fx.layer.ReadChunk(context.Background(), c)
+			if err == nil || got != nil {
+				t.Fatal("read served past its deadline")
+			}
+			if !strings.Contains(err.Error(), tt.reason) || !strings.Contains(err.Error(), c.Digest.String()) {
+				t.Fatalf("error %q should name the chunk and the reason %q", err, tt.reason)
+			}
+			if err := fx.layer.Close(); err != nil {
+				t.Fatal(err)
+			}
+			// A closed layer fails reads instead of hanging.
+			if _, err := fx.layer.ReadChunk(context.Background(), c); err == nil {
+				t.Fatal("read on closed layer succeeded")
+			}
+		})
+	}
+}
+
+func TestLayerFill(t *testing.T) {
+	checkGoroutines(t)
+	m, err := NewMetrics(prometheus.NewPedanticRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx := newLayerFixture(t, nil, standardFiles(), WithFillBatch(128<<10, 2), WithMetrics(m))
+	cached, total := fx.layer.Progress()
+	if cached != 0 || total == 0 {
+		t.Fatalf("fresh layer progress %d/%d", cached, total)
+	}
+	fx.layer.StartFill(context.Background())
+	waitFilled(t, fx.layer)
+	if n := fx.reg.requests(); n < 2 {
+		t.Errorf("fill of %d bytes in 128 KiB batches took %d requests", total, n)
+	}
+	label := fx.layer.label
+	if v := testutil.ToFloat64(m.fillCached.WithLabelValues(label)); v != float64(total) {
+		t.Errorf("fill gauge %v, want %d", v, total)
+	}
+	if v := testutil.ToFloat64(m.registryBytes.WithLabelValues(label)); v < float64(total) {
+		t.Errorf("registry bytes %v < layer bytes %d", v, total)
+	}
+
+	// After the fill, reads never touch the network (which is now down).
+	fx.reg.resetCounts()
+	fx.reg.setFaults(fault503)
+	fx.readAll(t)
+	if n := fx.reg.requests(); n != 0 {
+		t.Fatalf("reads after fill sent %d requests", n)
+	}
+	if v := testutil.ToFloat64(m.cacheBytes.WithLabelValues(label)); v == 0 {
+		t.Error("cache bytes not counted")
+	}
+}
+
+func waitFilled(t *testing.T, l *Layer) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		cached, total := l.Progress()
+		if cached == total {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("fill incomplete: %d of %d bytes", cached, total)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestLayerFillStops(t *testing.T) {
+	t.Run("close", func(t *testing.T) {
+		checkGoroutines(t)
+		// 16 KiB/s: the fill would take most of a minute.
+		fx := newLayerFixture(t, nil, standardFiles(), WithFillBatch(64<<10, 2), WithFillRate(16<<10))
+		fx.layer.StartFill(context.Background())
+		time.Sleep(50 * time.Millisecond)
+		if err := fx.layer.Close(); err != nil {
+			t.Fatal(err)
+		}
+		cached, total := fx.layer.Progress()
+		if cached >= total {
+			t.Fatalf("rate-limited fill finished %d/%d before Close", cached, total)
+		}
+	})
+	t.Run("context", func(t *testing.T) {
+		checkGoroutines(t)
+		fx := newLayerFixture(t, nil, standardFiles(), WithFillBatch(64<<10, 1), WithFillRate(16<<10))
+		ctx, cancel := context.WithCancel(context.Background())
+		fx.layer.StartFill(ctx)
+		time.Sleep(50 * time.Millisecond)
+		cancel()
+		// The fill is gone: goroutine check at cleanup, and foreground
+		// reads still work.
+		fx.readAll(t)
+	})
+	t.Run("disabled", func(t *testing.T) {
+		checkGoroutines(t)
+		fx := newLayerFixture(t, nil, standardFiles(), WithFill(false))
+		fx.layer.StartFill(context.Background())
+		time.Sleep(50 * time.Millisecond)
+		if n := fx.reg.requests(); n != 0 {
+			t.Fatalf("disabled fill sent %d requests", n)
+		}
+	})
+}
+
+func TestLayerRangeIgnored(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0))
+	fx.reg.noRange = true
+	cs, want := fx.allChunks(t)
+	// First miss: the registry sends the whole blob; we take our chunk.
+	got, err := fx.layer.ReadChunk(context.Background(), cs[5])
+	if err != nil || !bytes.Equal(got, want[5]) {
+		t.Fatalf("first read: %v", err)
+	}
+	// Second miss: now known to ignore Range, the small blob's every chunk
+	// is kept from that one response.
+	got, err = fx.layer.ReadChunk(context.Background(), cs[0])
+	if err != nil || !bytes.Equal(got, want[0]) {
+		t.Fatalf("second read: %v", err)
+	}
+	if n := fx.reg.requests(); n != 2 {
+		t.Fatalf("%d requests, want 2", n)
+	}
+	fx.readAll(t)
+	if n := fx.reg.requests(); n != 2 {
+		t.Fatalf("reads after whole-blob fetch sent %d more requests", n-2)
+	}
+}
+
+// TestSharedChunksAcrossLayers: identical files in two layers are stored once
+// and fetched once.
+func TestSharedChunksAcrossLayers(t *testing.T) {
+	checkGoroutines(t)
+	cache, err := chunkcache.Open(t.TempDir(), 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(21, 22))
+	shared := testFile{"c.bin", randBytes(r, 150000)}
+	a := newLayerFixture(t, cache, []testFile{{"a.txt", randBytes(r, 5000)}, shared})
+	b := newLayerFixture(t, cache, []testFile{{"b.txt", randBytes(r, 7000)}, shared})
+	for _, c := range a.chunksOf(t, "c.bin") {
+		if _, err := a.layer.ReadChunk(context.Background(), c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	entries := cache.Stats().Entries
+	for _, c := range b.chunksOf(t, "c.bin") {
+		got, err := b.layer.ReadChunk(context.Background(), c)
+		if err != nil || !bytes.Equal(got, shared.data[c.FileOffset:c.FileOffset+c.Size]) {
+			t.Fatalf("layer b: %v", err)
+		}
+	}
+	if n := b.reg.requests(); n != 0 {
+		t.Fatalf("layer b fetched %d times chunks layer a already cached", n)
+	}
+	if cache.Stats().Entries != entries {
+		t.Fatal("shared chunks stored twice")
+	}
+}
+
+func TestLayerCacheFull(t *testing.T) {
+	checkGoroutines(t)
+	cache, err := chunkcache.Open(t.TempDir(), 1000) // smaller than any chunk
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx := newLayerFixture(t, cache, standardFiles())
+	fx.readAll(t)
+	if s := cache.Stats(); s.Entries != 0 || s.PutErrors == 0 {
+		t.Fatalf("cache stats %+v", s)
+	}
+	if cached, _ := fx.layer.Progress(); cached != 0 {
+		t.Fatalf("progress counts %d uncached bytes", cached)
+	}
+	// The fill stops instead of downloading a layer it cannot keep.
+	fx.reg.resetCounts()
+	fx.layer.StartFill(context.Background())
+	time.Sleep(200 * time.Millisecond)
+	if n := fx.reg.requests(); n > DefaultFillParallel {
+		t.Fatalf("fill into a full cache sent %d requests", n)
+	}
+}
+
+func TestLayerRestartKeepsCache(t *testing.T) {
+	checkGoroutines(t)
+	dir := t.TempDir()
+	cache, err := chunkcache.Open(dir, 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx := newLayerFixture(t, cache, standardFiles())
+	fx.layer.StartFill(context.Background())
+	waitFilled(t, fx.layer)
+	fx.layer.Close()
+
+	// A daemon restart: new cache index from disk, new layer.
+	cache2, err := chunkcache.Open(dir, 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l2 := NewLayer(fx.layer.blob, fx.toc, cache2)
+	defer l2.Close()
+	if cached, total := l2.Progress(); cached != total {
+		t.Fatalf("after restart %d of %d bytes cached", cached, total)
+	}
+	fx.reg.resetCounts()
+	fx.layer = l2
+	fx.readAll(t)
+	if n := fx.reg.requests(); n != 0 {
+		t.Fatalf("%d requests after restart with a full cache", n)
+	}
+}
