@@ -1,0 +1,290 @@
+package arbiter
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/errdefs"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+const gib = envlet.GiB
+
+// startArbiter serves a NodeArbiter of the given size on a fresh socket and
+// returns the socket and a stop function (also registered with Cleanup).
+func startArbiter(t *testing.T, socket string, node envlet.Resources) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, socket, envlet.NewNodeArbiter(node, 0)) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := os.Stat(socket); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			cancel()
+			t.Fatalf("arbiter did not listen on %s", socket)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	var stopped bool
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+func socketPath(t *testing.T) string {
+	// Unix socket paths are short; t.TempDir() can exceed 108 bytes.
+	dir, err := os.MkdirTemp("", "arb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return filepath.Join(dir, "a.sock")
+}
+
+func TestAdmitGrowReportRelease(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	startArbiter(t, sock, envlet.Resources{CPU: 4, Memory: 4 * gib})
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+
+	base := envlet.Resources{CPU: 1, Memory: 1 * gib}
+	if err := c.Admit(ctx, "a", base); err != nil {
+		t.Fatalf("admit a: %v", err)
+	}
+	if err := c.Admit(ctx, "b", base); err != nil {
+		t.Fatalf("admit b: %v", err)
+	}
+	// The node has 4 GiB: a third and fourth 1 GiB env fit, a fifth not.
+	for _, id := range []string{"c", "d"} {
+		if err := c.Admit(ctx, id, base); err != nil {
+			t.Fatalf("admit %s: %v", id, err)
+		}
+	}
+	if err := c.Admit(ctx, "e", base); !errdefs.IsResourceExhausted(err) {
+		t.Fatalf("admit e on a full node: got %v, want ErrResourceExhausted", err)
+	}
+	if !c.Connected() {
+		t.Fatal("a rejected admission must not count as an outage")
+	}
+	for _, id := range []string{"c", "d"} {
+		if err := c.Release(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := c.Grow(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 4 GiB node, b holds 1 GiB: a can reach at most 3 GiB.
+	if got.CPU != 2 || got.Memory != 3*gib {
+		t.Fatalf("grow a: got %v", got)
+	}
+	lim, err := c.Report(ctx, "a", got, envlet.Resources{CPU: 0.1, Memory: 100 << 20})
+	if err != nil || lim != got {
+		t.Fatalf("report a: got %v, %v; want %v", lim, err, got)
+	}
+	envs, err := c.List(ctx, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(envs) != 2 || envs[0].Env != "a" || envs[0].Current.Memory != 3*gib || envs[0].Used.Memory != 100<<20 {
+		t.Fatalf("list: %+v", envs)
+	}
+	if err := c.Release(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	envs, err = c.List(ctx, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ended bool
+	for _, e := range envs {
+		if e.Env == "a" && !e.Ended.IsZero() && e.Reason == "exited" {
+			ended = true
+		}
+	}
+	if !ended {
+		t.Fatalf("released env a not listed as ended: %+v", envs)
+	}
+}
+
+// TestReregisterAfterRestart: a restarted arbiter knows nothing; the client
+// must restore its environments (with their grants) before they can be
+// crowded out by newcomers.
+func TestReregisterAfterRestart(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	stop := startArbiter(t, sock, node)
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	if err := c.Admit(ctx, "a", envlet.Resources{CPU: 1, Memory: gib}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Grow(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	startArbiter(t, sock, node)
+
+	// The first call after the restart reconnects (the old connection is
+	// dead: one call fails over) and re-registers a with its 3 GiB grant.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		_, err := c.Report(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}, envlet.Resources{CPU: 2, Memory: 2900 << 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Connected() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("client never reconnected")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	other := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { other.Close() })
+	envs, err := other.List(ctx, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(envs) != 1 || envs[0].Env != "a" || envs[0].Current.Memory != 3*gib {
+		t.Fatalf("after restart: %+v, want a re-registered with 3 GiB", envs)
+	}
+	// a's grant is real again: a newcomer wanting 2 GiB does not fit
+	// (a uses 2.9 GiB, so none of its burst is reclaimable).
+	if err := other.Admit(ctx, "b", envlet.Resources{CPU: 1, Memory: 2 * gib}); !errdefs.IsResourceExhausted(err) {
+		t.Fatalf("admit b next to re-registered a: %v, want ErrResourceExhausted", err)
+	}
+}
+
+func TestFallback(t *testing.T) {
+	ctx := context.Background()
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	for _, tc := range []struct {
+		policy   string
+		wantGrow bool
+	}{
+		{FallbackDegraded, false},
+		{FallbackLocal, true},
+	} {
+		t.Run(tc.policy, func(t *testing.T) {
+			c := NewClient(ClientConfig{Socket: socketPath(t), Node: node, Fallback: tc.policy})
+			t.Cleanup(func() { c.Close() })
+			// No arbiter listens: admission is decided locally against
+			// the configured node size.
+			for _, id := range []string{"a", "b", "c", "d"} {
+				if err := c.Admit(ctx, id, base); err != nil {
+					t.Fatalf("admit %s without arbiter: %v", id, err)
+				}
+			}
+			if err := c.Admit(ctx, "e", base); !errdefs.IsResourceExhausted(err) {
+				t.Fatalf("local fallback admitted beyond the node: %v", err)
+			}
+			if err := c.Release(ctx, "d"); err != nil {
+				t.Fatal(err)
+			}
+			got, err := c.Grow(ctx, "a", envlet.Resources{CPU: 2, Memory: 2 * gib})
+			if tc.wantGrow {
+				if err != nil || got.Memory != 2*gib {
+					t.Fatalf("local grow: %v, %v", got, err)
+				}
+				return
+			}
+			if !errdefs.IsUnavailable(err) {
+				t.Fatalf("degraded grow: got %v, %v; want ErrUnavailable for the controller's policy", got, err)
+			}
+		})
+	}
+}
+
+// TestTimeout: an arbiter that accepts but never answers costs one timeout,
+// then the client decides locally without waiting on every call.
+func TestTimeout(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	c := NewClient(ClientConfig{Socket: sock, Timeout: 50 * time.Millisecond, Node: envlet.Resources{CPU: 2, Memory: gib}})
+	t.Cleanup(func() { c.Close() })
+	err = c.Admit(ctx, "a", envlet.Resources{CPU: 1, Memory: 512 << 20})
+	if err != nil {
+		t.Fatalf("admit against a mute arbiter should fall back locally: %v", err)
+	}
+	if c.Connected() {
+		t.Fatal("still connected to a mute arbiter")
+	}
+	_, err = c.Grow(ctx, "a", envlet.Resources{CPU: 2})
+	if !errdefs.IsUnavailable(err) {
+		t.Fatalf("grow against a mute arbiter: %v", err)
+	}
+}
+
+func TestNewPoints(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	tl := []envlet.TimelinePoint{{T: t0}, {T: t0.Add(time.Second)}, {T: t0.Add(2 * time.Second)}}
+	pts, last := newPoints(tl, nil)
+	if len(pts) != 3 {
+		t.Fatalf("first report: %d points", len(pts))
+	}
+	pts, last2 := newPoints(tl, last)
+	if len(pts) != 0 || last2 != nil {
+		t.Fatalf("nothing new: %d points", len(pts))
+	}
+	tl = append(tl[1:], envlet.TimelinePoint{T: t0.Add(3 * time.Second)}, envlet.TimelinePoint{T: t0.Add(4 * time.Second)})
+	pts, _ = newPoints(tl, last)
+	if len(pts) != 2 {
+		t.Fatalf("after rotation: %d points, want 2", len(pts))
+	}
+	var p envlet.TimelinePoint
+	if err := json.Unmarshal(pts[0], &p); err != nil || !p.T.Equal(t0.Add(3*time.Second)) {
+		t.Fatalf("oldest new point: %v %v", p.T, err)
+	}
+}
+
+func TestNumericFields(t *testing.T) {
+	st := envlet.Status{Env: "x", CPUGrows: 3, OOMs: 2, Throttled: 0.5, Idle: true, Limit: envlet.Resources{CPU: 2}}
+	b, _ := json.Marshal(st)
+	got := map[string]float64{}
+	for _, f := range NumericFields(b) {
+		got[f.Name] = f.Value
+	}
+	for name, want := range map[string]float64{"cpu_grows": 3, "ooms": 2, "throttled": 0.5, "idle": 1, "limit_cpu": 2} {
+		if got[name] != want {
+			t.Errorf("%s = %v, want %v (all: %v)", name, got[name], want, got)
+		}
+	}
+	for name := range got {
+		if strings.ContainsAny(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZ-.") {
+			t.Errorf("metric-unsafe name %q", name)
+		}
+	}
+	if NumericFields([]byte("not json")) != nil {
+		t.Error("invalid JSON must yield nothing")
+	}
+}

@@ -1,0 +1,474 @@
+package arbiter
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
+	"github.com/containerd/log"
+	"github.com/containerd/ttrpc"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// Fallback policies: what a client grants while the node arbiter cannot be
+// reached.
+const (
+	// FallbackDegraded is the default: admissions are decided by a local
+	// NodeArbiter sized to the node, grows fail with errdefs.ErrUnavailable
+	// so the controller's policy for a lost arbiter applies (CPU fails open
+	// to 2 x base, memory fails closed). A shim that cannot see the others
+	// cannot oversubscribe the node's memory.
+	FallbackDegraded = "degraded"
+	// FallbackLocal arbitrates everything with an in-process NodeArbiter
+	// sized to the whole node: right for a node running a single shim and
+	// no arbiter daemon.
+	FallbackLocal = "local"
+)
+
+// Client defaults.
+const (
+	DefaultTimeout = 100 * time.Millisecond
+	// redialInterval keeps a down arbiter from costing every controller
+	// tick a connect attempt.
+	redialInterval = time.Second
+)
+
+// ClientConfig configures a Client.
+type ClientConfig struct {
+	// Socket of the node arbiter; DefaultSocket when empty.
+	Socket string
+	// Timeout of connects and of the per-tick calls (Grow, Report);
+	// DefaultTimeout when zero. Admit and Release get ten times as long:
+	// they are off the controller's hot path.
+	Timeout time.Duration
+	// Node is the capacity the fallback NodeArbiter assumes, Reserve its
+	// admission reserve (fraction of the node).
+	Node    envlet.Resources
+	Reserve float64
+	// Fallback is FallbackDegraded (default) or FallbackLocal.
+	Fallback string
+	// Owner names this client in the arbiter's listings.
+	Owner string
+}
+
+// StatusSource is what a client reports about an environment besides its
+// limits and usage: *envlet.Controller implements it.
+type StatusSource interface {
+	Status() envlet.Status
+	Timeline() []envlet.TimelinePoint
+}
+
+// Client implements envlet.Arbiter against the node arbiter, falling back
+// to local decisions when the arbiter is absent or slow. It is safe for
+// concurrent use by the controllers of one shim.
+type Client struct {
+	cfg ClientConfig
+
+	mu        sync.Mutex
+	conn      *ttrpc.Client
+	dialFail  time.Time
+	boot      string
+	envs      map[string]*envState
+	local     *envlet.NodeArbiter // nil while connected
+	localEnvs map[string]bool
+}
+
+type envState struct {
+	base, current envlet.Resources
+	src           StatusSource
+	lastPoint     []byte // JSON of the last timeline point reported
+}
+
+var _ envlet.Arbiter = (*Client)(nil)
+
+// NewClient returns a client; it connects lazily.
+func NewClient(cfg ClientConfig) *Client {
+	if cfg.Socket == "" {
+		cfg.Socket = DefaultSocket
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.Fallback == "" {
+		cfg.Fallback = FallbackDegraded
+	}
+	if cfg.Owner == "" {
+		cfg.Owner = fmt.Sprintf("pid %d", os.Getpid())
+	}
+	return &Client{cfg: cfg, envs: make(map[string]*envState)}
+}
+
+// Track attaches the controller whose status and timeline go with the
+// environment's reports.
+func (c *Client) Track(env string, src StatusSource) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st, ok := c.envs[env]; ok {
+		st.src = src
+	}
+}
+
+// Close drops the connection.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.dropLocked()
+	return nil
+}
+
+// Connected reports whether the last exchange with the arbiter succeeded.
+func (c *Client) Connected() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.conn != nil
+}
+
+// errUnreachable marks failures of the transport, not answers.
+// It wraps errdefs.ErrUnavailable, which is what the controller sees.
+var errUnreachable = fmt.Errorf("node arbiter unreachable: %w", errdefs.ErrUnavailable)
+
+// isAnswer tells an arbiter's decision apart from a failure to get one.
+func isAnswer(err error) bool {
+	return errdefs.IsResourceExhausted(err) || errdefs.IsNotFound(err) ||
+		errdefs.IsInvalidArgument(err) || errdefs.IsAlreadyExists(err) ||
+		errdefs.IsFailedPrecondition(err)
+}
+
+func (c *Client) dropLocked() {
+	if c.conn != nil {
+		c.conn.Close()
+		c.conn = nil
+	}
+}
+
+// connectLocked dials the arbiter and, on a new connection, re-registers
+// every environment this client holds: the arbiter may have restarted, or
+// environments may have been admitted locally while it was away.
+func (c *Client) connectLocked(ctx context.Context) error {
+	if c.conn != nil {
+		return nil
+	}
+	if !c.dialFail.IsZero() && time.Since(c.dialFail) < redialInterval {
+		return errUnreachable
+	}
+	d := net.Dialer{Timeout: c.cfg.Timeout}
+	conn, err := d.DialContext(ctx, "unix", c.cfg.Socket)
+	if err != nil {
+		c.dialFail = time.Now()
+		return fmt.Errorf("%w: %v", errUnreachable, err)
+	}
+	c.conn = ttrpc.NewClient(conn)
+	c.dialFail = time.Time{}
+	for env, st := range c.envs {
+		if err := c.registerLocked(ctx, env, st); err != nil {
+			if errors.Is(err, errUnreachable) {
+				return err
+			}
+			log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: re-registering with the arbiter")
+		}
+	}
+	if c.local != nil {
+		log.G(ctx).WithField("socket", c.cfg.Socket).Info("envlet: node arbiter is back; leaving fallback")
+		c.local, c.localEnvs = nil, nil
+	}
+	return nil
+}
+
+func (c *Client) registerLocked(ctx context.Context, env string, st *envState) error {
+	cur := toWire(st.current)
+	var resp EmptyResponse
+	return c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
+		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
+}
+
+// callLocked makes one call. Transport failures and timeouts drop the
+// connection and return errUnreachable; the arbiter's decisions come back
+// as their errdefs kind.
+func (c *Client) callLocked(ctx context.Context, method string, timeout time.Duration, req, resp any, boot *string) error {
+	if err := c.connectLocked(ctx); err != nil {
+		return err
+	}
+	in, err := encode(req)
+	if err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var out wrapperspb.BytesValue
+	if err := c.conn.Call(cctx, ServiceName, method, in, &out); err != nil {
+		nerr := errgrpc.ToNative(err)
+		if isAnswer(nerr) {
+			return nerr
+		}
+		c.dropLocked()
+		c.dialFail = time.Now()
+		return fmt.Errorf("%w: %s: %v", errUnreachable, method, err)
+	}
+	if err := decode(&out, resp); err != nil {
+		return err
+	}
+	if c.boot != "" && *boot != c.boot {
+		// Cannot happen on one connection; kept as a guard so a proxy or
+		// a socket handed over to a new arbiter is still noticed.
+		c.boot = *boot
+		for env, st := range c.envs {
+			_ = c.registerLocked(ctx, env, st)
+		}
+	}
+	c.boot = *boot
+	return nil
+}
+
+// Admit asks the arbiter to admit env with base. When the arbiter cannot
+// be reached the fallback arbiter decides.
+func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, known := c.envs[env]
+	if !known {
+		st = &envState{base: base, current: base}
+	}
+	// Admitting a known env again (the shim at Create, then the controller
+	// in Run) is idempotent here and at the arbiter.
+	st.base = base
+	cur := toWire(st.current)
+	var resp EmptyResponse
+	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
+		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
+	if err == nil {
+		c.envs[env] = st
+		return nil
+	}
+	if !errors.Is(err, errUnreachable) {
+		return err
+	}
+	c.enterFallbackLocked(ctx, err)
+	if err := c.local.Admit(ctx, env, base); err != nil {
+		return fmt.Errorf("admit %s (arbiter unreachable, local fallback): %w", env, err)
+	}
+	c.localEnvs[env] = true
+	c.envs[env] = st
+	return nil
+}
+
+// enterFallbackLocked builds the local arbiter from the node size and the
+// grants this client holds.
+func (c *Client) enterFallbackLocked(ctx context.Context, cause error) {
+	if c.local != nil {
+		return
+	}
+	log.G(ctx).WithError(cause).WithField("policy", c.cfg.Fallback).Warn("envlet: node arbiter unreachable; deciding locally")
+	c.local = envlet.NewNodeArbiter(c.cfg.Node, c.cfg.Reserve)
+	c.localEnvs = make(map[string]bool)
+	for env, st := range c.envs {
+		c.ensureLocalLocked(ctx, env, st)
+	}
+}
+
+func (c *Client) ensureLocalLocked(ctx context.Context, env string, st *envState) {
+	if c.localEnvs[env] {
+		return
+	}
+	if err := c.local.Admit(ctx, env, st.base); err != nil {
+		log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: local fallback arbiter rejects env")
+		return
+	}
+	if st.current.CPU > st.base.CPU || st.current.Memory > st.base.Memory {
+		_, _ = c.local.Grow(ctx, env, st.current)
+	}
+	c.localEnvs[env] = true
+}
+
+// Grow asks for env's limits to become want and returns the grant.
+func (c *Client) Grow(ctx context.Context, env string, want envlet.Resources) (envlet.Resources, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, ok := c.envs[env]
+	if !ok {
+		return envlet.Resources{}, fmt.Errorf("grow %s: not admitted: %w", env, errdefs.ErrNotFound)
+	}
+	var resp ResourcesResponse
+	req := &GrowRequest{Env: env, Want: toWire(want)}
+	err := c.callLocked(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
+	if errdefs.IsNotFound(err) {
+		// The arbiter lost us (restart under the same connection is not
+		// possible, but an operator may have released us): re-register.
+		if err = c.registerLocked(ctx, env, st); err == nil {
+			err = c.callLocked(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
+		}
+	}
+	if err == nil {
+		st.current = fromWire(resp.Resources)
+		return st.current, nil
+	}
+	if !errors.Is(err, errUnreachable) {
+		return envlet.Resources{}, err
+	}
+	if c.cfg.Fallback != FallbackLocal {
+		// The controller's own policy for an arbiter it cannot reach
+		// applies (CPU fails open to 2 x base, memory fails closed).
+		return envlet.Resources{}, fmt.Errorf("grow %s: %w", env, err)
+	}
+	c.enterFallbackLocked(ctx, err)
+	c.ensureLocalLocked(ctx, env, st)
+	if !c.localEnvs[env] {
+		return envlet.Resources{}, fmt.Errorf("grow %s: local fallback rejects env: %w", env, err)
+	}
+	got, lerr := c.local.Grow(ctx, env, want)
+	if lerr != nil {
+		return envlet.Resources{}, fmt.Errorf("grow %s (local fallback): %w", env, lerr)
+	}
+	st.current = got
+	return got, nil
+}
+
+// Report sends env's heartbeat with the controller's status and new
+// timeline points; it returns the limit env must keep to.
+func (c *Client) Report(ctx context.Context, env string, current, used envlet.Resources) (envlet.Resources, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, ok := c.envs[env]
+	if !ok {
+		return current, fmt.Errorf("report %s: not admitted: %w", env, errdefs.ErrNotFound)
+	}
+	st.current = current
+	req := &ReportRequest{Env: env, Current: toWire(current), Used: toWire(used)}
+	var last []byte
+	if st.src != nil {
+		if b, err := json.Marshal(st.src.Status()); err == nil {
+			req.Status = b
+		}
+		req.Timeline, last = newPoints(st.src.Timeline(), st.lastPoint)
+	}
+	var resp ResourcesResponse
+	err := c.callLocked(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
+	if errdefs.IsNotFound(err) {
+		if err = c.registerLocked(ctx, env, st); err == nil {
+			err = c.callLocked(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
+		}
+	}
+	if err == nil {
+		if last != nil {
+			st.lastPoint = last
+		}
+		return fromWire(resp.Resources), nil
+	}
+	if !errors.Is(err, errUnreachable) {
+		return current, err
+	}
+	c.enterFallbackLocked(ctx, err)
+	if c.cfg.Fallback == FallbackLocal {
+		c.ensureLocalLocked(ctx, env, st)
+		if c.localEnvs[env] {
+			if lim, lerr := c.local.Report(ctx, env, current, used); lerr == nil {
+				return lim, nil
+			}
+		}
+	}
+	// Nobody else can be admitted through us while the arbiter is away,
+	// so there is nothing to reclaim for.
+	return current, nil
+}
+
+// newPoints returns the timeline points after the one whose JSON is last
+// (all of them if it is gone from the timeline), and the JSON of the newest.
+func newPoints(tl []envlet.TimelinePoint, last []byte) ([]json.RawMessage, []byte) {
+	if len(tl) == 0 {
+		return nil, nil
+	}
+	enc := make([]json.RawMessage, 0, 8)
+	for i := len(tl) - 1; i >= 0; i-- {
+		b, err := json.Marshal(tl[i])
+		if err != nil {
+			return nil, nil
+		}
+		if last != nil && bytes.Equal(b, last) {
+			break
+		}
+		enc = append(enc, b)
+	}
+	// enc holds the new points newest first.
+	out := make([]json.RawMessage, len(enc))
+	for i, b := range enc {
+		out[len(enc)-1-i] = b
+	}
+	if len(out) == 0 {
+		return nil, nil
+	}
+	return out, out[len(out)-1]
+}
+
+// Release returns env's grant to the node.
+func (c *Client) Release(ctx context.Context, env string) error {
+	return c.ReleaseReason(ctx, env, "exited")
+}
+
+// ReleaseReason releases env and records why it ended.
+func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, ok := c.envs[env]
+	if !ok {
+		return nil
+	}
+	// Flush the last status and timeline points so the ended environment
+	// keeps its full history in the arbiter; a controller that failed the
+	// environment says why in its status.
+	if st.src != nil && c.local == nil {
+		status := st.src.Status()
+		if f := status.Failure; f != nil && (reason == "" || reason == "exited") {
+			reason = f.Reason
+		}
+		req := &ReportRequest{Env: env, Current: toWire(st.current)}
+		if b, err := json.Marshal(status); err == nil {
+			req.Status = b
+		}
+		req.Timeline, _ = newPoints(st.src.Timeline(), st.lastPoint)
+		var resp ResourcesResponse
+		_ = c.callLocked(ctx, methodReport, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
+	}
+	delete(c.envs, env)
+	if c.local != nil && c.localEnvs[env] {
+		delete(c.localEnvs, env)
+		_ = c.local.Release(ctx, env)
+	}
+	var resp EmptyResponse
+	err := c.callLocked(ctx, methodRelease, 10*c.cfg.Timeout, &ReleaseRequest{Env: env, Reason: reason}, &resp, &resp.Boot)
+	if err != nil && !errors.Is(err, errUnreachable) {
+		return fmt.Errorf("release %s: %w", env, err)
+	}
+	return nil
+}
+
+// List returns the environments the arbiter knows, with recently ended
+// ones when ended is set. Unlike the quota calls it does not fall back.
+func (c *Client) List(ctx context.Context, ended bool) ([]EnvInfo, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var resp ListResponse
+	if err := c.callLocked(ctx, methodList, 10*c.cfg.Timeout, &ListRequest{Ended: ended}, &resp, &resp.Boot); err != nil {
+		return nil, fmt.Errorf("list environments at %s: %w", c.cfg.Socket, err)
+	}
+	return resp.Envs, nil
+}
+
+// Timeline returns env's recorded timeline points as the controller's JSON.
+func (c *Client) Timeline(ctx context.Context, env string) ([]json.RawMessage, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var resp TimelineResponse
+	if err := c.callLocked(ctx, methodTimeline, 10*c.cfg.Timeout, &TimelineRequest{Env: env}, &resp, &resp.Boot); err != nil {
+		return nil, fmt.Errorf("timeline of %s at %s: %w", env, c.cfg.Socket, err)
+	}
+	return resp.Points, nil
+}

@@ -1,0 +1,321 @@
+package arbiter
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
+	"github.com/containerd/log"
+	"github.com/containerd/ttrpc"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// Defaults of the server's bookkeeping.
+const (
+	// DefaultTimelinePoints bounds the timeline kept per environment: one
+	// hour of 200 ms samples.
+	DefaultTimelinePoints = 18000
+	// DefaultEndedEnvs is how many ended environments stay listed.
+	DefaultEndedEnvs = 256
+)
+
+// Server exposes a NodeArbiter as the ttrpc service ServiceName and keeps
+// what the shims report about their environments for listings and metrics.
+type Server struct {
+	arb  *envlet.NodeArbiter
+	boot string
+
+	mu      sync.Mutex
+	envs    map[string]*record
+	ended   []*record // oldest first, at most DefaultEndedEnvs
+	rejects map[string]float64
+}
+
+type record struct {
+	info     EnvInfo
+	timeline []json.RawMessage
+}
+
+// NewServer wraps arb. Each Server has a fresh boot identity, so clients
+// notice a restarted arbiter and re-register.
+func NewServer(arb *envlet.NodeArbiter) *Server {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return &Server{
+		arb:     arb,
+		boot:    hex.EncodeToString(b[:]),
+		envs:    make(map[string]*record),
+		rejects: make(map[string]float64),
+	}
+}
+
+// Register adds the arbiter service to a ttrpc server.
+func (s *Server) Register(srv *ttrpc.Server) {
+	srv.RegisterService(ServiceName, &ttrpc.ServiceDesc{Methods: map[string]ttrpc.Method{
+		methodAdmit:    handler(s.admit),
+		methodGrow:     handler(s.grow),
+		methodReport:   handler(s.report),
+		methodRelease:  handler(s.release),
+		methodList:     handler(s.list),
+		methodTimeline: handler(s.timelineOf),
+	}})
+}
+
+// handler adapts a typed JSON method to ttrpc, mapping errors to gRPC codes
+// so clients recover their errdefs kind.
+func handler[Req, Resp any](fn func(context.Context, *Req) (*Resp, error)) ttrpc.Method {
+	return func(ctx context.Context, unmarshal func(any) error) (any, error) {
+		var in wrapperspb.BytesValue
+		if err := unmarshal(&in); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("%w: %v", errdefs.ErrInvalidArgument, err))
+		}
+		var req Req
+		if err := decode(&in, &req); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("%w: %v", errdefs.ErrInvalidArgument, err))
+		}
+		resp, err := fn(ctx, &req)
+		if err != nil {
+			return nil, errgrpc.ToGRPC(err)
+		}
+		out, err := encode(resp)
+		if err != nil {
+			return nil, errgrpc.ToGRPC(err)
+		}
+		return out, nil
+	}
+}
+
+func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, error) {
+	if r.Env == "" {
+		return nil, fmt.Errorf("admit: empty env: %w", errdefs.ErrInvalidArgument)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, known := s.envs[r.Env]
+	if !known {
+		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base)); err != nil {
+			if errdefs.IsResourceExhausted(err) {
+				s.rejects["admission"]++
+			}
+			return nil, fmt.Errorf("admit %s: %w", r.Env, err)
+		}
+		now := time.Now()
+		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now}}
+		s.envs[r.Env] = rec
+	}
+	// An Admit for a known env is a retry or a re-registration: idempotent,
+	// but it restores the grant the shim says it holds.
+	rec.info.Owner = r.Owner
+	if r.Current != nil && (r.Current.CPU > rec.info.Current.CPU || r.Current.Memory > rec.info.Current.Memory) {
+		got, err := s.arb.Grow(ctx, r.Env, fromWire(*r.Current))
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("env", r.Env).Warn("arbiter: restoring grant of re-registered env")
+		} else {
+			rec.info.Current = toWire(got)
+		}
+	}
+	return &EmptyResponse{Boot: s.boot}, nil
+}
+
+func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.envs[r.Env]
+	if !ok {
+		return nil, fmt.Errorf("grow %s: %w", r.Env, errdefs.ErrNotFound)
+	}
+	got, err := s.arb.Grow(ctx, r.Env, fromWire(r.Want))
+	if err != nil {
+		return nil, fmt.Errorf("grow %s: %w", r.Env, err)
+	}
+	// A field at or below the grant is not being grown (envlet.Arbiter).
+	if r.Want.CPU > got.CPU {
+		s.rejects["grow_cpu"]++
+	}
+	if r.Want.Memory > got.Memory {
+		s.rejects["grow_memory"]++
+	}
+	rec.info.Current = toWire(got)
+	rec.info.Updated = time.Now()
+	return &ResourcesResponse{Boot: s.boot, Resources: toWire(got)}, nil
+}
+
+func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.envs[r.Env]
+	if !ok {
+		return nil, fmt.Errorf("report %s: %w", r.Env, errdefs.ErrNotFound)
+	}
+	limit, err := s.arb.Report(ctx, r.Env, fromWire(r.Current), fromWire(r.Used))
+	if err != nil {
+		return nil, fmt.Errorf("report %s: %w", r.Env, err)
+	}
+	rec.info.Current = r.Current
+	rec.info.Used = r.Used
+	rec.info.Updated = time.Now()
+	if len(r.Status) > 0 {
+		rec.info.Status = r.Status
+	}
+	rec.timeline = append(rec.timeline, r.Timeline...)
+	if n := len(rec.timeline) - DefaultTimelinePoints; n > 0 {
+		rec.timeline = append(rec.timeline[:0:0], rec.timeline[n:]...)
+	}
+	return &ResourcesResponse{Boot: s.boot, Resources: toWire(limit)}, nil
+}
+
+func (s *Server) release(ctx context.Context, r *ReleaseRequest) (*EmptyResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.envs[r.Env]
+	if !ok {
+		// Releasing twice (exit, then delete) is normal.
+		return &EmptyResponse{Boot: s.boot}, nil
+	}
+	if err := s.arb.Release(ctx, r.Env); err != nil && !errdefs.IsNotFound(err) {
+		return nil, fmt.Errorf("release %s: %w", r.Env, err)
+	}
+	delete(s.envs, r.Env)
+	rec.info.Ended = time.Now()
+	rec.info.Reason = r.Reason
+	if rec.info.Reason == "" {
+		rec.info.Reason = "released"
+	}
+	s.ended = append(s.ended, rec)
+	if n := len(s.ended) - DefaultEndedEnvs; n > 0 {
+		s.ended = append(s.ended[:0:0], s.ended[n:]...)
+	}
+	return &EmptyResponse{Boot: s.boot}, nil
+}
+
+func (s *Server) list(_ context.Context, r *ListRequest) (*ListResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	resp := &ListResponse{Boot: s.boot, Envs: make([]EnvInfo, 0, len(s.envs))}
+	for _, rec := range s.envs {
+		resp.Envs = append(resp.Envs, rec.info)
+	}
+	sort.Slice(resp.Envs, func(i, j int) bool { return resp.Envs[i].Env < resp.Envs[j].Env })
+	if r.Ended {
+		for _, rec := range s.ended {
+			resp.Envs = append(resp.Envs, rec.info)
+		}
+	}
+	return resp, nil
+}
+
+func (s *Server) timelineOf(_ context.Context, r *TimelineRequest) (*TimelineResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.envs[r.Env]
+	if !ok {
+		// The most recent ended environment of that name.
+		for i := len(s.ended) - 1; i >= 0; i-- {
+			if s.ended[i].info.Env == r.Env {
+				rec, ok = s.ended[i], true
+				break
+			}
+		}
+	}
+	if !ok {
+		return nil, fmt.Errorf("timeline of %s: %w", r.Env, errdefs.ErrNotFound)
+	}
+	return &TimelineResponse{Boot: s.boot, Points: append([]json.RawMessage(nil), rec.timeline...)}, nil
+}
+
+// ServeOpt configures Serve.
+type ServeOpt func(*serveConfig)
+
+type serveConfig struct {
+	metricsAddr string
+}
+
+// WithMetricsAddress also serves Prometheus metrics (per-environment quota,
+// usage and controller status) over HTTP at addr, path /metrics.
+func WithMetricsAddress(addr string) ServeOpt {
+	return func(c *serveConfig) { c.metricsAddr = addr }
+}
+
+// Serve runs the arbiter for arb on a unix socket at socketPath until ctx
+// is cancelled. A stale socket file is replaced: only one arbiter may run
+// per socket, and a dead one leaves its file behind.
+func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts ...ServeOpt) error {
+	var cfg serveConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if err := os.MkdirAll(filepath.Dir(socketPath), 0o700); err != nil {
+		return fmt.Errorf("arbiter socket dir: %w", err)
+	}
+	if err := os.Remove(socketPath); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove stale arbiter socket: %w", err)
+	}
+	l, err := net.Listen("unix", socketPath)
+	if err != nil {
+		return fmt.Errorf("listen on arbiter socket %s: %w", socketPath, err)
+	}
+	defer os.Remove(socketPath)
+
+	s := NewServer(arb)
+	srv, err := ttrpc.NewServer()
+	if err != nil {
+		l.Close()
+		return fmt.Errorf("ttrpc server: %w", err)
+	}
+	s.Register(srv)
+
+	var httpSrv *http.Server
+	if cfg.metricsAddr != "" {
+		reg := prometheus.NewRegistry()
+		reg.MustRegister(s.Collector())
+		ml, err := net.Listen("tcp", cfg.metricsAddr)
+		if err != nil {
+			l.Close()
+			return fmt.Errorf("listen for metrics on %s: %w", cfg.metricsAddr, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		httpSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := httpSrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.G(ctx).WithError(err).Error("arbiter metrics server")
+			}
+		}()
+	}
+
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ctx, l) }()
+	log.G(ctx).WithField("socket", socketPath).Info("arbiter serving")
+	select {
+	case <-ctx.Done():
+	case err := <-errc:
+		if err != nil && !errors.Is(err, ttrpc.ErrServerClosed) {
+			return fmt.Errorf("serve arbiter: %w", err)
+		}
+	}
+	if httpSrv != nil {
+		httpSrv.Close()
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		srv.Close()
+	}
+	return nil
+}

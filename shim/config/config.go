@@ -1,0 +1,187 @@
+// Package config reads the envlet shim's node configuration: policy
+// defaults, node size and the arbiter's address. containerd's runtime
+// `options` cannot carry it (CRI would send runtimeoptions that runc's task
+// service rejects, see DESIGN.md), so it is a TOML file found through the
+// environment the shim inherits from containerd.
+package config
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+
+	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+const (
+	// EnvVar names the config file; DefaultPath is used when it is unset.
+	EnvVar      = "ENVLET_CONFIG"
+	DefaultPath = "/etc/envsnap/envlet.toml"
+)
+
+// Config is the file's content. Every field is optional.
+type Config struct {
+	// Disabled runs containers exactly like runc, without a controller.
+	Disabled bool `toml:"disabled"`
+	// Policy holds envlet knobs by their annotation names without the
+	// prefix (initial-cpu = "0.5", cap-memory = "16Gi", ...): the node's
+	// defaults, which per-container annotations override.
+	Policy map[string]string `toml:"policy"`
+	Node   Node              `toml:"node"`
+	// Arbiter locates the node arbiter.
+	Arbiter Arbiter `toml:"arbiter"`
+}
+
+// Node is the capacity arbitrated on this node. Empty fields default to the
+// machine (online CPUs, MemTotal).
+type Node struct {
+	CPU    string `toml:"cpu"`    // cores: "2", "1500m"
+	Memory string `toml:"memory"` // bytes: "4Gi"
+	// Reserve is the share of the node kept for admissions; default 0.15.
+	Reserve *float64 `toml:"reserve"`
+}
+
+// Arbiter configures the shims' arbiter client.
+type Arbiter struct {
+	Socket   string `toml:"socket"`   // default /run/envsnap/arbiter.sock
+	Timeout  string `toml:"timeout"`  // default 100ms
+	Fallback string `toml:"fallback"` // "degraded" (default) or "local"
+}
+
+// Load reads the file named by $ENVLET_CONFIG, or DefaultPath. A missing
+// default file is an empty config; a missing file named explicitly is an
+// error, as is any unknown key.
+func Load() (Config, error) {
+	path, explicit := os.LookupEnv(EnvVar)
+	if !explicit || path == "" {
+		path = DefaultPath
+	}
+	c, err := LoadFile(path)
+	if errors.Is(err, os.ErrNotExist) && !explicit {
+		return Config{}, nil
+	}
+	return c, err
+}
+
+// LoadFile reads one config file.
+func LoadFile(path string) (Config, error) {
+	var c Config
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return c, fmt.Errorf("read envlet config: %w", err)
+	}
+	dec := toml.NewDecoder(bytes.NewReader(b)).DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		var sme *toml.StrictMissingError
+		if errors.As(err, &sme) {
+			// Name the offending keys: a typo must be easy to find.
+			return c, fmt.Errorf("parse envlet config %s: unknown keys:\n%s", path, sme.String())
+		}
+		return c, fmt.Errorf("parse envlet config %s: %w", path, err)
+	}
+	if _, err := c.Envlet(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, _, err := c.NodeSize(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, err := c.ArbiterClient(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Envlet returns the controller defaults: envlet's published defaults with
+// the file's [policy] applied.
+func (c Config) Envlet() (envlet.Config, error) {
+	ec := envlet.DefaultConfig()
+	if len(c.Policy) == 0 {
+		return ec, nil
+	}
+	a := make(map[string]string, len(c.Policy))
+	for k, v := range c.Policy {
+		a[envlet.AnnotationPrefix+k] = v
+	}
+	if err := ec.ApplyAnnotations(a); err != nil {
+		return ec, fmt.Errorf("[policy]: %w", err)
+	}
+	return ec, nil
+}
+
+// NodeSize is the node capacity and admission reserve.
+func (c Config) NodeSize() (envlet.Resources, float64, error) {
+	var r envlet.Resources
+	var err error
+	if c.Node.CPU != "" {
+		if r.CPU, err = envlet.ParseCPU(c.Node.CPU); err != nil {
+			return r, 0, fmt.Errorf("[node] cpu: %w", err)
+		}
+	} else {
+		r.CPU = float64(runtime.NumCPU())
+	}
+	if c.Node.Memory != "" {
+		if r.Memory, err = envlet.ParseBytes(c.Node.Memory); err != nil {
+			return r, 0, fmt.Errorf("[node] memory: %w", err)
+		}
+	} else if r.Memory, err = memTotal(); err != nil {
+		return r, 0, err
+	}
+	reserve := envlet.DefaultReserve
+	if c.Node.Reserve != nil {
+		reserve = *c.Node.Reserve
+		if reserve < 0 || reserve >= 1 {
+			return r, 0, fmt.Errorf("[node] reserve %v: must be in [0, 1)", reserve)
+		}
+	}
+	return r, reserve, nil
+}
+
+// ArbiterClient is the client configuration for the shims.
+func (c Config) ArbiterClient() (arbiter.ClientConfig, error) {
+	node, reserve, err := c.NodeSize()
+	if err != nil {
+		return arbiter.ClientConfig{}, err
+	}
+	cc := arbiter.ClientConfig{Socket: c.Arbiter.Socket, Node: node, Reserve: reserve, Fallback: c.Arbiter.Fallback}
+	if c.Arbiter.Timeout != "" {
+		d, err := time.ParseDuration(c.Arbiter.Timeout)
+		if err != nil || d <= 0 {
+			return cc, fmt.Errorf("[arbiter] timeout %q: must be a positive duration", c.Arbiter.Timeout)
+		}
+		cc.Timeout = d
+	}
+	switch cc.Fallback {
+	case "", arbiter.FallbackDegraded, arbiter.FallbackLocal:
+	default:
+		return cc, fmt.Errorf("[arbiter] fallback %q: want %q or %q", cc.Fallback, arbiter.FallbackDegraded, arbiter.FallbackLocal)
+	}
+	return cc, nil
+}
+
+func memTotal() (int64, error) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, fmt.Errorf("node memory size: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "MemTotal:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("parse MemTotal %q: %w", rest, err)
+			}
+			return kb * 1024, nil
+		}
+	}
+	return 0, fmt.Errorf("node memory size: no MemTotal in /proc/meminfo")
+}

@@ -1,0 +1,92 @@
+package config
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+func TestLoadFile(t *testing.T) {
+	for _, tc := range []struct {
+		name, toml string
+		wantErr    string
+		check      func(t *testing.T, c Config)
+	}{
+		{
+			name: "full",
+			toml: `
+[policy]
+initial-cpu = "250m"
+initial-memory = "256Mi"
+[node]
+cpu = "2"
+memory = "4Gi"
+reserve = 0.1
+[arbiter]
+socket = "/tmp/x.sock"
+timeout = "50ms"
+fallback = "local"
+`,
+			check: func(t *testing.T, c Config) {
+				ec, err := c.Envlet()
+				if err != nil || ec.Initial != (envlet.Resources{CPU: 0.25, Memory: 256 * envlet.MiB}) {
+					t.Fatalf("policy: %v %v", ec.Initial, err)
+				}
+				if ec.Cap != envlet.DefaultConfig().Cap {
+					t.Fatalf("unset knobs must keep the defaults: cap %v", ec.Cap)
+				}
+				node, reserve, err := c.NodeSize()
+				if err != nil || node != (envlet.Resources{CPU: 2, Memory: 4 * envlet.GiB}) || reserve != 0.1 {
+					t.Fatalf("node %v reserve %v err %v", node, reserve, err)
+				}
+				cc, err := c.ArbiterClient()
+				if err != nil || cc.Socket != "/tmp/x.sock" || cc.Timeout != 50*time.Millisecond || cc.Fallback != "local" || cc.Node != node {
+					t.Fatalf("client %+v %v", cc, err)
+				}
+			},
+		},
+		{
+			name: "empty means machine size and defaults",
+			check: func(t *testing.T, c Config) {
+				node, reserve, err := c.NodeSize()
+				if err != nil || node.CPU < 1 || node.Memory < 64*envlet.MiB || reserve != envlet.DefaultReserve {
+					t.Fatalf("node %v reserve %v err %v", node, reserve, err)
+				}
+			},
+		},
+		{name: "unknown key", toml: "[node]\ncpus = 2\n", wantErr: "cpus"},
+		{name: "unknown knob", toml: "[policy]\ninitial-cpus = \"1\"\n", wantErr: "initial-cpus"},
+		{name: "bad memory", toml: "[node]\nmemory = \"lots\"\n", wantErr: "memory"},
+		{name: "bad fallback", toml: "[arbiter]\nfallback = \"open\"\n", wantErr: "fallback"},
+		{name: "bad reserve", toml: "[node]\nreserve = 1.5\n", wantErr: "reserve"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), "envlet.toml")
+			if err := os.WriteFile(p, []byte(tc.toml), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			c, err := LoadFile(p)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("got %v, want an error about %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.check(t, c)
+		})
+	}
+}
+
+func TestLoadEnv(t *testing.T) {
+	t.Setenv(EnvVar, filepath.Join(t.TempDir(), "missing.toml"))
+	if _, err := Load(); err == nil {
+		t.Fatal("a config file named in $ENVLET_CONFIG must exist")
+	}
+}

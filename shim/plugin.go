@@ -1,0 +1,84 @@
+//go:build linux
+
+// Package shim is the envlet task service: containerd's runc task service
+// with an elastic quota controller (package envlet) around every container
+// it runs. Importing it registers the shim's "task" ttrpc plugin in place
+// of runc's (cmd/containerd-shim-envlet-v2 must not also import runc's
+// task/plugin: registering "task" twice panics).
+//
+// Life of a container: Create admits it with the node arbiter (rejection
+// fails Create with errdefs.ErrResourceExhausted), Start starts its
+// controller on the container's cgroup, Update moves the controller's
+// bounds, exit and Delete stop the controller and release the grant. A
+// controller that gives up (memory denied while OOMing) fails the task
+// loudly: an /envlet/env/failed event, the Kubernetes termination message,
+// /tasks/oom, and SIGKILL (exit status 137). Sandbox (pause) containers
+// run as plain runc containers.
+package shim
+
+import (
+	"context"
+	"fmt"
+
+	runctask "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/task"
+	"github.com/containerd/containerd/v2/pkg/shim"
+	"github.com/containerd/containerd/v2/pkg/shutdown"
+	"github.com/containerd/containerd/v2/plugins"
+	"github.com/containerd/log"
+	"github.com/containerd/plugin"
+	"github.com/containerd/plugin/registry"
+
+	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/shim/config"
+)
+
+func init() {
+	// The same registration as runc's task/plugin, with our service.
+	registry.Register(&plugin.Registration{
+		Type:     plugins.TTRPCPlugin,
+		ID:       "task",
+		Requires: []plugin.Type{plugins.EventPlugin, plugins.InternalPlugin},
+		InitFn: func(ic *plugin.InitContext) (any, error) {
+			pp, err := ic.GetByID(plugins.EventPlugin, "publisher")
+			if err != nil {
+				return nil, err
+			}
+			ss, err := ic.GetByID(plugins.InternalPlugin, "shutdown")
+			if err != nil {
+				return nil, err
+			}
+			publisher := pp.(shim.Publisher)
+			inner, err := runctask.NewTaskService(ic.Context, publisher, ss.(shutdown.Service))
+			if err != nil {
+				return nil, err
+			}
+			cfg, err := config.Load()
+			if err != nil {
+				// A broken node config must not take every pod down with
+				// it silently: run, but say so on every container.
+				log.G(ic.Context).WithError(err).Error("envlet: config; using defaults")
+				cfg = config.Config{}
+			}
+			policy, err := cfg.Envlet()
+			if err != nil {
+				return nil, fmt.Errorf("envlet policy: %w", err)
+			}
+			node, _, err := cfg.NodeSize()
+			if err != nil {
+				return nil, fmt.Errorf("envlet node size: %w", err)
+			}
+			cc, err := cfg.ArbiterClient()
+			if err != nil {
+				return nil, fmt.Errorf("envlet arbiter: %w", err)
+			}
+			arb := arbiter.NewClient(cc)
+			ss.(shutdown.Service).RegisterCallback(func(context.Context) error { return arb.Close() })
+			return New(ic.Context, inner, publisher, Options{
+				Disabled: cfg.Disabled,
+				Policy:   policy,
+				Node:     node,
+				Arbiter:  arb,
+			}), nil
+		},
+	})
+}

@@ -1,0 +1,407 @@
+//go:build linux
+
+package shim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
+	"github.com/containerd/containerd/v2/core/events"
+	"github.com/containerd/containerd/v2/core/runtime"
+	ptypes "github.com/containerd/containerd/v2/pkg/protobuf/types"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
+	"github.com/containerd/log"
+	"github.com/containerd/ttrpc"
+	"github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// FailedEventTopic is the containerd event topic of a failed environment.
+// Its payload is a google.protobuf.Struct with the fields of
+// envlet.Failure (id, reason, requested, granted, cap, ws, ooms, message).
+const FailedEventTopic = "/envlet/env/failed"
+
+// ReasonAdmissionRejected is the failure reason of a Create the arbiter
+// refused.
+const ReasonAdmissionRejected = "ADMISSION_REJECTED"
+
+// Arbiter is what the service needs from the arbiter client: the quota
+// protocol, status reporting and releases that say why.
+type Arbiter interface {
+	envlet.Arbiter
+	Track(env string, src arbiter.StatusSource)
+	ReleaseReason(ctx context.Context, env, reason string) error
+}
+
+// Controller is the part of *envlet.Controller the service drives.
+type Controller interface {
+	Run(ctx context.Context) error
+	Status() envlet.Status
+	Timeline() []envlet.TimelinePoint
+}
+
+// ControllerFactory builds the controller of one container. The default
+// opens the cgroup with envlet.OpenCgroup and calls envlet.NewController.
+type ControllerFactory func(env, cgroupsPath string, cfg envlet.Config, arb envlet.Arbiter) (Controller, func() error, error)
+
+// Options configures New.
+type Options struct {
+	// Disabled runs every container unmanaged.
+	Disabled bool
+	// Policy is the node's controller configuration before per-container
+	// limits and annotations.
+	Policy envlet.Config
+	// Node caps every environment.
+	Node    envlet.Resources
+	Arbiter Arbiter
+	// NewController defaults to the real controller.
+	NewController ControllerFactory
+}
+
+// Service is the envlet task service.
+type Service struct {
+	taskAPI.TTRPCTaskService // runc's, for everything not overridden
+
+	ctx       context.Context
+	publisher events.Publisher
+	opts      Options
+
+	mu   sync.Mutex
+	envs map[string]*env
+}
+
+// env is one managed container.
+type env struct {
+	id      string
+	cfg     envlet.Config
+	cgroup  string
+	termMsg string
+
+	ctrl    Controller
+	closeCg func() error
+	cancel  context.CancelFunc
+	done    chan struct{} // closed when the controller has stopped
+	reason  string        // why it ended, for the arbiter's listing
+	once    sync.Once
+}
+
+var _ taskAPI.TTRPCTaskService = (*Service)(nil)
+
+// New wraps inner, runc's task service. ctx is the shim's context (it
+// carries the namespace events are published in).
+func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.Publisher, opts Options) *Service {
+	if opts.NewController == nil {
+		opts.NewController = newController
+	}
+	return &Service{
+		TTRPCTaskService: inner,
+		ctx:              ctx,
+		publisher:        publisher,
+		opts:             opts,
+		envs:             make(map[string]*env),
+	}
+}
+
+func newController(id, cgroupsPath string, cfg envlet.Config, arb envlet.Arbiter) (Controller, func() error, error) {
+	cg, err := envlet.OpenCgroup(cgroupsPath)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open cgroup %s: %w", cgroupsPath, err)
+	}
+	c, err := envlet.NewController(id, cg, cfg, arb)
+	if err != nil {
+		cg.Close()
+		return nil, nil, err
+	}
+	return c, cg.Close, nil
+}
+
+// RegisterTTRPC serves this service, not the wrapped one, as the task API.
+func (s *Service) RegisterTTRPC(server *ttrpc.Server) error {
+	taskAPI.RegisterTTRPCTaskService(server, s)
+	return nil
+}
+
+func (s *Service) lookup(id string) *env {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.envs[id]
+}
+
+// Create admits the container with the arbiter before runc creates it, so
+// a rejected container never exists.
+func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
+	spec, err := readSpec(r.Bundle)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	if !managed(spec, s.opts.Disabled) {
+		return s.TTRPCTaskService.Create(ctx, r)
+	}
+	cfg, err := envConfig(s.opts.Policy, s.opts.Node, spec)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet configuration of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	e := &env{id: r.ID, cfg: cfg, cgroup: cgroupsPath(spec), termMsg: terminationMessageFile(spec), done: make(chan struct{})}
+	if e.cgroup == "" {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
+	}
+	if err := s.opts.Arbiter.Admit(ctx, r.ID, cfg.Initial); err != nil {
+		if errdefs.IsResourceExhausted(err) {
+			f := envlet.Failure{
+				Env: r.ID, Reason: ReasonAdmissionRejected,
+				Requested: cfg.Initial.Memory, Cap: cfg.Cap.Memory,
+				Message: err.Error(),
+			}
+			s.publishFailure(f)
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: node cannot admit %s with %v: %w", ReasonAdmissionRejected, r.ID, cfg.Initial, err))
+		}
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: admit %s: %w", r.ID, err))
+	}
+	resp, err := s.TTRPCTaskService.Create(ctx, r)
+	if err != nil {
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, r.ID, "create failed"); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+		}
+		return nil, err
+	}
+	s.mu.Lock()
+	s.envs[r.ID] = e
+	s.mu.Unlock()
+	return resp, nil
+}
+
+// Start starts the controller on the container's cgroup (created by runc
+// in Create) just before the container's process runs.
+func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.StartResponse, error) {
+	e := s.lookup(r.ID)
+	if r.ExecID != "" || e == nil || e.ctrl != nil {
+		return s.TTRPCTaskService.Start(ctx, r)
+	}
+	ctrl, closeCg, err := s.opts.NewController(e.id, e.cgroup, e.cfg, s.opts.Arbiter)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
+	}
+	s.opts.Arbiter.Track(e.id, ctrl)
+	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
+	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
+	go s.runController(runCtx, e)
+
+	resp, err := s.TTRPCTaskService.Start(ctx, r)
+	if err != nil {
+		s.finish(e, "start failed")
+		return nil, err
+	}
+	// The init process's exit ends the environment, whether or not
+	// anybody deletes the task soon.
+	go func() {
+		_, _ = s.TTRPCTaskService.Wait(context.WithoutCancel(s.ctx), &taskAPI.WaitRequest{ID: e.id})
+		s.finish(e, "exited")
+	}()
+	return resp, nil
+}
+
+func (s *Service) runController(ctx context.Context, e *env) {
+	defer close(e.done)
+	err := e.ctrl.Run(ctx)
+	var fe *envlet.FailureError
+	switch {
+	case errors.As(err, &fe):
+		e.reason = fe.Reason
+		s.fail(ctx, e, fe)
+	case err != nil && ctx.Err() == nil:
+		// The controller stopped on its own (the cgroup vanished with the
+		// task, typically); the task runs on at its last limits.
+		log.G(ctx).WithError(err).Warn("envlet: controller stopped")
+	}
+}
+
+// finish stops e's controller and returns its grant, once.
+func (s *Service) finish(e *env, reason string) {
+	e.once.Do(func() {
+		if e.cancel != nil {
+			e.cancel()
+			<-e.done
+			if e.closeCg != nil {
+				_ = e.closeCg()
+			}
+		}
+		if e.reason != "" {
+			reason = e.reason
+		}
+		ctx := context.WithoutCancel(s.ctx)
+		if err := s.opts.Arbiter.ReleaseReason(ctx, e.id, reason); err != nil {
+			log.G(ctx).WithError(err).WithField("id", e.id).Warn("envlet: release")
+		}
+	})
+}
+
+// fail ends an environment loudly, in the order a client can rely on: the
+// reason is published and written to the termination message before the
+// task dies, so whoever sees the exit can already read why.
+func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
+	log.G(ctx).WithField("reason", fe.Reason).WithField("requested", fe.Requested).
+		WithField("granted", fe.Granted).WithField("ooms", fe.OOMs).Error("envlet: environment failed; killing it")
+	f := fe.Failure
+	f.Env = e.id
+	if f.Message == "" {
+		f.Message = fe.Error()
+	}
+	s.publishFailure(f)
+	if e.termMsg != "" {
+		msg := fmt.Sprintf("envlet: %s: %s\n", f.Reason, f.Message)
+		if err := os.WriteFile(e.termMsg, []byte(msg), 0o644); err != nil {
+			log.G(ctx).WithError(err).Warn("envlet: write termination message")
+		}
+	}
+	// CRI reports Reason=OOMKilled only after /tasks/oom; the kernel may
+	// not have OOM-killed anything (v1 refuses, or the task was paused), so
+	// say it ourselves.
+	if err := s.publisher.Publish(s.ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: e.id}); err != nil {
+		log.G(ctx).WithError(err).Warn("envlet: publish oom event")
+	}
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(s.ctx), 10*time.Second)
+	defer cancel()
+	if _, err := s.TTRPCTaskService.Kill(kctx, &taskAPI.KillRequest{ID: e.id, Signal: uint32(unix.SIGKILL), All: true}); err != nil {
+		log.G(ctx).WithError(err).Error("envlet: kill failed environment")
+	}
+}
+
+// FailureEvent encodes f as the payload of FailedEventTopic.
+func FailureEvent(f envlet.Failure) (*structpb.Struct, error) {
+	b, err := json.Marshal(f)
+	if err != nil {
+		return nil, err
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, err
+	}
+	return structpb.NewStruct(m)
+}
+
+// ParseFailureEvent decodes a FailedEventTopic payload.
+func ParseFailureEvent(st *structpb.Struct) (envlet.Failure, error) {
+	var f envlet.Failure
+	b, err := st.MarshalJSON()
+	if err != nil {
+		return f, err
+	}
+	err = json.Unmarshal(b, &f)
+	return f, err
+}
+
+func (s *Service) publishFailure(f envlet.Failure) {
+	ev, err := FailureEvent(f)
+	if err == nil {
+		err = s.publisher.Publish(s.ctx, FailedEventTopic, ev)
+	}
+	if err != nil {
+		log.G(s.ctx).WithError(err).WithField("id", f.Env).Error("envlet: publish failure event")
+	}
+}
+
+// Update applies kubelet's resource changes. The controller owns the CPU
+// quota and memory limit, so new limits become the environment's cap
+// instead of being written to the cgroup; everything else goes to runc.
+func (s *Service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*ptypes.Empty, error) {
+	e := s.lookup(r.ID)
+	if e == nil || r.Resources == nil {
+		return s.TTRPCTaskService.Update(ctx, r)
+	}
+	var res specs.LinuxResources
+	if err := json.Unmarshal(r.Resources.GetValue(), &res); err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: decode resources of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	limits := specLimits(&res)
+	if res.CPU != nil {
+		res.CPU.Quota, res.CPU.Period = nil, nil
+	}
+	if res.Memory != nil {
+		res.Memory.Limit, res.Memory.Swap = nil, nil
+	}
+	if limits.CPU > 0 || limits.Memory > 0 {
+		if err := s.updateBounds(ctx, e, limits); err != nil {
+			return nil, errgrpc.ToGRPC(err)
+		}
+	}
+	b, err := json.Marshal(&res)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	fwd := &taskAPI.UpdateTaskRequest{
+		ID:          r.ID,
+		Resources:   &ptypes.Any{TypeUrl: r.Resources.GetTypeUrl(), Value: b},
+		Annotations: r.Annotations,
+	}
+	return s.TTRPCTaskService.Update(ctx, fwd)
+}
+
+// BoundsSetter is implemented by controllers whose cap can move while
+// they run (kubelet's in-place resize).
+type BoundsSetter interface {
+	SetCap(envlet.Resources) error
+}
+
+// updateBounds makes limits (zero fields unchanged, never above the node)
+// the environment's new cap.
+func (s *Service) updateBounds(ctx context.Context, e *env, limits envlet.Resources) error {
+	next := e.cfg.Cap
+	if limits.CPU > 0 {
+		next.CPU = limits.CPU
+	}
+	if limits.Memory > 0 {
+		next.Memory = limits.Memory
+	}
+	if s.opts.Node.CPU > 0 {
+		next.CPU = min(next.CPU, s.opts.Node.CPU)
+	}
+	if s.opts.Node.Memory > 0 {
+		next.Memory = min(next.Memory, s.opts.Node.Memory)
+	}
+	if e.ctrl == nil {
+		// Not started yet: the controller will be built with the new cap.
+		e.cfg.Cap = next
+		e.cfg.Initial.CPU = min(e.cfg.Initial.CPU, next.CPU)
+		e.cfg.Initial.Memory = min(e.cfg.Initial.Memory, next.Memory)
+		return nil
+	}
+	bs, ok := e.ctrl.(BoundsSetter)
+	if !ok {
+		return fmt.Errorf("envlet: %s: changing the cpu/memory limits of a running environment: %w", e.id, errdefs.ErrNotImplemented)
+	}
+	if err := bs.SetCap(next); err != nil {
+		return fmt.Errorf("envlet: %s: set cap %v: %w", e.id, next, err)
+	}
+	log.G(ctx).WithField("id", e.id).WithField("cap", next.String()).Info("envlet: cap updated")
+	e.cfg.Cap = next
+	return nil
+}
+
+// Delete stops the controller of an init process's container before runc
+// deletes it.
+func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAPI.DeleteResponse, error) {
+	resp, err := s.TTRPCTaskService.Delete(ctx, r)
+	if err != nil || r.ExecID != "" {
+		return resp, err
+	}
+	s.mu.Lock()
+	e := s.envs[r.ID]
+	delete(s.envs, r.ID)
+	s.mu.Unlock()
+	if e != nil {
+		s.finish(e, "deleted")
+	}
+	return resp, nil
+}

@@ -1,0 +1,447 @@
+//go:build linux
+
+package shim
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
+	"github.com/containerd/containerd/v2/core/events"
+	"github.com/containerd/containerd/v2/core/runtime"
+	ptypes "github.com/containerd/containerd/v2/pkg/protobuf/types"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
+	"github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// fakeRunc stands in for runc's task service.
+type fakeRunc struct {
+	taskAPI.TTRPCTaskService
+	mu      sync.Mutex
+	calls   []string
+	kills   []*taskAPI.KillRequest
+	updates []*specs.LinuxResources
+	exited  chan struct{}
+}
+
+func newFakeRunc() *fakeRunc { return &fakeRunc{exited: make(chan struct{})} }
+
+func (f *fakeRunc) record(c string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls = append(f.calls, c)
+}
+
+func (f *fakeRunc) Create(_ context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
+	f.record("create " + r.ID)
+	return &taskAPI.CreateTaskResponse{Pid: 42}, nil
+}
+
+func (f *fakeRunc) Start(_ context.Context, r *taskAPI.StartRequest) (*taskAPI.StartResponse, error) {
+	f.record("start " + r.ID)
+	return &taskAPI.StartResponse{Pid: 42}, nil
+}
+
+func (f *fakeRunc) Kill(_ context.Context, r *taskAPI.KillRequest) (*ptypes.Empty, error) {
+	f.mu.Lock()
+	f.kills = append(f.kills, r)
+	f.mu.Unlock()
+	f.record("kill " + r.ID)
+	if r.Signal == uint32(unix.SIGKILL) {
+		close(f.exited)
+	}
+	return &ptypes.Empty{}, nil
+}
+
+func (f *fakeRunc) Wait(ctx context.Context, r *taskAPI.WaitRequest) (*taskAPI.WaitResponse, error) {
+	select {
+	case <-f.exited:
+		return &taskAPI.WaitResponse{ExitStatus: 137}, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (f *fakeRunc) Update(_ context.Context, r *taskAPI.UpdateTaskRequest) (*ptypes.Empty, error) {
+	var res specs.LinuxResources
+	if err := json.Unmarshal(r.Resources.GetValue(), &res); err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	f.updates = append(f.updates, &res)
+	f.mu.Unlock()
+	return &ptypes.Empty{}, nil
+}
+
+func (f *fakeRunc) Delete(_ context.Context, r *taskAPI.DeleteRequest) (*taskAPI.DeleteResponse, error) {
+	f.record("delete " + r.ID)
+	return &taskAPI.DeleteResponse{ExitStatus: 137}, nil
+}
+
+type published struct {
+	topic string
+	event events.Event
+}
+
+type fakePublisher struct {
+	mu  sync.Mutex
+	evs []published
+}
+
+func (p *fakePublisher) Publish(_ context.Context, topic string, e events.Event) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.evs = append(p.evs, published{topic, e})
+	return nil
+}
+
+func (p *fakePublisher) topics() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var ts []string
+	for _, e := range p.evs {
+		ts = append(ts, e.topic)
+	}
+	return ts
+}
+
+// fakeArbiter records calls; admit decides admissions.
+type fakeArbiter struct {
+	mu       sync.Mutex
+	admitted map[string]envlet.Resources
+	released map[string]string
+	tracked  map[string]bool
+	admit    func(env string, base envlet.Resources) error
+}
+
+func newFakeArbiter() *fakeArbiter {
+	return &fakeArbiter{admitted: map[string]envlet.Resources{}, released: map[string]string{}, tracked: map[string]bool{}}
+}
+
+func (a *fakeArbiter) Admit(_ context.Context, env string, base envlet.Resources) error {
+	if a.admit != nil {
+		if err := a.admit(env, base); err != nil {
+			return err
+		}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.admitted[env] = base
+	return nil
+}
+func (a *fakeArbiter) Grow(_ context.Context, env string, want envlet.Resources) (envlet.Resources, error) {
+	return want, nil
+}
+func (a *fakeArbiter) Report(_ context.Context, env string, cur, _ envlet.Resources) (envlet.Resources, error) {
+	return cur, nil
+}
+func (a *fakeArbiter) Release(ctx context.Context, env string) error {
+	return a.ReleaseReason(ctx, env, "exited")
+}
+func (a *fakeArbiter) ReleaseReason(_ context.Context, env, reason string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if _, ok := a.released[env]; !ok {
+		a.released[env] = reason
+	}
+	return nil
+}
+func (a *fakeArbiter) Track(env string, _ arbiter.StatusSource) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.tracked[env] = true
+}
+func (a *fakeArbiter) releasedReason(env string) (string, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	r, ok := a.released[env]
+	return r, ok
+}
+
+// fakeController runs until cancelled or until fail is closed.
+type fakeController struct {
+	cgroup string
+	cfg    envlet.Config
+	fail   chan *envlet.FailureError
+	caps   []envlet.Resources
+}
+
+func (c *fakeController) Run(ctx context.Context) error {
+	select {
+	case <-ctx.Done():
+		return nil
+	case fe := <-c.fail:
+		return fe
+	}
+}
+func (c *fakeController) Status() envlet.Status            { return envlet.Status{} }
+func (c *fakeController) Timeline() []envlet.TimelinePoint { return nil }
+func (c *fakeController) SetCap(r envlet.Resources) error  { c.caps = append(c.caps, r); return nil }
+
+type fixture struct {
+	svc   *Service
+	runc  *fakeRunc
+	pub   *fakePublisher
+	arb   *fakeArbiter
+	ctrls map[string]*fakeController
+}
+
+func newFixture(t *testing.T) *fixture {
+	f := &fixture{runc: newFakeRunc(), pub: &fakePublisher{}, arb: newFakeArbiter(), ctrls: map[string]*fakeController{}}
+	var mu sync.Mutex
+	f.svc = New(context.Background(), f.runc, f.pub, Options{
+		Policy:  envlet.DefaultConfig(),
+		Node:    envlet.Resources{CPU: 8, Memory: 16 * envlet.GiB},
+		Arbiter: f.arb,
+		NewController: func(env, cg string, cfg envlet.Config, _ envlet.Arbiter) (Controller, func() error, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			c := &fakeController{cgroup: cg, cfg: cfg, fail: make(chan *envlet.FailureError, 1)}
+			f.ctrls[env] = c
+			return c, func() error { return nil }, nil
+		},
+	})
+	return f
+}
+
+// bundle writes a config.json and returns its directory.
+func bundle(t *testing.T, s *specs.Spec) string {
+	t.Helper()
+	dir := t.TempDir()
+	b, err := json.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func linuxSpec(id string, ann map[string]string) *specs.Spec {
+	return &specs.Spec{Annotations: ann, Linux: &specs.Linux{CgroupsPath: "/test/" + id}}
+}
+
+func TestCreateAdmission(t *testing.T) {
+	i64 := func(v int64) *int64 { return &v }
+	u64 := func(v uint64) *uint64 { return &v }
+	for _, tc := range []struct {
+		name      string
+		spec      *specs.Spec
+		admitted  bool
+		wantBase  envlet.Resources
+		wantCap   envlet.Resources
+		wantError func(error) bool
+	}{
+		{
+			name: "sandbox runs unmanaged",
+			spec: linuxSpec("s", map[string]string{"io.kubernetes.cri.container-type": "sandbox"}),
+		},
+		{
+			name: "disabled by annotation",
+			spec: linuxSpec("d", map[string]string{AnnDisable: "true"}),
+		},
+		{
+			name:     "defaults capped by the node",
+			spec:     linuxSpec("a", nil),
+			admitted: true,
+			wantBase: envlet.Resources{CPU: 2, Memory: 8 * envlet.GiB},
+			wantCap:  envlet.Resources{CPU: 8, Memory: 16 * envlet.GiB},
+		},
+		{
+			name: "annotations override",
+			spec: linuxSpec("b", map[string]string{
+				"io.envsnap.envlet.initial-cpu": "0.25", "io.envsnap.envlet.initial-memory": "256Mi",
+				"io.envsnap.envlet.cap-cpu": "2",
+			}),
+			admitted: true,
+			wantBase: envlet.Resources{CPU: 0.25, Memory: 256 * envlet.MiB},
+			wantCap:  envlet.Resources{CPU: 2, Memory: 16 * envlet.GiB},
+		},
+		{
+			name: "spec limits cap",
+			spec: &specs.Spec{Linux: &specs.Linux{CgroupsPath: "/test/c", Resources: &specs.LinuxResources{
+				CPU:    &specs.LinuxCPU{Quota: i64(150000), Period: u64(100000)},
+				Memory: &specs.LinuxMemory{Limit: i64(4 * envlet.GiB)},
+			}}},
+			admitted: true,
+			wantBase: envlet.Resources{CPU: 1.5, Memory: 4 * envlet.GiB},
+			wantCap:  envlet.Resources{CPU: 1.5, Memory: 4 * envlet.GiB},
+		},
+		{
+			name:      "bad annotation",
+			spec:      linuxSpec("e", map[string]string{"io.envsnap.envlet.initial-cpu": "lots"}),
+			wantError: errdefs.IsInvalidArgument,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			id := strings.ReplaceAll(tc.name, " ", "-")
+			_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: id, Bundle: bundle(t, tc.spec)})
+			if tc.wantError != nil {
+				if !tc.wantError(errgrpc.ToNative(err)) {
+					t.Fatalf("create: %v", err)
+				}
+				if len(f.runc.calls) != 0 {
+					t.Fatalf("runc called after a rejected create: %v", f.runc.calls)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			base, admitted := f.arb.admitted[id]
+			if admitted != tc.admitted {
+				t.Fatalf("admitted = %v, want %v", admitted, tc.admitted)
+			}
+			if !admitted {
+				if f.svc.lookup(id) != nil {
+					t.Fatal("unmanaged container tracked")
+				}
+				return
+			}
+			if base != tc.wantBase {
+				t.Errorf("admitted base %v, want %v", base, tc.wantBase)
+			}
+			e := f.svc.lookup(id)
+			if e.cfg.Cap != tc.wantCap {
+				t.Errorf("cap %v, want %v", e.cfg.Cap, tc.wantCap)
+			}
+			if _, err := f.svc.Start(context.Background(), &taskAPI.StartRequest{ID: id}); err != nil {
+				t.Fatal(err)
+			}
+			if c := f.ctrls[id]; c == nil || c.cgroup != tc.spec.Linux.CgroupsPath {
+				t.Fatalf("controller not started on %s: %+v", tc.spec.Linux.CgroupsPath, c)
+			}
+			if _, err := f.svc.Delete(context.Background(), &taskAPI.DeleteRequest{ID: id}); err != nil {
+				t.Fatal(err)
+			}
+			if r, ok := f.arb.releasedReason(id); !ok || r != "deleted" {
+				t.Fatalf("release after delete: %q %v", r, ok)
+			}
+		})
+	}
+}
+
+func TestCreateRejected(t *testing.T) {
+	f := newFixture(t)
+	f.arb.admit = func(string, envlet.Resources) error {
+		return errdefs.ErrResourceExhausted
+	}
+	_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, linuxSpec("x", nil))})
+	err = errgrpc.ToNative(err)
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), ReasonAdmissionRejected) {
+		t.Fatalf("create on a full node: %v", err)
+	}
+	if len(f.runc.calls) != 0 {
+		t.Fatalf("runc created a rejected container: %v", f.runc.calls)
+	}
+	if got := f.pub.topics(); len(got) != 1 || got[0] != FailedEventTopic {
+		t.Fatalf("events: %v", got)
+	}
+}
+
+// TestFailure: a controller that gives up gets the task killed, after the
+// reason is published and written where kubelet reads it.
+func TestFailure(t *testing.T) {
+	f := newFixture(t)
+	termLog := filepath.Join(t.TempDir(), "termination-log")
+	if err := os.WriteFile(termLog, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	spec := linuxSpec("x", map[string]string{annKubeTermination: "/dev/termination-log"})
+	spec.Mounts = []specs.Mount{{Destination: "/dev/termination-log", Source: termLog, Type: "bind"}}
+	ctx := context.Background()
+	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	f.ctrls["x"].fail <- &envlet.FailureError{Failure: envlet.Failure{
+		Reason: "MEM_NODE_EXHAUSTED", Requested: 6 * envlet.GiB, Granted: 3 * envlet.GiB,
+		Cap: 32 * envlet.GiB, WorkingSet: 3 * envlet.GiB, OOMs: 2, Message: "node granted only 3GiB",
+	}}
+	select {
+	case <-f.runc.exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("failed environment not killed")
+	}
+	k := f.runc.kills[0]
+	if k.Signal != uint32(unix.SIGKILL) || !k.All {
+		t.Fatalf("kill: %+v", k)
+	}
+	topics := f.pub.topics()
+	if len(topics) != 2 || topics[0] != FailedEventTopic || topics[1] != runtime.TaskOOMEventTopic {
+		t.Fatalf("events %v, want failure then oom", topics)
+	}
+	if oom := f.pub.evs[1].event.(*eventstypes.TaskOOM); oom.ContainerID != "x" {
+		t.Fatalf("oom event for %q", oom.ContainerID)
+	}
+	got, err := ParseFailureEvent(f.pub.evs[0].event.(*structpb.Struct))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := envlet.Failure{Env: "x", Reason: "MEM_NODE_EXHAUSTED", Requested: 6 * envlet.GiB, Granted: 3 * envlet.GiB,
+		Cap: 32 * envlet.GiB, WorkingSet: 3 * envlet.GiB, OOMs: 2, Message: "node granted only 3GiB"}
+	if got != want {
+		t.Fatalf("failure event %+v, want %+v", got, want)
+	}
+	msg, _ := os.ReadFile(termLog)
+	if !strings.Contains(string(msg), "MEM_NODE_EXHAUSTED") {
+		t.Fatalf("termination message %q", msg)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if r, ok := f.arb.releasedReason("x"); ok {
+			if r != "MEM_NODE_EXHAUSTED" {
+				t.Fatalf("released with reason %q", r)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not released after exit")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestUpdateMovesCap(t *testing.T) {
+	f := newFixture(t)
+	ctx := context.Background()
+	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, linuxSpec("x", nil))}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	quota, period, limit, shares := int64(300000), uint64(100000), int64(2*envlet.GiB), uint64(512)
+	res := specs.LinuxResources{
+		CPU:    &specs.LinuxCPU{Quota: &quota, Period: &period, Shares: &shares},
+		Memory: &specs.LinuxMemory{Limit: &limit},
+	}
+	b, _ := json.Marshal(&res)
+	if _, err := f.svc.Update(ctx, &taskAPI.UpdateTaskRequest{ID: "x", Resources: &ptypes.Any{TypeUrl: "x", Value: b}}); err != nil {
+		t.Fatal(err)
+	}
+	if c := f.ctrls["x"].caps; len(c) != 1 || c[0] != (envlet.Resources{CPU: 3, Memory: 2 * envlet.GiB}) {
+		t.Fatalf("controller caps %v", c)
+	}
+	fwd := f.runc.updates[0]
+	if fwd.CPU.Quota != nil || fwd.Memory.Limit != nil || fwd.CPU.Shares == nil || *fwd.CPU.Shares != 512 {
+		t.Fatalf("forwarded to runc: %+v %+v", fwd.CPU, fwd.Memory)
+	}
+}
