@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
@@ -30,6 +31,8 @@ type fakeFS struct {
 	notLazy  map[string]bool   // layer digests to refuse as "not our format"
 	checkErr error
 	real     bool
+	// unmountDelay widens the window in which an unmount is in progress.
+	unmountDelay time.Duration
 }
 
 func newFakeFS() *fakeFS {
@@ -75,6 +78,7 @@ func (f *fakeFS) Check(ctx context.Context, mountpoint string, labels map[string
 }
 
 func (f *fakeFS) Unmount(ctx context.Context, mountpoint string) error {
+	time.Sleep(f.unmountDelay)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	d, ok := f.mounted[mountpoint]
@@ -465,5 +469,48 @@ func checkMountedFiles(t *testing.T, ms []mount.Mount, want []digest.Digest) {
 		if string(b) != d.String() {
 			t.Errorf("layer file %s = %q", d, b)
 		}
+	}
+}
+
+// TestRemoteSnapshotConcurrent races Prepare and Remove of chains sharing
+// one layer: the layer must never be mounted twice on its mountpoint (the
+// fake refuses that, which would turn a lazy Prepare into a fallback) and
+// nothing may stay mounted at the end.
+func TestRemoteSnapshotConcurrent(t *testing.T) {
+	fsys := newFakeFS()
+	fsys.unmountDelay = time.Millisecond
+	s, _ := newTestSnapshotter(t, fsys)
+	ctx := testContext(t)
+	shared := layerDigest(1)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 10 {
+				chain := fmt.Sprintf("g%d-%d", g, i)
+				_, err := s.Prepare(ctx, "extract-"+chain, "", remoteOpts(chain, shared))
+				if !errdefs.IsAlreadyExists(err) {
+					errs <- fmt.Errorf("Prepare %s: %v, want ErrAlreadyExists", chain, err)
+					return
+				}
+				if err := s.Remove(ctx, chain); err != nil {
+					errs <- fmt.Errorf("Remove %s: %w", chain, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if mounted, _ := fsys.state(); len(mounted) != 0 {
+		t.Fatalf("left mounted: %v", mounted)
+	}
+	if ls := s.Layers(); len(ls) != 0 {
+		t.Fatalf("layers left: %+v", ls)
 	}
 }

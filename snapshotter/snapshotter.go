@@ -208,6 +208,9 @@ func (s *Snapshotter) ref(d digest.Digest) *layer {
 }
 
 // unref drops one reference to d and unmounts the layer when none is left.
+// The layer stays in the map while it is unmounted, so a concurrent ref of
+// the same digest waits on l.mu and remounts it instead of mounting a second
+// time on the same mountpoint.
 func (s *Snapshotter) unref(ctx context.Context, d digest.Digest) {
 	s.mu.Lock()
 	l, ok := s.layers[d]
@@ -217,16 +220,26 @@ func (s *Snapshotter) unref(ctx context.Context, d digest.Digest) {
 	}
 	l.refs--
 	last := l.refs <= 0
-	if last {
-		delete(s.layers, d)
-	}
 	s.mu.Unlock()
 	if !last {
 		return
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	s.mu.Lock()
+	revived := l.refs > 0
+	s.mu.Unlock()
+	if revived {
+		return
+	}
 	s.unmountLocked(ctx, l)
+	s.mu.Lock()
+	// A layer that failed to unmount stays listed (with its error) so
+	// Layers shows it and Close retries.
+	if l.refs <= 0 && !l.mounted && s.layers[d] == l {
+		delete(s.layers, d)
+	}
+	s.mu.Unlock()
 }
 
 // mountLocked mounts l unless it is mounted and passes Check. l.mu is held.

@@ -1,0 +1,261 @@
+package snapshotter_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/opencontainers/image-spec/identity"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// The link the benchmarks pull through (DESIGN.md "Measured here"): 10 ms
+// each way and 1 Gbit/s shared by all connections in each direction.
+const (
+	linkDelay = 10 * time.Millisecond
+	linkRate  = 1e9 / 8 // bytes per second
+)
+
+func requireBench(tb testing.TB) {
+	if os.Getenv("ENVSNAP_BENCH") != "1" {
+		tb.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
+	}
+}
+
+// bucket is a token bucket shared by every connection in one direction.
+type bucket struct {
+	mu    sync.Mutex
+	rate  float64 // bytes per second
+	burst float64
+	level float64
+	last  time.Time
+}
+
+func newBucket(rate float64) *bucket {
+	return &bucket{rate: rate, burst: rate / 100, level: rate / 100, last: time.Now()}
+}
+
+// take blocks until n bytes may pass.
+func (b *bucket) take(n int) {
+	b.mu.Lock()
+	now := time.Now()
+	b.level = min(b.burst, b.level+now.Sub(b.last).Seconds()*b.rate)
+	b.last = now
+	b.level -= float64(n)
+	wait := time.Duration(0)
+	if b.level < 0 {
+		wait = time.Duration(-b.level / b.rate * float64(time.Second))
+	}
+	b.mu.Unlock()
+	if wait > 0 {
+		time.Sleep(wait)
+	}
+}
+
+// shapedLink is an in-process TCP proxy in front of target.
+type shapedLink struct {
+	l        net.Listener
+	target   string
+	up, down *bucket
+	wg       sync.WaitGroup
+}
+
+func startShapedLink(tb testing.TB, target string) *shapedLink {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s := &shapedLink{l: l, target: target, up: newBucket(linkRate), down: newBucket(linkRate)}
+	s.wg.Add(1)
+	go s.accept()
+	tb.Cleanup(func() { l.Close(); s.wg.Wait() })
+	return s
+}
+
+func (s *shapedLink) Addr() string { return s.l.Addr().String() }
+
+func (s *shapedLink) accept() {
+	defer s.wg.Done()
+	for {
+		c, err := s.l.Accept()
+		if err != nil {
+			return
+		}
+		u, err := net.Dial("tcp", s.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		s.wg.Add(2)
+		go func() { defer s.wg.Done(); pipe(u, c, s.up) }()
+		go func() { defer s.wg.Done(); pipe(c, u, s.down) }()
+	}
+}
+
+type segment struct {
+	b  []byte
+	at time.Time
+}
+
+// pipe copies src to dst, delaying every segment by linkDelay (latency is
+// not serialised: segments in flight overlap) and pacing through b.
+func pipe(dst, src net.Conn, b *bucket) {
+	q := make(chan segment, 512) // ~16 MiB in flight, above the 2.5 MB BDP
+	go func() {
+		defer close(q)
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := src.Read(buf)
+			if n > 0 {
+				q <- segment{buf[:n], time.Now().Add(linkDelay)}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	for seg := range q {
+		time.Sleep(time.Until(seg.at))
+		b.take(len(seg.b))
+		if _, err := dst.Write(seg.b); err != nil {
+			break
+		}
+	}
+	if tc, ok := dst.(*net.TCPConn); ok {
+		tc.CloseWrite()
+	}
+	for range q { // unblock the reader
+	}
+	src.Close()
+}
+
+// BenchmarkColdStart: pull + run to the first output of a >= 200 MB image
+// whose command reads almost nothing, envsnap vs overlayfs, through the
+// shaped link; then the read throughput of a fully cached file through the
+// container's overlay mount, lazy vs overlayfs. Run with -benchtime=1x.
+func BenchmarkColdStart(b *testing.B) {
+	requireBench(b)
+	for b.Loop() {
+		coldStart(b)
+	}
+}
+
+func coldStart(b *testing.B) {
+	env := testenv.New(b, testenv.WithEnvsnap())
+	big := testenv.RandomFile("/data/big.bin", 200<<20, 11)
+	img := pushLazyImage(b, env, "bench/app:1", []testenv.File{big}, "/bin/echo", "ready")
+	ctx := env.Context()
+	// Same image under a second name, so the overlayfs pull starts with an
+	// empty content store too.
+	if err := env.Push(ctx, env.Registry.Host+"/bench/plain:1", img.Manifest); err != nil {
+		b.Fatal(err)
+	}
+	link := startShapedLink(b, env.Registry.Host)
+	testenv.WriteHostsDir(b, env.HostsDir, link.Addr())
+	lazyRef, plainRef := link.Addr()+"/bench/app:1", link.Addr()+"/bench/plain:1"
+
+	run := func(ref, sn string) (client.Image, time.Duration) {
+		start := time.Now()
+		image := env.Pull(b, ref, sn)
+		res := env.RunContainer(b, image, testenv.RunOptions{Snapshotter: sn})
+		d := time.Since(start)
+		if res.ExitCode != 0 || strings.TrimSpace(res.Stdout) != "ready" {
+			b.Fatalf("%s container: exit %d stdout %q stderr %q", sn, res.ExitCode, res.Stdout, res.Stderr)
+		}
+		return image, d
+	}
+	env.Registry.ResetCounters()
+	lazyImg, lazyD := run(lazyRef, "envsnap")
+	lazyBytes := env.Registry.BlobBytesServed()
+	plainImg, plainD := run(plainRef, "overlayfs")
+	ratio := lazyD.Seconds() / plainD.Seconds()
+	b.Logf("cold start, %d MiB image: envsnap %.2fs, overlayfs %.2fs, ratio %.3f (target <= 0.25); envsnap fetched %.1f MiB before first output",
+		layerBytes(img)>>20, lazyD.Seconds(), plainD.Seconds(), ratio, float64(lazyBytes)/(1<<20))
+	b.ReportMetric(lazyD.Seconds(), "envsnap-s")
+	b.ReportMetric(plainD.Seconds(), "overlayfs-s")
+	b.ReportMetric(ratio, "coldstart-ratio")
+
+	// Cached reads: wait for the background fill, then read the file
+	// through each snapshotter's overlay mount with its page cache dropped.
+	waitFilled(b, env, 3*time.Minute)
+	lazyRate := readThroughput(b, env, lazyImg, "envsnap", big.Path)
+	plainRate := readThroughput(b, env, plainImg, "overlayfs", big.Path)
+	b.Logf("cached read of %d MiB: envsnap %.0f MiB/s, overlayfs %.0f MiB/s, ratio %.2f (target >= 0.8)",
+		big.Size>>20, lazyRate, plainRate, lazyRate/plainRate)
+	b.ReportMetric(lazyRate/plainRate, "read-ratio")
+}
+
+func waitFilled(tb testing.TB, env *testenv.Env, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for {
+		st := envsnapStatus(tb, env)
+		done := len(st.Layers) > 0
+		for _, l := range st.Layers {
+			if l.FetchedPct < 100 {
+				done = false
+			}
+		}
+		if done {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("background fill incomplete after %s: %+v", timeout, st.Layers)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// readThroughput mounts a view of img's rootfs from snapshotter sn and
+// returns the median MiB/s of three full reads of path, each after dropping
+// the file's page cache (through the overlay, which forwards it to the
+// layer file: the FUSE inode, or the unpacked file).
+func readThroughput(tb testing.TB, env *testenv.Env, img client.Image, sn, path string) float64 {
+	ctx := env.Context()
+	diffIDs, err := img.RootFS(ctx)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	key := fmt.Sprintf("bench-view-%s-%d", sn, time.Now().UnixNano())
+	ss := env.Client.SnapshotService(sn)
+	mounts, err := ss.View(ctx, key, identity.ChainID(diffIDs).String())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { ss.Remove(context.WithoutCancel(ctx), key) })
+	dir := tb.TempDir()
+	if err := mount.All(mounts, dir); err != nil {
+		tb.Fatal(err)
+	}
+	defer mount.UnmountAll(dir, 0)
+	var rates []float64
+	buf := make([]byte, 1<<20)
+	for range 3 {
+		f, err := os.Open(filepath.Join(dir, path))
+		if err != nil {
+			tb.Fatal(err)
+		}
+		unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+		start := time.Now()
+		n, err := io.CopyBuffer(io.Discard, struct{ io.Reader }{f}, buf)
+		d := time.Since(start)
+		f.Close()
+		if err != nil {
+			tb.Fatalf("read %s through %s: %v", path, sn, err)
+		}
+		rates = append(rates, float64(n)/(1<<20)/d.Seconds())
+	}
+	sort.Float64s(rates)
+	return rates[1]
+}
