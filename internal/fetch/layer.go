@@ -48,6 +48,10 @@ const (
 	// fillAbortAfter consecutive failed fill batches stop the fill; reads
 	// keep working on demand.
 	fillAbortAfter = 3
+	// DefaultFrameCache bounds the decoded frames a Layer keeps in memory:
+	// a few frames catch sequential reads of big files and neighbouring
+	// small files, and stay small with hundreds of layers mounted.
+	DefaultFrameCache = 4 << 20
 )
 
 // LayerOption configures a Layer.
@@ -63,6 +67,7 @@ type layerOptions struct {
 	fillBatch    int64
 	fillParallel int
 	wholeBlobMax int64
+	frameCache   int64
 }
 
 // WithReadTimeout bounds one ReadChunk, retries included (default
@@ -98,6 +103,10 @@ func WithFillBatch(size int64, parallel int) LayerOption {
 	return func(o *layerOptions) { o.fillBatch, o.fillParallel = size, max(parallel, 1) }
 }
 
+// WithFrameCache bounds the decoded frames kept in memory per layer (default
+// DefaultFrameCache; 0 disables it).
+func WithFrameCache(bytes int64) LayerOption { return func(o *layerOptions) { o.frameCache = bytes } }
+
 // span is one chunk's place in the blob; the Chunk itself (with its digest)
 // is read back from the TOC when needed, which keeps a mounted layer's index
 // at 24 bytes per chunk.
@@ -109,12 +118,13 @@ type span struct {
 // Layer serves verified, decompressed chunks of one lazy layer: node cache
 // first, then the registry. It is safe for concurrent use.
 type Layer struct {
-	blob  *BlobReader
-	toc   *layerfmt.TOC
-	cache *chunkcache.Cache
-	o     layerOptions
-	label string // layer digest, the metrics label
-	owner string // pin owner, unique per Layer
+	blob   *BlobReader
+	toc    *layerfmt.TOC
+	cache  *chunkcache.Cache
+	frames *frameCache
+	o      layerOptions
+	label  string // layer digest, the metrics label
+	owner  string // pin owner, unique per Layer
 
 	spans []span // sorted by offset, one per distinct offset
 	// canon maps a span to the first span with the same digest (identical
@@ -152,6 +162,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		fillBatch:    DefaultFillBatch,
 		fillParallel: DefaultFillParallel,
 		wholeBlobMax: DefaultWholeBlobMax,
+		frameCache:   DefaultFrameCache,
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -161,6 +172,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		blob:     blob,
 		toc:      toc,
 		cache:    cache,
+		frames:   newFrameCache(o.frameCache),
 		o:        o,
 		label:    blob.Descriptor().Digest.String(),
 		ctx:      ctx,
@@ -270,12 +282,19 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 
 // ReadChunk returns the decompressed bytes of chunk c, verified against its
 // digest. It is what the FUSE filesystem calls on a read. A miss fetches c
-// together with following uncached chunks in one request (read-ahead).
+// together with following uncached chunks in one request (read-ahead). The
+// returned slice is the caller's.
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	if frame, ok := l.frames.get(c.Digest); ok && int64(len(frame)) == c.FrameSize &&
+		c.FrameOffset >= 0 && c.Size > 0 && c.FrameOffset+c.Size <= c.FrameSize {
+		// Verified when it was decoded; copied so no caller can alter
+		// what the next reader gets.
+		return append([]byte(nil), frame[c.FrameOffset:c.FrameOffset+c.Size]...), nil
+	}
 	ctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
 	defer cancel()
 	if b, ok := l.cache.Get(c.Digest); ok {
-		out, err := layerfmt.DecodeChunk(c, b, nil)
+		out, err := l.decode(c, b)
 		if err != nil {
 			return nil, fmt.Errorf("decode cached chunk %s at offset %d: %w", c.Digest, c.Offset, err)
 		}
@@ -311,7 +330,7 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			log.G(ctx).WithError(err).Error("lazy read failed")
 			return nil, err
 		}
-		out, err := layerfmt.DecodeChunk(c, b, nil)
+		out, err := l.decode(c, b)
 		if err != nil {
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
 			log.G(ctx).WithError(err).Error("lazy read failed")
@@ -319,6 +338,17 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		}
 		return out, nil
 	}
+}
+
+// decode verifies and decompresses c's frame, keeps the frame for the next
+// chunks that share it and returns a copy of c's bytes.
+func (l *Layer) decode(c layerfmt.Chunk, compressed []byte) ([]byte, error) {
+	frame, err := layerfmt.DecodeFrame(c, compressed, nil)
+	if err != nil {
+		return nil, err
+	}
+	l.frames.put(c.Digest, frame)
+	return append([]byte(nil), frame[c.FrameOffset:c.FrameOffset+c.Size]...), nil
 }
 
 func timeLeft(ctx context.Context) time.Duration {

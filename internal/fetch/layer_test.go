@@ -460,3 +460,36 @@ func TestLayerRestartKeepsCache(t *testing.T) {
 		t.Fatalf("%d requests after restart with a full cache", n)
 	}
 }
+
+// TestLayerFrameCache: chunks sharing a frame are decoded once, and a caller
+// scribbling on a returned slice cannot change what the next reader gets.
+func TestLayerFrameCache(t *testing.T) {
+	checkGoroutines(t)
+	r := rand.New(rand.NewPCG(51, 52))
+	files := []testFile{{"a", randBytes(r, 1000)}, {"b", randBytes(r, 2000)}, {"c", randBytes(r, 3000)}}
+	fx := newLayerFixture(t, nil, files)
+	var cs []layerfmt.Chunk
+	for _, f := range files {
+		cs = append(cs, fx.chunksOf(t, f.name)...)
+	}
+	if cs[0].Offset != cs[2].Offset {
+		t.Fatalf("small files not packed into one frame: offsets %d, %d", cs[0].Offset, cs[2].Offset)
+	}
+	for round := range 2 {
+		for k, c := range cs {
+			got, err := fx.layer.ReadChunk(context.Background(), c)
+			if err != nil || !bytes.Equal(got, files[k].data) {
+				t.Fatalf("round %d file %s: %v", round, files[k].name, err)
+			}
+			for i := range got {
+				got[i] = 0 // the caller owns the slice
+			}
+		}
+	}
+	if s := fx.cache.Stats(); s.Hits != 0 {
+		t.Errorf("%d cache reads for chunks of a frame already decoded", s.Hits)
+	}
+	if n := fx.reg.requests(); n != 1 {
+		t.Errorf("%d requests for one frame", n)
+	}
+}

@@ -70,7 +70,7 @@ type fakeRegistry struct {
 	blobGets atomic.Int64 // blob GETs that reached the blob handler (after auth)
 }
 
-func newFakeRegistry(t *testing.T) *fakeRegistry {
+func newFakeRegistry(t testing.TB) *fakeRegistry {
 	t.Helper()
 	r := &fakeRegistry{
 		blobs:     map[digest.Digest][]byte{},
