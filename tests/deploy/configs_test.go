@@ -1,0 +1,132 @@
+package deploy
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/pelletier/go-toml/v2"
+
+	"github.com/envsnap/envsnap/internal/daemon"
+	shimconfig "github.com/envsnap/envsnap/shim/config"
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// TestExampleConfigsLoad loads the shipped example configs with the very
+// loaders the daemon and the shim use (unknown keys are errors there), so
+// a renamed key fails here rather than on a node.
+func TestExampleConfigsLoad(t *testing.T) {
+	root := testenv.RepoRoot(t)
+	cfg, err := daemon.LoadConfig(filepath.Join(root, "deploy/envsnap/config.toml"), true)
+	if err != nil {
+		t.Fatalf("daemon config: %v", err)
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("daemon config: %v", err)
+	}
+	// The example documents the defaults; where it sets a path it must be
+	// the default path the CLI and the other files assume.
+	def := daemon.DefaultConfig()
+	if cfg.Root != def.Root || cfg.Address != def.Address || cfg.HostsDir != def.HostsDir {
+		t.Errorf("example root/address/hosts_dir %s %s %s differ from the defaults %s %s %s",
+			cfg.Root, cfg.Address, cfg.HostsDir, def.Root, def.Address, def.HostsDir)
+	}
+
+	sc, err := shimconfig.LoadFile(filepath.Join(root, "deploy/envsnap/envlet.toml"))
+	if err != nil {
+		t.Fatalf("envlet config: %v", err)
+	}
+	ac, err := sc.ArbiterClient()
+	if err != nil {
+		t.Fatalf("envlet config: %v", err)
+	}
+	if ac.Socket != "/run/envsnap/arbiter.sock" {
+		t.Errorf("arbiter socket %q, the DaemonSet and the systemd unit use /run/envsnap/arbiter.sock", ac.Socket)
+	}
+	ec, err := sc.Envlet()
+	if err != nil {
+		t.Fatalf("envlet policy: %v", err)
+	}
+	if err := ec.Validate(); err != nil {
+		t.Errorf("envlet policy: %v", err)
+	}
+}
+
+// TestFilesAgreeOnPaths: the socket containerd dials (drop-in), the socket
+// the daemon listens on (config), and the one the systemd unit waits for
+// must be one path; the units must start the binaries with the shipped
+// config files.
+func TestFilesAgreeOnPaths(t *testing.T) {
+	cfg := readDaemonConfig(t, repoFile(t, "deploy/envsnap/config.toml"))
+	var dropin struct {
+		ProxyPlugins map[string]struct {
+			Type    string            `toml:"type"`
+			Address string            `toml:"address"`
+			Exports map[string]string `toml:"exports"`
+		} `toml:"proxy_plugins"`
+	}
+	if err := toml.Unmarshal(repoFile(t, "deploy/containerd/envsnap.toml"), &dropin); err != nil {
+		t.Fatal(err)
+	}
+	p, ok := dropin.ProxyPlugins["envsnap"]
+	if !ok {
+		t.Fatal("drop-in has no proxy plugin envsnap")
+	}
+	if p.Type != "snapshot" || p.Address != cfg.Address {
+		t.Errorf("proxy plugin envsnap: type %q address %q; the daemon listens on %q", p.Type, p.Address, cfg.Address)
+	}
+	if p.Exports["enable_remote_snapshot_annotations"] != "true" {
+		t.Error("proxy plugin does not export enable_remote_snapshot_annotations: transfer-service pulls would send no layer labels")
+	}
+
+	unit := string(repoFile(t, "deploy/systemd/containerd-envsnap.service"))
+	if !strings.Contains(unit, "[ -S "+cfg.Address+" ]") {
+		t.Errorf("containerd-envsnap.service does not wait for the socket %s", cfg.Address)
+	}
+	for _, want := range []string{
+		"ExecStart=/usr/local/bin/containerd-envsnap serve --config /etc/envsnap/config.toml\n",
+		"Before=containerd.service\n",
+	} {
+		if !strings.Contains(unit, want) {
+			t.Errorf("containerd-envsnap.service lacks %q", want)
+		}
+	}
+	// Any of these gives the service a private mount namespace, hiding the
+	// layer mounts from containerd.
+	privateMounts := regexp.MustCompile(`(?m)^(PrivateMounts|PrivateTmp|ProtectSystem|ProtectHome|ReadOnlyPaths|ReadWritePaths|InaccessiblePaths|TemporaryFileSystem|MountFlags|BindPaths|BindReadOnlyPaths)=`)
+	if m := privateMounts.FindString(unit); m != "" {
+		t.Errorf("containerd-envsnap.service sets %s: its FUSE mounts would be invisible to containerd", m)
+	}
+	arb := string(repoFile(t, "deploy/systemd/envsnap-arbiter.service"))
+	if !strings.Contains(arb, "ExecStart=/usr/local/bin/containerd-envsnap arbiter --config /etc/envsnap/envlet.toml\n") {
+		t.Error("envsnap-arbiter.service does not start the arbiter with /etc/envsnap/envlet.toml")
+	}
+}
+
+// TestSystemdUnitsVerify runs systemd-analyze verify on the units: unknown
+// directives, bad values and bad dependencies are reported there. The only
+// complaint accepted is that the binary is not installed at /usr/local/bin
+// on this machine.
+func TestSystemdUnitsVerify(t *testing.T) {
+	analyze, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Skip("systemd-analyze not installed")
+	}
+	for _, unit := range []string{"containerd-envsnap.service", "envsnap-arbiter.service"} {
+		// verify wants the unit file under its own name.
+		p := filepath.Join(t.TempDir(), unit)
+		if err := os.WriteFile(p, repoFile(t, "deploy/systemd/"+unit), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out, _ := exec.Command(analyze, "verify", p).CombinedOutput()
+		for _, line := range strings.Split(string(out), "\n") {
+			if line == "" || strings.Contains(line, "Command /usr/local/bin/containerd-envsnap is not executable") {
+				continue
+			}
+			t.Errorf("%s: %s", unit, line)
+		}
+	}
+}
