@@ -46,7 +46,7 @@ func runCompose(ctx context.Context, c *cli.Command) error {
 	if err != nil {
 		return err
 	}
-	composer := &plan.Composer{Resolver: resolver, OpenLayer: plan.RemoteLayerOpener(hosts)}
+	composer := &plan.Composer{Resolver: resolver, Hosts: hosts, OpenLayer: plan.RemoteLayerOpener(hosts)}
 
 	var cl *client.Client
 	if c.Bool("local") {

@@ -38,8 +38,10 @@ func WriteDirTar(ctx context.Context, w io.Writer, dir string, o DirOptions) err
 	tw := tar.NewWriter(w)
 	prefix := strings.Trim(path.Clean("/"+o.Prefix), "/")
 	if prefix != "" {
+		// Parents of the prefix are synthetic; the prefix itself is the
+		// source directory's own entry, written by the walk below.
 		parts := strings.Split(prefix, "/")
-		for i := range parts {
+		for i := range parts[:len(parts)-1] {
 			hdr := &tar.Header{Typeflag: tar.TypeDir, Name: strings.Join(parts[:i+1], "/") + "/", Mode: 0o755, Format: tar.FormatPAX}
 			if o.ModTime != nil {
 				hdr.ModTime = *o.ModTime

@@ -5,12 +5,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/remotes"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/pkg/reference"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/platforms"
@@ -74,7 +76,13 @@ type Image struct {
 // Composer resolves groups (each distinct reference once per Composer) and
 // composes plans.
 type Composer struct {
+	// Resolver resolves and fetches groups.
 	Resolver remotes.Resolver
+	// Hosts, when set, gives every Push a pusher of its own. containerd's
+	// resolver tracks pushed blobs by digest alone, not by repository, so
+	// one shared pusher would skip linking a layer into the second target
+	// repository that needs it.
+	Hosts docker.RegistryHosts
 	// OpenLayer reads files of a group's layer for mutations; nil means
 	// plans with mutations are refused.
 	OpenLayer LayerOpener
@@ -350,7 +358,11 @@ func (c *Composer) Push(ctx context.Context, img *Image, target string) (PushSta
 	if err != nil {
 		return st, fmt.Errorf("push %s: %w", target, err)
 	}
-	pusher, err := c.Resolver.Pusher(ctx, target)
+	resolver := c.Resolver
+	if c.Hosts != nil {
+		resolver = docker.NewResolver(docker.ResolverOptions{Hosts: c.Hosts})
+	}
+	pusher, err := resolver.Pusher(ctx, target)
 	if err != nil {
 		return st, fmt.Errorf("push %s: %w", target, err)
 	}
@@ -402,9 +414,14 @@ func linkLayer(ctx context.Context, pusher remotes.Pusher, layer ocispec.Descrip
 	if src.Hostname() != target.Hostname() {
 		return fmt.Errorf("layer %s lives in %s, not in the target registry %s: publish the group there first (composition never copies layers)", layer.Digest, src.Hostname(), target.Hostname())
 	}
+	// containerd's pusher keys the source by host name without the port.
+	host := src.Hostname()
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
 	desc := layer
 	desc.Annotations = map[string]string{
-		"containerd.io/distribution.source." + src.Hostname(): strings.TrimPrefix(src.Locator, src.Hostname()+"/"),
+		"containerd.io/distribution.source." + host: strings.TrimPrefix(src.Locator, src.Hostname()+"/"),
 	}
 	w, err := pusher.Push(ctx, desc)
 	if errdefs.IsAlreadyExists(err) {
