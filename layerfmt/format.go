@@ -63,8 +63,8 @@ var (
 const (
 	// MaxTOCSize bounds the encoded (compressed) TOC.
 	MaxTOCSize = 256 << 20
-	// MaxTOCRawSize bounds the decompressed TOC.
-	MaxTOCRawSize = 1 << 30
+	// MaxTOCRawSize bounds the decompressed TOC (about 1.5 million entries).
+	MaxTOCRawSize = 256 << 20
 	// MaxChunkSize bounds the uncompressed size of one chunk.
 	MaxChunkSize = 64 << 20
 	// MaxCompressedChunkSize bounds the compressed size of one chunk
@@ -73,7 +73,7 @@ const (
 	// MaxNameLen bounds one path component and symlink targets.
 	MaxNameLen = 4096
 	// MaxEntries bounds the number of TOC entries.
-	MaxEntries = 1 << 24
+	MaxEntries = 1 << 22
 )
 
 // zstd skippable frame magics (RFC 8878 section 3.1.2 allows 0x184D2A50 to
@@ -155,7 +155,7 @@ func parseFooter(b []byte, blobSize int64) (footer, error) {
 		return f, fmt.Errorf("TOC range %d+%d does not end at the footer (blob %d bytes): %w", off, size, blobSize, ErrBadFooter)
 	}
 	f.tocOffset, f.tocSize = int64(off), int64(size)
-	f.tocDigest = digest.NewDigestFromBytes(digest.SHA256, p[32:64])
+	f.tocDigest = sha256Digest(p[32:64])
 	return f, nil
 }
 

@@ -106,13 +106,25 @@ func getChunkDecoder() *zstd.Decoder {
 	return chunkDecoder
 }
 
-// DecodeChunk verifies compressed (the bytes blob[c.Offset:][:c.CompressedSize])
-// against c.Digest before decompressing it, then decompresses it into dst
-// (reused when its capacity is at least c.Size), refusing output larger
-// than c.Size.
+// DecodeChunk verifies compressed (the frame bytes
+// blob[c.Offset:][:c.CompressedSize]) against c.Digest before decompressing
+// anything, decompresses the frame into dst (reused when its capacity is at
+// least c.FrameSize), refusing output larger than c.FrameSize, and returns
+// the chunk's c.Size bytes.
 func DecodeChunk(c Chunk, compressed []byte, dst []byte) ([]byte, error) {
-	if c.Size <= 0 || c.Size > MaxChunkSize || c.CompressedSize <= 0 || c.CompressedSize > MaxCompressedChunkSize {
-		return nil, fmt.Errorf("chunk at %d: sizes %d/%d: %w", c.Offset, c.CompressedSize, c.Size, ErrBadTOC)
+	frame, err := DecodeFrame(c, compressed, dst)
+	if err != nil {
+		return nil, err
+	}
+	return frame[c.FrameOffset : c.FrameOffset+c.Size], nil
+}
+
+// DecodeFrame is DecodeChunk returning the whole decompressed frame
+// (c.FrameSize bytes), for callers that cache frames shared by chunks.
+func DecodeFrame(c Chunk, compressed []byte, dst []byte) ([]byte, error) {
+	if c.Size <= 0 || c.FrameSize > MaxChunkSize || c.FrameOffset < 0 || c.FrameOffset+c.Size > c.FrameSize ||
+		c.CompressedSize <= 0 || c.CompressedSize > MaxCompressedChunkSize {
+		return nil, fmt.Errorf("chunk at %d: sizes %d/%d/%d+%d: %w", c.Offset, c.CompressedSize, c.FrameSize, c.FrameOffset, c.Size, ErrBadTOC)
 	}
 	if int64(len(compressed)) != c.CompressedSize {
 		return nil, fmt.Errorf("chunk at %d: have %d of %d bytes: %w", c.Offset, len(compressed), c.CompressedSize, ErrTruncated)
@@ -121,18 +133,18 @@ func DecodeChunk(c Chunk, compressed []byte, dst []byte) ([]byte, error) {
 		return nil, fmt.Errorf("chunk at %d: %w", c.Offset, err)
 	}
 	var h zstd.Header
-	if err := h.Decode(compressed); err != nil || h.Skippable || !h.HasFCS || h.FrameContentSize != uint64(c.Size) {
-		return nil, fmt.Errorf("chunk at %d: frame header does not declare %d bytes: %w", c.Offset, c.Size, ErrBadTOC)
+	if err := h.Decode(compressed); err != nil || h.Skippable || !h.HasFCS || h.FrameContentSize != uint64(c.FrameSize) {
+		return nil, fmt.Errorf("chunk at %d: frame header does not declare %d bytes: %w", c.Offset, c.FrameSize, ErrBadTOC)
 	}
-	if int64(cap(dst)) < c.Size {
-		dst = make([]byte, 0, c.Size)
+	if int64(cap(dst)) < c.FrameSize {
+		dst = make([]byte, 0, c.FrameSize)
 	}
-	out, err := getChunkDecoder().DecodeAll(compressed, dst[:0:c.Size])
+	out, err := getChunkDecoder().DecodeAll(compressed, dst[:0:c.FrameSize])
 	if err != nil {
 		return nil, fmt.Errorf("chunk at %d: decompress: %v: %w", c.Offset, err, ErrBadTOC)
 	}
-	if int64(len(out)) != c.Size {
-		return nil, fmt.Errorf("chunk at %d: decompressed %d bytes, want %d: %w", c.Offset, len(out), c.Size, ErrBadTOC)
+	if int64(len(out)) != c.FrameSize {
+		return nil, fmt.Errorf("chunk at %d: decompressed %d bytes, want %d: %w", c.Offset, len(out), c.FrameSize, ErrBadTOC)
 	}
 	return out, nil
 }
@@ -147,6 +159,20 @@ type Reader struct {
 	ra   io.ReaderAt
 	size int64
 	toc  *TOC
+
+	// A few recently decoded frames: small files share frames, so walking
+	// a directory would otherwise decompress the same frame once per file.
+	mu     sync.Mutex
+	frames [frameCacheSize]cachedFrame
+	clock  int
+}
+
+const frameCacheSize = 4
+
+type cachedFrame struct {
+	off  int64 // blob offset of the frame; the TOC verified it holds digest
+	data []byte
+	used int
 }
 
 // NewReader reads the TOC of a blob of size bytes (see ReadTOC).
@@ -161,8 +187,17 @@ func NewReader(ra io.ReaderAt, size int64, expectTOC digest.Digest) (*Reader, er
 // TOC returns the layer's table of contents.
 func (r *Reader) TOC() *TOC { return r.toc }
 
-// ReadChunk fetches, verifies and decompresses chunk c into dst.
+// ReadChunk fetches, verifies and decompresses chunk c, returning its
+// c.Size bytes (dst may be reused for the frame).
 func (r *Reader) ReadChunk(c Chunk, dst []byte) ([]byte, error) {
+	frame, err := r.readFrame(c, dst)
+	if err != nil {
+		return nil, err
+	}
+	return frame[c.FrameOffset : c.FrameOffset+c.Size], nil
+}
+
+func (r *Reader) readFrame(c Chunk, dst []byte) ([]byte, error) {
 	if c.Offset < 0 || c.CompressedSize <= 0 || c.CompressedSize > MaxCompressedChunkSize || c.Offset+c.CompressedSize > r.toc.DataEnd() {
 		return nil, fmt.Errorf("chunk %d+%d outside the data: %w", c.Offset, c.CompressedSize, ErrBadTOC)
 	}
@@ -170,24 +205,48 @@ func (r *Reader) ReadChunk(c Chunk, dst []byte) ([]byte, error) {
 	if err := readFull(r.ra, buf, c.Offset); err != nil {
 		return nil, fmt.Errorf("read chunk: %w", err)
 	}
-	return DecodeChunk(c, buf, dst)
+	return DecodeFrame(c, buf, dst)
+}
+
+// cachedFrame returns the decoded frame of c, from the cache when it was
+// decoded recently. Cached frames are never modified.
+func (r *Reader) cachedFrame(j, k int) ([]byte, Chunk, error) {
+	// The cache is keyed by frame offset: a verified frame at an offset is
+	// the same bytes for every chunk that names that offset.
+	off, fileOff, size, frameOff, frameSize := r.toc.chunkGeometry(j, k)
+	c := Chunk{Offset: off, FileOffset: fileOff, Size: size, FrameOffset: frameOff, FrameSize: frameSize}
+	r.mu.Lock()
+	r.clock++
+	for k := range r.frames {
+		f := &r.frames[k]
+		if f.data != nil && f.off == off && int64(len(f.data)) == frameSize {
+			f.used = r.clock
+			r.mu.Unlock()
+			return f.data, c, nil
+		}
+	}
+	r.mu.Unlock()
+	c = r.toc.Chunk(j, k)
+	data, err := r.readFrame(c, nil)
+	if err != nil {
+		return nil, c, err
+	}
+	r.mu.Lock()
+	victim := 0
+	for k := range r.frames {
+		if r.frames[k].used < r.frames[victim].used {
+			victim = k
+		}
+	}
+	r.frames[victim] = cachedFrame{off: c.Offset, data: data, used: r.clock}
+	r.mu.Unlock()
+	return data, c, nil
 }
 
 // ReadFileAt reads len(p) bytes of entry i's content at off, following
 // hard links, touching only the chunks that hold the range. Like
 // io.ReaderAt it returns io.EOF when fewer bytes remain.
 func (r *Reader) ReadFileAt(i int, p []byte, off int64) (int, error) {
-	return r.readFileAt(i, p, off, nil)
-}
-
-// chunkCache remembers the last chunk decoded for an open file, so that
-// small sequential reads do not decompress a chunk each.
-type chunkCache struct {
-	k    int
-	data []byte
-}
-
-func (r *Reader) readFileAt(i int, p []byte, off int64, cache *chunkCache) (int, error) {
 	t := r.toc
 	if i < 0 || i >= t.Len() {
 		return 0, fmt.Errorf("entry %d out of range: %w", i, fs.ErrNotExist)
@@ -208,25 +267,11 @@ func (r *Reader) readFileAt(i int, p []byte, off int64, cache *chunkCache) (int,
 	}
 	n := 0
 	for n < len(p) && off < size {
-		k := t.ChunkAt(j, off)
-		c := t.Chunk(j, k)
-		var data []byte
-		if cache != nil && cache.k == k && cache.data != nil {
-			data = cache.data
-		} else {
-			var dst []byte
-			if cache != nil {
-				dst = cache.data
-				cache.data = nil
-			}
-			var err error
-			if data, err = r.ReadChunk(c, dst); err != nil {
-				return n, fmt.Errorf("read %s: %w", t.Name(i), err)
-			}
-			if cache != nil {
-				cache.k, cache.data = k, data
-			}
+		frame, c, err := r.cachedFrame(j, t.ChunkAt(j, off))
+		if err != nil {
+			return n, fmt.Errorf("read %s: %w", t.Name(i), err)
 		}
+		data := frame[c.FrameOffset : c.FrameOffset+c.Size]
 		m := copy(p[n:], data[off-c.FileOffset:])
 		n += m
 		off += int64(m)
@@ -308,7 +353,7 @@ func (r *Reader) Open(name string) (fs.File, error) {
 	if r.toc.Type(i) == TypeDir {
 		return &dirFile{r: r, info: info}, nil
 	}
-	return &regFile{r: r, info: info, cache: chunkCache{k: -1}}, nil
+	return &regFile{r: r, info: info}, nil
 }
 
 // Stat returns information about the named entry, following symlinks.
@@ -392,7 +437,6 @@ type regFile struct {
 	r      *Reader
 	info   *fileInfo
 	off    int64
-	cache  chunkCache
 	closed bool
 }
 
@@ -426,7 +470,7 @@ func (f *regFile) ReadAt(p []byte, off int64) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	return f.r.readFileAt(f.info.data, p, off, &f.cache)
+	return f.r.ReadFileAt(f.info.data, p, off)
 }
 
 func (f *regFile) Seek(offset int64, whence int) (int64, error) {

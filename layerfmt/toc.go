@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
+	"io"
 	"io/fs"
 	"strings"
 	"sync"
@@ -83,7 +85,7 @@ const (
 	tocMagic       = "ESNAPTOC"
 	tocHeaderSize  = 64
 	entryRecSize   = 96
-	chunkRecSize   = 56
+	chunkRecSize   = 64
 	xattrRecSize   = 16
 	flagImplicit   = 1
 	unixModeMask   = 0o7777
@@ -106,24 +108,32 @@ type TOC struct {
 	dataEnd int64
 }
 
-var (
-	tocDecoderOnce sync.Once
-	tocDecoder     *zstd.Decoder
-)
+// tocDecoders are streaming decoders: the TOC is decompressed as it is
+// read, so memory follows the bytes actually produced rather than the
+// content size a (possibly hostile) frame header declares.
+var tocDecoders = sync.Pool{New: func() any {
+	d, err := zstd.NewReader(nil,
+		zstd.WithDecoderConcurrency(1),
+		zstd.WithDecoderLowmem(true),
+		zstd.WithDecoderMaxMemory(MaxTOCRawSize),
+		zstd.WithDecoderMaxWindow(MaxTOCRawSize))
+	if err != nil {
+		panic(err)
+	}
+	return d
+}}
 
-func getTOCDecoder() *zstd.Decoder {
-	tocDecoderOnce.Do(func() {
-		var err error
-		tocDecoder, err = zstd.NewReader(nil,
-			zstd.WithDecoderConcurrency(0),
-			zstd.WithDecodeAllCapLimit(true),
-			zstd.WithDecoderMaxMemory(MaxTOCRawSize),
-			zstd.WithDecoderMaxWindow(MaxTOCRawSize))
-		if err != nil {
-			panic(err)
-		}
-	})
-	return tocDecoder
+func decompressTOC(b []byte, size uint64) ([]byte, error) {
+	dec := tocDecoders.Get().(*zstd.Decoder)
+	defer tocDecoders.Put(dec)
+	if err := dec.Reset(bytes.NewReader(b)); err != nil {
+		return nil, err
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, min(size, 8*uint64(len(b))+4096)))
+	if _, err := buf.ReadFrom(io.LimitReader(dec, int64(size)+1)); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
 }
 
 // DecodeTOC decodes the encoded TOC bytes (as stored in the blob at the
@@ -145,7 +155,7 @@ func DecodeTOC(b []byte, expect digest.Digest) (*TOC, error) {
 	if h.FrameContentSize < tocHeaderSize || h.FrameContentSize > MaxTOCRawSize {
 		return nil, fmt.Errorf("TOC content size %d outside [%d, %d]: %w", h.FrameContentSize, tocHeaderSize, MaxTOCRawSize, ErrBadTOC)
 	}
-	raw, err := getTOCDecoder().DecodeAll(b, make([]byte, 0, h.FrameContentSize))
+	raw, err := decompressTOC(b, h.FrameContentSize)
 	if err != nil {
 		return nil, fmt.Errorf("decompress TOC: %v: %w", err, ErrBadTOC)
 	}
@@ -313,7 +323,8 @@ func parseTOC(raw []byte) (*TOC, error) {
 				for c := fc; c < fc+ncs; c++ {
 					cr := t.chunks[c*chunkRecSize:]
 					off, foff, csz, sz := le64(cr, 0), le64(cr, 8), uint64(le32(cr, 16)), uint64(le32(cr, 20))
-					if foff != fileOff || sz == 0 || sz > MaxChunkSize || csz == 0 || csz > MaxCompressedChunkSize || off+csz > dataEnd {
+					foff2, flen := uint64(le32(cr, 24)), uint64(le32(cr, 28))
+					if foff != fileOff || sz == 0 || flen > MaxChunkSize || foff2+sz > flen || csz == 0 || csz > MaxCompressedChunkSize || off+csz > dataEnd {
 						return nil, bad("entry %d: chunk %d (offset %d, size %d/%d, file offset %d)", i, c, off, csz, sz, foff)
 					}
 					fileOff += sz
@@ -594,16 +605,24 @@ func (t *TOC) Resolve(i int) (int, bool) {
 	return i, true
 }
 
-// Chunk is one independently compressed piece of a regular file: one zstd
-// frame in the blob.
+// Chunk is one contiguous piece of a regular file and the zstd frame that
+// holds it. A frame decompresses independently of every other frame; small
+// files share frames (with each other and with tar headers), so several
+// chunks, of different files, may name the same frame: decompress through
+// DecodeChunk, and never key decompressed chunk bytes by Digest alone
+// (compressed bytes are fine: they are the frame).
 type Chunk struct {
 	Offset         int64 // offset of the compressed frame in the blob
-	CompressedSize int64
-	FileOffset     int64 // offset of its first uncompressed byte in the file
-	Size           int64 // uncompressed size
+	CompressedSize int64 // size of the compressed frame
+	FileOffset     int64 // offset of the chunk's first byte in the file
+	Size           int64 // uncompressed size of the chunk
 	// Digest is the sha256 of the compressed frame bytes
 	// blob[Offset:Offset+CompressedSize].
 	Digest digest.Digest
+	// FrameOffset is where the chunk's bytes start in the decompressed
+	// frame, and FrameSize the decompressed size of the whole frame
+	// (FrameOffset+Size <= FrameSize <= MaxChunkSize).
+	FrameOffset, FrameSize int64
 }
 
 // NumChunks returns the number of chunks of entry i.
@@ -618,8 +637,19 @@ func (t *TOC) Chunk(i, k int) Chunk {
 		FileOffset:     int64(le64(cr, 8)),
 		CompressedSize: int64(le32(cr, 16)),
 		Size:           int64(le32(cr, 20)),
-		Digest:         digest.NewDigestFromBytes(digest.SHA256, cr[24:56]),
+		FrameOffset:    int64(le32(cr, 24)),
+		FrameSize:      int64(le32(cr, 28)),
+		Digest:         sha256Digest(cr[32:64]),
 	}
+}
+
+// sha256Digest formats raw sha256 bytes as a digest; go-digest's own
+// constructor goes through fmt and dominated small-read profiles.
+func sha256Digest(sum []byte) digest.Digest {
+	var b [7 + 64]byte
+	copy(b[:], "sha256:")
+	hex.Encode(b[7:], sum)
+	return digest.Digest(b[:])
 }
 
 // Chunks returns the chunks of regular file i in file order (empty for
@@ -651,4 +681,11 @@ func (t *TOC) ChunkAt(i int, off int64) int {
 		}
 	}
 	return lo
+}
+
+// chunkGeometry returns chunk k of entry i without formatting its digest.
+func (t *TOC) chunkGeometry(i, k int) (off, fileOff, size, frameOff, frameSize int64) {
+	c := int(le32(t.rec(i), 76)) + k
+	cr := t.chunks[c*chunkRecSize : (c+1)*chunkRecSize]
+	return int64(le64(cr, 0)), int64(le64(cr, 8)), int64(le32(cr, 20)), int64(le32(cr, 24)), int64(le32(cr, 28))
 }

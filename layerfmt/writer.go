@@ -13,9 +13,11 @@ import (
 	"io"
 	"math"
 	"path"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/klauspost/compress/zstd"
@@ -23,15 +25,45 @@ import (
 )
 
 // Write defaults. DefaultChunkSize was chosen by measurement (see
-// docs/layer-format.md and BenchmarkConvertSize): larger chunks buy little
-// compression on real layers but cost read amplification for small random
-// reads.
+// docs/layer-format.md and BenchmarkConvertSize): it is the smallest frame
+// size that keeps a converted GOROOT within a few percent of one zstd
+// stream; smaller frames cut read amplification but lose compression.
 const (
 	DefaultChunkSize        = 1 << 20
 	DefaultCompressionLevel = 3 // zstd's own default level
 	// MinChunkSize keeps the per-frame overhead negligible.
 	MinChunkSize = 4 << 10
 )
+
+var (
+	encodersMu sync.Mutex
+	encoders   = map[zstd.EncoderLevel]*zstd.Encoder{}
+)
+
+// encoderFor returns the shared encoder for a level. EncodeAll is safe
+// for concurrent use and its output does not depend on which internal
+// encoder serves the call, so conversions share encoders instead of
+// allocating their tables each time.
+func encoderFor(level int) (*zstd.Encoder, error) {
+	l := zstd.EncoderLevelFromZstd(level)
+	encodersMu.Lock()
+	defer encodersMu.Unlock()
+	if e, ok := encoders[l]; ok {
+		return e, nil
+	}
+	e, err := zstd.NewWriter(nil,
+		zstd.WithEncoderLevel(l),
+		zstd.WithEncoderCRC(false), // every frame is covered by a sha256
+		zstd.WithEncoderConcurrency(runtime.GOMAXPROCS(0)),
+		// Single-segment frames always record their content size, which
+		// readers check before decompressing anything.
+		zstd.WithSingleSegment(true))
+	if err != nil {
+		return nil, fmt.Errorf("create zstd encoder: %w", err)
+	}
+	encoders[l] = e
+	return e, nil
+}
 
 type writeOptions struct {
 	chunkSize int
@@ -41,8 +73,9 @@ type writeOptions struct {
 // WriteOption configures Convert.
 type WriteOption func(*writeOptions)
 
-// WithChunkSize sets the uncompressed size of file chunks (default
-// DefaultChunkSize; clamped to [MinChunkSize, MaxChunkSize]).
+// WithChunkSize sets the uncompressed size of frames, and so the largest
+// chunk (default DefaultChunkSize; clamped to [MinChunkSize,
+// MaxChunkSize]).
 func WithChunkSize(n int) WriteOption {
 	return func(o *writeOptions) { o.chunkSize = min(max(n, MinChunkSize), MaxChunkSize) }
 }
@@ -81,28 +114,23 @@ func (r *WriteResult) Annotations() map[string]string {
 // Convert refuses inputs the format cannot represent faithfully: absolute
 // names or names escaping the root with "..", duplicate names, entries
 // under a non-directory, hard links to entries not earlier in the same
-// stream, ids or device numbers beyond 32 bits, and tar types other than
-// regular files, directories, symlinks, hard links, devices and FIFOs (PAX
-// global headers are kept in the tar but not in the TOC).
+// stream, ids or device numbers beyond 32 bits, sparse files, and tar
+// types other than regular files, directories, symlinks, hard links,
+// devices and FIFOs (PAX global headers are kept in the tar but not in the
+// TOC).
 func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...WriteOption) (*WriteResult, error) {
 	o := writeOptions{chunkSize: DefaultChunkSize, level: DefaultCompressionLevel}
 	for _, opt := range opts {
 		opt(&o)
 	}
-	enc, err := zstd.NewWriter(nil,
-		zstd.WithEncoderLevel(zstd.EncoderLevelFromZstd(o.level)),
-		zstd.WithEncoderCRC(false), // every frame is covered by a sha256
-		zstd.WithEncoderConcurrency(1),
-		// Single-segment frames always record their content size, which
-		// readers check before decompressing anything.
-		zstd.WithSingleSegment(true))
+	enc, err := encoderFor(o.level)
 	if err != nil {
-		return nil, fmt.Errorf("create zstd encoder: %w", err)
+		return nil, err
 	}
-	defer enc.Close()
 
-	bw := bufio.NewWriterSize(dst, 1<<20)
+	bw := bufio.NewWriterSize(dst, 256<<10)
 	w := &convWriter{
+		cur:      make([]byte, 0, o.chunkSize+tarBlock),
 		out:      bw,
 		blobHash: sha256.New(),
 		diffHash: sha256.New(),
@@ -134,15 +162,11 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 			return nil, fmt.Errorf("write tar header %q: %w", hdr.Name, err)
 		}
 		if nd != nil && canon.Size > 0 {
-			if err := w.flushMeta(); err != nil {
+			if err := w.startFile(nd, canon.Size); err != nil {
 				return nil, err
 			}
-			w.fileNode = nd
 			if _, err := io.CopyN(tw, tr, canon.Size); err != nil {
 				return nil, fmt.Errorf("copy %q: %w", hdr.Name, err)
-			}
-			if err := w.flushChunk(); err != nil {
-				return nil, err
 			}
 			w.fileNode = nil
 		}
@@ -153,7 +177,7 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 	if w.err != nil {
 		return nil, w.err
 	}
-	if err := w.flushMeta(); err != nil {
+	if err := w.flushFrame(); err != nil {
 		return nil, err
 	}
 	dataEnd := w.off
@@ -210,15 +234,21 @@ type node struct {
 }
 
 type chunkRec struct {
-	off, fileOff int64
-	csize, size  uint32
-	sum          [32]byte
+	off, fileOff       int64
+	csize, size        uint32
+	frameOff, frameLen uint32
+	sum                [32]byte
 }
 
 // convWriter receives the canonical tar stream from archive/tar and cuts it
-// into zstd frames: tar headers and padding accumulate in meta and are
-// flushed as one frame before each file's data; file data goes into
-// chunk-sized frames recorded in the file's node.
+// into zstd frames of about chunkCap uncompressed bytes. Cuts are placed so
+// that no file's bytes straddle two frames unless the file is larger than a
+// frame: small files are packed, with the tar headers between them, into
+// shared frames (one compression context for many small files is what keeps
+// the blob close to a single zstd stream in size); a file that does not fit
+// in the current frame starts a new one; a file larger than a frame is cut
+// into chunkCap-sized pieces, each starting a frame, and its last piece
+// shares its frame with what follows.
 type convWriter struct {
 	out      *bufio.Writer
 	off      int64
@@ -226,16 +256,25 @@ type convWriter struct {
 	diffHash hash.Hash
 	enc      *zstd.Encoder
 	chunkCap int
-	meta     []byte
-	chunk    []byte
-	fileNode *node // non-nil while file data is being written
-	fileOff  int64
+	cur      []byte // uncompressed bytes of the frame being built
+	pending  []pendingChunk
 	frame    []byte
 	err      error
 
+	// While file data is being written: the file, bytes left in the file
+	// and in its current chunk.
+	fileNode  *node
+	fileLeft  int64
+	pieceLeft int64
+
 	root  *node
 	nodes map[string]*node // writer side only: cleaned path -> node
-	count int
+}
+
+// pendingChunk is a chunk whose frame has not been written yet.
+type pendingChunk struct {
+	nd *node
+	k  int
 }
 
 func (w *convWriter) write(b []byte) error {
@@ -247,74 +286,91 @@ func (w *convWriter) write(b []byte) error {
 	return nil
 }
 
+// startFile places the data of a regular file of size bytes.
+func (w *convWriter) startFile(nd *node, size int64) error {
+	if int64(len(w.cur))+size > int64(w.chunkCap) {
+		if err := w.flushFrame(); err != nil {
+			return err
+		}
+	}
+	w.fileNode, w.fileLeft = nd, size
+	w.addChunk(0)
+	return nil
+}
+
+// addChunk opens the file's next chunk at the current end of the frame.
+func (w *convWriter) addChunk(fileOff int64) {
+	size := min(w.fileLeft, int64(w.chunkCap-len(w.cur)))
+	nd := w.fileNode
+	nd.chunks = append(nd.chunks, chunkRec{fileOff: fileOff, size: uint32(size), frameOff: uint32(len(w.cur))})
+	w.pending = append(w.pending, pendingChunk{nd, len(nd.chunks) - 1})
+	w.pieceLeft = size
+}
+
 // Write is the sink of the tar writer.
 func (w *convWriter) Write(p []byte) (int, error) {
 	if w.err != nil {
 		return 0, w.err
 	}
 	w.diffHash.Write(p)
-	if w.fileNode == nil {
-		w.meta = append(w.meta, p...)
-		if len(w.meta) >= w.chunkCap {
-			if err := w.flushMeta(); err != nil {
-				return 0, err
-			}
-		}
-		return len(p), nil
-	}
 	n := len(p)
-	for len(p) > 0 {
-		if w.chunk == nil {
-			w.chunk = make([]byte, 0, w.chunkCap)
-		}
-		k := min(len(p), w.chunkCap-len(w.chunk))
-		w.chunk = append(w.chunk, p[:k]...)
-		p = p[k:]
-		if len(w.chunk) == w.chunkCap {
-			if err := w.flushChunk(); err != nil {
-				return 0, err
+	if w.fileNode == nil {
+		// Tar headers and padding: no chunk refers to them, so the frame
+		// may be cut anywhere inside them.
+		for len(p) > 0 {
+			k := min(len(p), w.chunkCap-len(w.cur))
+			w.cur = append(w.cur, p[:k]...)
+			p = p[k:]
+			if len(w.cur) >= w.chunkCap {
+				if err := w.flushFrame(); err != nil {
+					return 0, err
+				}
 			}
 		}
+		return n, nil
+	}
+	for len(p) > 0 {
+		if int64(len(p)) > w.fileLeft {
+			return 0, errors.New("tar writer wrote past the end of a file")
+		}
+		if w.pieceLeft == 0 {
+			// The previous piece filled its frame.
+			if err := w.flushFrame(); err != nil {
+				return 0, err
+			}
+			c := w.fileNode.chunks[len(w.fileNode.chunks)-1]
+			w.addChunk(c.fileOff + int64(c.size))
+		}
+		k := min(int64(len(p)), w.pieceLeft)
+		w.cur = append(w.cur, p[:k]...)
+		p = p[k:]
+		w.pieceLeft -= k
+		w.fileLeft -= k
 	}
 	return n, nil
 }
 
-func (w *convWriter) compress(b []byte) []byte {
-	w.frame = w.enc.EncodeAll(b, w.frame[:0])
-	return w.frame
-}
-
-func (w *convWriter) flushMeta() error {
-	if len(w.meta) == 0 {
+// flushFrame compresses the frame being built and completes the chunk
+// records that point into it.
+func (w *convWriter) flushFrame() error {
+	if w.err != nil {
+		return w.err
+	}
+	if len(w.cur) == 0 {
 		return nil
 	}
-	err := w.write(w.compress(w.meta))
-	w.meta = w.meta[:0]
-	if err != nil {
-		w.err = err
-	}
-	return err
-}
-
-func (w *convWriter) flushChunk() error {
-	if len(w.chunk) == 0 {
-		return nil
-	}
-	frame := w.compress(w.chunk)
-	c := chunkRec{off: w.off, fileOff: w.fileOff, csize: uint32(len(frame)), size: uint32(len(w.chunk)), sum: sha256.Sum256(frame)}
-	if err := w.write(frame); err != nil {
+	w.frame = w.enc.EncodeAll(w.cur, w.frame[:0])
+	off, sum := w.off, sha256.Sum256(w.frame)
+	if err := w.write(w.frame); err != nil {
 		w.err = err
 		return err
 	}
-	nd := w.fileNode
-	if len(nd.chunks) == 0 {
-		c.fileOff = 0
-	} else {
-		last := nd.chunks[len(nd.chunks)-1]
-		c.fileOff = last.fileOff + int64(last.size)
+	for _, pc := range w.pending {
+		c := &pc.nd.chunks[pc.k]
+		c.off, c.csize, c.frameLen, c.sum = off, uint32(len(w.frame)), uint32(len(w.cur)), sum
 	}
-	nd.chunks = append(nd.chunks, c)
-	w.chunk = w.chunk[:0]
+	w.pending = w.pending[:0]
+	w.cur = w.cur[:0]
 	return nil
 }
 
@@ -341,6 +397,8 @@ func cleanName(name string) (string, error) {
 	return p, nil
 }
 
+const tarBlock = 512
+
 const xattrPrefix = "SCHILY.xattr."
 
 // addHeader validates a tar header, records its TOC node and returns the
@@ -360,7 +418,10 @@ func (w *convWriter) addHeader(h *tar.Header) (*tar.Header, *node, error) {
 	}
 	for k, v := range h.PAXRecords {
 		if strings.HasPrefix(k, "GNU.sparse.") {
-			continue // the data is written dense
+			// Sparse files expand holes into data: a few header bytes
+			// could make Convert write gigabytes. OCI tooling never
+			// writes them.
+			return nil, nil, errors.New("sparse files are not supported")
 		}
 		if canon.PAXRecords == nil {
 			canon.PAXRecords = map[string]string{}
@@ -372,7 +433,7 @@ func (w *convWriter) addHeader(h *tar.Header) (*tar.Header, *node, error) {
 	}
 	var typ EntryType
 	switch h.Typeflag {
-	case tar.TypeReg, tar.TypeRegA, tar.TypeGNUSparse:
+	case tar.TypeReg, tar.TypeRegA:
 		typ, canon.Typeflag, canon.Size = TypeReg, tar.TypeReg, h.Size
 	case tar.TypeDir:
 		typ = TypeDir
@@ -594,7 +655,9 @@ func (w *convWriter) encodeTOC(dataEnd int64) ([]byte, int, error) {
 				le.PutUint64(cr[8:], uint64(c.fileOff))
 				le.PutUint32(cr[16:], c.csize)
 				le.PutUint32(cr[20:], c.size)
-				copy(cr[24:56], c.sum[:])
+				le.PutUint32(cr[24:], c.frameOff)
+				le.PutUint32(cr[28:], c.frameLen)
+				copy(cr[32:64], c.sum[:])
 				ci++
 			}
 		}
