@@ -112,4 +112,183 @@ func tail(s []sample, n int) []sample {
 	return s
 }
 
-var _ = envlet.GiB
+// TestMemoryGrowth: a container starting at 256 MiB whose working set
+// grows from 100 MiB to 6 GiB as fast as it can touch pages finishes
+// without a single OOM kill.
+func TestMemoryGrowth(t *testing.T) {
+	s := newSuite(t, node{})
+	events := s.watch(t)
+	c, err := s.run(t, "", map[string]string{"initial-cpu": "1", "initial-memory": "256Mi"},
+		"-mode", "mem", "-from", "100", "-to", "6144", "-step", "64", "-hold", "500ms")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp := c.sample(t)
+	code := c.wait(t, 2*time.Minute)
+	sp.Stop()
+	var peak int64
+	for _, x := range sp.samples() {
+		peak = max(peak, x.mem)
+	}
+	if code != 0 {
+		t.Fatalf("exit %d (137 = killed); peak limit %s; output:\n%s\ntimeline:\n%s",
+			code, envlet.FormatBytes(peak), c.out.String(), s.envsnap(t, "envs", "--timeline", c.id))
+	}
+	c.stamp(t, "allocated")
+	for _, e := range events() {
+		if e.topic == "/tasks/oom" || e.failure != nil {
+			t.Errorf("event %s for %s", e.topic, e.id)
+		}
+	}
+	if peak < 6*envlet.GiB {
+		t.Errorf("peak memory limit %s: the 6 GiB working set cannot have fit", envlet.FormatBytes(peak))
+	}
+	t.Logf("256 MiB -> %s limit, 6 GiB allocated in %v, no OOM", envlet.FormatBytes(peak), c.stamp(t, "allocated").Sub(c.start).Round(time.Millisecond))
+}
+
+// TestIdleShrink: after a burst the controller gives CPU and memory back
+// once the container has been idle for the (shortened) shrink windows.
+func TestIdleShrink(t *testing.T) {
+	s := newSuite(t, node{})
+	c, err := s.run(t, "", map[string]string{
+		"initial-cpu": "0.5", "initial-memory": "256Mi",
+		"cpu-shrink-after": "2s", "cpu-cooldown": "1s", "mem-shrink-after": "3s",
+	}, "-mode", "burst", "-threads", "2", "-duration", "3s", "-to", "1024", "-hold", "14s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp := c.sample(t)
+	idle := c.waitStamp(t, "idle", time.Minute)
+	if code := c.wait(t, time.Minute); code != 0 {
+		t.Fatalf("exit %d; output:\n%s", code, c.out.String())
+	}
+	sp.Stop()
+	var peakCPU float64
+	var peakMem int64
+	var last sample
+	for _, x := range sp.samples() {
+		if !x.t.After(idle) {
+			peakCPU, peakMem = max(peakCPU, x.cpu), max(peakMem, x.mem)
+		}
+		last = x
+	}
+	timeline := s.envsnap(t, "envs", "--timeline", c.id)
+	t.Logf("burst: %.2f cores, %s; after %v idle: %.2f cores, %s", peakCPU, envlet.FormatBytes(peakMem),
+		last.t.Sub(idle).Round(time.Second), last.cpu, envlet.FormatBytes(last.mem))
+	if peakMem < envlet.GiB {
+		t.Fatalf("memory limit peaked at %s during a 1 GiB burst; timeline:\n%s", envlet.FormatBytes(peakMem), timeline)
+	}
+	if last.mem > peakMem/2 {
+		t.Errorf("memory limit %s after idling, want at most half the burst's %s; timeline:\n%s",
+			envlet.FormatBytes(last.mem), envlet.FormatBytes(peakMem), timeline)
+	}
+	if peakCPU > 0.5 && last.cpu > peakCPU/2+0.01 {
+		t.Errorf("cpu quota %.2f after idling, want at most half the burst's %.2f; timeline:\n%s", last.cpu, peakCPU, timeline)
+	}
+	if peakCPU <= 0.5 && !demandVisible(t, timeline, c.start, idle) {
+		t.Logf("host saturated (load %s): the CPU burst never showed as demand, CPU shrink not checked", loadavg())
+	} else if peakCPU <= 0.5 {
+		t.Errorf("cpu quota never grew during the burst; timeline:\n%s", timeline)
+	}
+}
+
+// TestNodeExhausted: on a node of 4 GiB, a container that keeps needing
+// 6 GiB (its build retried after each OOM kill) is failed loudly: the
+// client sees /envlet/env/failed with the reason, /tasks/oom, and exit
+// status 137; the arbiter lists it as ended with that reason.
+func TestNodeExhausted(t *testing.T) {
+	s := newSuite(t, node{memory: "4Gi"})
+	events := s.watch(t)
+	c, err := s.run(t, "", map[string]string{"initial-cpu": "1", "initial-memory": "256Mi", "fail-window": "30s"},
+		"-mode", "respawn", "-from", "100", "-to", "6144", "-step", "64", "-hold", "1s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	code := c.wait(t, 2*time.Minute)
+	if code != 137 {
+		t.Fatalf("exit %d, want 137; output:\n%s", code, c.out.String())
+	}
+	var failure *envlet.Failure
+	var oom bool
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) && (failure == nil || !oom) {
+		for _, e := range events() {
+			if e.id != c.id {
+				continue
+			}
+			if e.failure != nil {
+				failure = e.failure
+			}
+			oom = oom || e.topic == "/tasks/oom"
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if failure == nil {
+		t.Fatalf("no %s event for %s; output:\n%s", "/envlet/env/failed", c.id, c.out.String())
+	}
+	if !oom {
+		t.Error("no /tasks/oom event")
+	}
+	t.Logf("failure event: %+v", *failure)
+	if failure.Reason != envlet.ReasonNodeExhausted {
+		t.Errorf("reason %q, want %s", failure.Reason, envlet.ReasonNodeExhausted)
+	}
+	if failure.Requested <= failure.Granted || failure.Granted > 4*envlet.GiB || failure.OOMs < 1 && failure.WorkingSet == 0 {
+		t.Errorf("implausible failure figures: %+v", *failure)
+	}
+	list := s.envsnap(t, "envs", "--all")
+	if !strings.Contains(list, c.id) || !strings.Contains(list, envlet.ReasonNodeExhausted) {
+		t.Errorf("envs --all does not list %s as ended with %s:\n%s", c.id, envlet.ReasonNodeExhausted, list)
+	}
+}
+
+// TestAdmissionReclaim: a container that burst to the node's grow limit
+// and went idle is shrunk when a new container needs the room: the
+// newcomer is admitted (it would not fit next to the idle burst) and the
+// idle one's memory limit drops within about a report period.
+func TestAdmissionReclaim(t *testing.T) {
+	s := newSuite(t, node{memory: "4Gi"})
+	// The shrink window is long: only the admission can take the burst.
+	a, err := s.run(t, "", map[string]string{"initial-cpu": "0.5", "initial-memory": "512Mi", "mem-shrink-after": "10m"},
+		"-mode", "burst", "-threads", "1", "-duration", "1s", "-to", "2400", "-hold", "60s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp := a.sample(t)
+	a.waitStamp(t, "idle", time.Minute)
+	// Two reports so the arbiter knows a is idle.
+	time.Sleep(2500 * time.Millisecond)
+	_, burst, err := a.limits()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if burst < 3*envlet.GiB {
+		t.Fatalf("a's memory limit %s after a 2.4 GiB burst: expected the node's grow limit (3.4 GiB)", envlet.FormatBytes(burst))
+	}
+	admitted := time.Now()
+	b, err := s.run(t, "", map[string]string{"initial-cpu": "0.5", "initial-memory": "1536Mi"}, "-mode", "idle", "-hold", "3s")
+	if err != nil {
+		t.Fatalf("b not admitted next to a's idle burst (%s of 4 GiB): %v", envlet.FormatBytes(burst), err)
+	}
+	var shrunk *sample
+	deadline := admitted.Add(5 * time.Second)
+	for shrunk == nil && time.Now().Before(deadline) {
+		for _, x := range sp.samples() {
+			if x.t.After(admitted) && x.mem < burst {
+				shrunk = &x
+				break
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if shrunk == nil {
+		t.Fatalf("a's limit stayed at %s after b was admitted; a's timeline:\n%s", envlet.FormatBytes(burst), s.envsnap(t, "envs", "--timeline", a.id))
+	}
+	t.Logf("a: %s -> %s %v after b's admission", envlet.FormatBytes(burst), envlet.FormatBytes(shrunk.mem), shrunk.t.Sub(admitted).Round(time.Millisecond))
+	if lag := shrunk.t.Sub(admitted); lag > 2500*time.Millisecond {
+		t.Errorf("reclaim took %v, want about one report period (1 s)", lag)
+	}
+	if code := b.wait(t, time.Minute); code != 0 {
+		t.Errorf("b exit %d", code)
+	}
+}
