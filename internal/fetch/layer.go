@@ -261,7 +261,8 @@ func (l *Layer) find(c layerfmt.Chunk) int {
 // flight is one registry request for a set of chunks; readers of any of
 // them wait for it instead of sending their own (singleflight by digest).
 type flight struct {
-	done   chan struct{}
+	done    chan struct{}
+	lastErr atomic.Pointer[error] // latest registry error while retrying
 	data   map[digest.Digest][]byte
 	errs   map[digest.Digest]error
 	putErr error
@@ -315,6 +316,9 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		case <-f.done:
 		case <-ctx.Done():
 			err := fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, ctx.Err())
+			if last := f.lastErr.Load(); last != nil {
+				err = fmt.Errorf("%w (last registry error: %w)", err, *last)
+			}
 			log.G(ctx).WithError(err).Error("lazy read failed")
 			return nil, err
 		}
@@ -470,6 +474,7 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 	last := chunks[len(chunks)-1]
 	n := last.Offset + last.CompressedSize - off
 	start := time.Now()
+	ctx = withObserver(ctx, func(err error) { f.lastErr.Store(&err) })
 	data, err := l.blob.ReadRange(ctx, off, n)
 	m := l.o.metrics
 	if m != nil {
@@ -531,9 +536,10 @@ func (l *Layer) markCached(j int) {
 	}
 	l.cached[j] = true
 	l.mu.Unlock()
-	v := l.cachedBytes.Add(l.spans[j].csize)
+	l.cachedBytes.Add(l.spans[j].csize)
 	if m := l.o.metrics; m != nil {
-		m.fillCached.WithLabelValues(l.label).Set(float64(v))
+		// Add, not Set: concurrent markers would race to Set stale sums.
+		m.fillCached.WithLabelValues(l.label).Add(float64(l.spans[j].csize))
 	}
 }
 

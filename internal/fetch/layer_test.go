@@ -169,7 +169,11 @@ func TestLayerSingleflight(t *testing.T) {
 			}
 		}()
 		if g == 0 {
-			time.Sleep(10 * time.Millisecond) // let the first reader start the fetch
+			// The others arrive while the first reader's fetch is on the
+			// wire (the registry holds it for 100 ms).
+			for fx.reg.requests() == 0 {
+				time.Sleep(time.Millisecond)
+			}
 		}
 	}
 	wg.Wait()

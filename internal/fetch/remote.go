@@ -78,6 +78,14 @@ func newRemote(hosts docker.RegistryHosts, ref string, o *blobOptions) (*remote,
 	}, nil
 }
 
+// observerKey carries a func(error) that do calls with each failed round, so
+// that a reader giving up on a shared fetch can say why it was slow.
+type observerKey struct{}
+
+func withObserver(ctx context.Context, f func(error)) context.Context {
+	return context.WithValue(ctx, observerKey{}, f)
+}
+
 // statusError is an unexpected HTTP status from one host.
 type statusError struct {
 	host       string
@@ -221,6 +229,9 @@ func (r *remote) do(ctx context.Context, what, path string, header http.Header, 
 		}
 		lastErr := errors.Join(errs...)
 		prevErr = lastErr
+		if obs, ok := ctx.Value(observerKey{}).(func(error)); ok {
+			obs(lastErr)
+		}
 		if allAbsent {
 			return fmt.Errorf("%s: %w", what, lastErr)
 		}
