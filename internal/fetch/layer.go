@@ -263,9 +263,9 @@ func (l *Layer) find(c layerfmt.Chunk) int {
 type flight struct {
 	done    chan struct{}
 	lastErr atomic.Pointer[error] // latest registry error while retrying
-	data   map[digest.Digest][]byte
-	errs   map[digest.Digest]error
-	putErr error
+	data    map[digest.Digest][]byte
+	errs    map[digest.Digest]error
+	putErr  error
 }
 
 func (f *flight) result(d digest.Digest) ([]byte, error) {
