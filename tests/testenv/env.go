@@ -55,6 +55,7 @@ type options struct {
 	envsnapArgs  []string
 	containerEnv []string
 	extraConfig  string
+	imports      []string
 }
 
 // Option configures New.
@@ -75,6 +76,14 @@ func WithContainerdEnv(env ...string) Option {
 // WithConfig appends TOML to containerd's generated config.
 func WithConfig(toml string) Option {
 	return func(o *options) { o.extraConfig += "\n" + toml }
+}
+
+// WithImports lists config files in containerd's top-level `imports`, the
+// way a node's config.toml pulls in /etc/containerd/conf.d/*.toml: they are
+// merged over the generated config (containerd's merge rules, not TOML
+// concatenation, so they can replace harness settings).
+func WithImports(paths ...string) Option {
+	return func(o *options) { o.imports = append(o.imports, paths...) }
 }
 
 var envCounter atomic.Int64
@@ -203,10 +212,19 @@ func (e *Env) startContainerd(t testing.TB) {
 // one config.toml.example documents, pointed at this env's directories.
 func (e *Env) containerdConfig() string {
 	d := e.Dir
+	var imports string
+	if len(e.opts.imports) > 0 {
+		quoted := make([]string, len(e.opts.imports))
+		for i, p := range e.opts.imports {
+			quoted[i] = fmt.Sprintf("%q", p)
+		}
+		// Top-level keys must precede the first table.
+		imports = "imports = [" + strings.Join(quoted, ", ") + "]\n"
+	}
 	return fmt.Sprintf(`version = 3
 root = %[1]q
 state = %[2]q
-
+%[11]s
 [grpc]
   address = %[3]q
 [ttrpc]
@@ -258,7 +276,7 @@ state = %[2]q
         snapshotter = "envsnap"
 %[10]s
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), e.Address, e.Address+".ttrpc",
-		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig)
+		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports)
 }
 
 // CRIEndpoint is the CRI socket (crictl --runtime-endpoint).
