@@ -277,13 +277,14 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 	st, next, fail := c.pol.Resolve(st, o, d, granted)
-	if d.Mem.Kind == Grow && next.Memory <= st.Limit.Memory {
-		acts = append(acts, "mem denied")
+	denied := d.Mem.Kind == Grow && next.Memory <= st.Limit.Memory
+	if denied {
 		c.mu.Lock()
 		c.status.Denied++
 		c.mu.Unlock()
 	}
 	if fail != nil {
+		acts = append(acts, "mem denied")
 		fail.Env = c.env
 		fail.Message = fail.describe()
 		c.st = st
@@ -301,6 +302,9 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		if acts, err = c.apply(ctx, next, d, acts); err != nil {
 			return err
 		}
+	}
+	if denied {
+		acts = append(acts, "mem denied")
 	}
 
 	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {

@@ -1,0 +1,284 @@
+package envlet
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/containerd/errdefs"
+)
+
+func bigNode() *NodeArbiter {
+	return NewNodeArbiter(Resources{CPU: 256, Memory: 1024 * GiB}, DefaultReserve)
+}
+
+func testConfig() Config {
+	cfg := DefaultConfig()
+	cfg.Initial = Resources{CPU: 1, Memory: 256 * MiB}
+	return cfg
+}
+
+// A task's CPU demand jumps 47x within one second (DESIGN.md): x4 under
+// heavy throttling, then x2, reaching the demand in 4 ticks (0.8 s).
+func TestTrace47xCPUBurst(t *testing.T) {
+	cfg := testConfig()
+	tr := newTrace(t, cfg, bigNode(), 64)
+	for range 5 {
+		tr.mustStep(func(*Sample) { tr.cpu(0.5) })
+	}
+	jump := tr.tick
+	reached := 0
+	for range 10 {
+		tr.mustStep(func(*Sample) { tr.cpu(47) })
+		if reached == 0 && tr.c.Status().Limit.CPU >= 47 {
+			reached = tr.tick - jump
+		}
+	}
+	// throttled share 1-1/47=0.98 -> x4 (4); 1-4/47=0.91 -> x4 (16);
+	// 0.66 -> x2 (32); 0.32 -> x2 (64 = cap); then met, util 0.73: keep.
+	equalLog(t, tr.log, []string{"6: cpu x4", "7: cpu x4", "8: cpu x2", "9: cpu x2"})
+	if reached == 0 || time.Duration(reached)*tick > time.Second {
+		t.Fatalf("demand of 47 cores met after %d ticks, want within 1 s", reached)
+	}
+	if got := tr.c.Status().Limit.CPU; got != cfg.Cap.CPU {
+		t.Fatalf("cpu limit %v, want the cap %v", got, cfg.Cap.CPU)
+	}
+}
+
+// Memory growing slowly doubles at each 60% crossing, never x4, never
+// kills, and always keeps 1.25x headroom over the working set.
+func TestTraceSlowMemoryRamp(t *testing.T) {
+	tr := newTrace(t, testConfig(), bigNode(), 2)
+	for i := 1; i <= 102; i++ {
+		ws := int64(i) * 20 * MiB
+		tr.mustStep(func(s *Sample) { s.MemUsage = ws; tr.cpu(0.5) })
+		if lim := tr.c.Status().Limit.Memory; float64(lim) < 1.25*float64(ws) {
+			t.Fatalf("tick %d: limit %s below 1.25 x ws %s", i, FormatBytes(lim), FormatBytes(ws))
+		}
+	}
+	// 60% crossings: 160 MiB of 256, 320 of 512, 620 of 1024, 1240 of 2048.
+	equalLog(t, tr.log, []string{"8: mem x2", "16: mem x2", "31: mem x2", "62: mem x2"})
+	if got := tr.c.Status().Limit.Memory; got != 4*GiB {
+		t.Fatalf("final memory limit %s, want 4Gi", FormatBytes(got))
+	}
+}
+
+// A burst then a saw-tooth load below the thresholds: the quota grows,
+// then halves at most once per window and settles without oscillating (a
+// halving never triggers a grow).
+func TestTraceSawtoothNoOscillation(t *testing.T) {
+	cfg := testConfig()
+	cfg.Cap = Resources{CPU: 8, Memory: 32 * GiB}
+	cfg.Initial.Memory = 512 * MiB
+	tr := newTrace(t, cfg, bigNode(), 8)
+	for range 10 { // 2 s burst: 4 cores, 400 MiB working set
+		tr.mustStep(func(s *Sample) { s.MemUsage = 400 * MiB; tr.cpu(4) })
+	}
+	for i := range 1500 { // 300 s: 1.1 cores, working set saw-tooth 50..150 MiB
+		ws := 50*MiB + int64(i%25)*4*MiB
+		tr.mustStep(func(s *Sample) { s.MemUsage = ws; tr.cpu(1.1) })
+	}
+	// Burst: x2 (1->2, throttled 0.75) and mem x2 (400 of 512 = 78%);
+	// x2 (2->4, throttled 0.5); x2 (4->8, util 1.0). Then CPU halves 10 s
+	// after the low window starts (cooldown 10 s after the last grow): 8->4
+	// (util 0.14), 4->2 (0.27); 2 is at util 0.55: kept. Memory halves
+	// once, 60 s (300 ticks) after the low window opens at tick 11:
+	// 1Gi->512Mi (peak 146 MiB = 14%); at 512Mi the peak is 28.5%: kept.
+	equalLog(t, tr.log, []string{
+		"1: cpu x2,mem x2", "2: cpu x2", "3: cpu x2",
+		"61: cpu /2", "111: cpu /2",
+		"311: mem /2",
+	})
+}
+
+// The node cannot give more memory while the kernel OOM-kills: the
+// environment fails with MEM_NODE_EXHAUSTED after 2 OOMs in 5 s.
+func TestTraceOOMStormDenied(t *testing.T) {
+	cfg := testConfig()
+	arb := NewNodeArbiter(Resources{CPU: 16, Memory: 1 * GiB}, 0)
+	tr := newTrace(t, cfg, arb, 2)
+	tr.mustStep(func(s *Sample) { s.MemUsage = 240 * MiB }) // 94%: x4 wanted (1Gi), granted 1Gi
+	var err error
+	for range 10 {
+		if err = tr.step(func(s *Sample) { s.MemUsage = 1000 * MiB; s.OOMKill++ }); err != nil {
+			break
+		}
+	}
+	equalLog(t, tr.log, []string{"1: mem x4", "2: mem denied", "3: mem denied,fail MEM_NODE_EXHAUSTED"})
+	var fe *FailureError
+	if !errors.As(err, &fe) {
+		t.Fatalf("got %v, want a FailureError", err)
+	}
+	if fe.Reason != ReasonNodeExhausted || fe.OOMs != 2 || fe.Granted != 1*GiB || fe.Requested != 4*GiB || fe.WorkingSet != 1000*MiB {
+		t.Fatalf("failure %+v", fe.Failure)
+	}
+	if st := tr.c.Status(); st.Failures != 1 || st.Failure == nil {
+		t.Fatalf("status %+v", st)
+	}
+}
+
+// At the per-environment cap the same storm is MEM_CAP_EXCEEDED, and the
+// arbiter is not even asked.
+func TestTraceOOMAtCap(t *testing.T) {
+	cfg := testConfig()
+	cfg.Cap.Memory = 256 * MiB
+	tr := newTrace(t, cfg, bigNode(), 2)
+	var err error
+	for range 20 {
+		if err = tr.step(func(s *Sample) { s.MemUsage = 250 * MiB; s.UnderOOM = true }); err != nil {
+			break
+		}
+	}
+	var fe *FailureError
+	if !errors.As(err, &fe) || fe.Reason != ReasonCapExceeded {
+		t.Fatalf("got %v, want MEM_CAP_EXCEEDED", err)
+	}
+	// Stuck (under_oom) since tick 1, failed FailPaused = 2 s later.
+	if tr.tick != 11 {
+		t.Fatalf("failed at tick %d, want 11", tr.tick)
+	}
+}
+
+// timeoutArbiter is an arbiter that stopped answering.
+type timeoutArbiter struct{ Arbiter }
+
+func (a timeoutArbiter) Report(ctx context.Context, env string, current, used Resources) (Resources, error) {
+	<-ctx.Done()
+	return Resources{}, ctx.Err()
+}
+
+func (a timeoutArbiter) Grow(ctx context.Context, env string, want Resources) (Resources, error) {
+	<-ctx.Done()
+	return Resources{}, ctx.Err()
+}
+
+// With the arbiter unreachable CPU fails open to 2x base and memory fails
+// closed (denied, but no failure without OOMs or a stall).
+func TestTraceArbiterTimeout(t *testing.T) {
+	cfg := testConfig()
+	cfg.ArbiterTimeout = time.Millisecond
+	tr := newTrace(t, cfg, timeoutArbiter{bigNode()}, 8)
+	for range 5 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 240 * MiB; tr.cpu(8) })
+	}
+	equalLog(t, tr.log, []string{"1: cpu x4,mem denied", "2: mem denied", "3: mem denied", "4: mem denied", "5: mem denied"})
+	if got := tr.c.Status().Limit; got.CPU != 2 || got.Memory != 256*MiB {
+		t.Fatalf("limits %v, want cpu 2 (2x base), memory 256Mi", got)
+	}
+}
+
+// v1 refuses a memory limit below usage with EBUSY: not now, nothing
+// dies, the next window retries.
+func TestTraceV1ShrinkBusy(t *testing.T) {
+	cfg := testConfig()
+	cfg.MemShrinkAfter = 10 * time.Second
+	tr := newTrace(t, cfg, bigNode(), 2)
+	tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB }) // 78%: x2 -> 512Mi
+	usage := int64(500 * MiB)                               // page cache the kernel must reclaim first
+	tr.cg.applyErr = func(r Resources) error {
+		if r.Memory < usage {
+			return ErrBusy
+		}
+		return nil
+	}
+	for i := range 120 {
+		if i == 60 {
+			usage = 100 * MiB
+		}
+		tr.mustStep(func(s *Sample) { s.MemUsage = usage; s.InactiveFile = usage - 50*MiB; tr.cpu(0.5) })
+	}
+	// Low window from tick 2: shrink at 52 is refused, retried a window
+	// later at 102 and accepted.
+	equalLog(t, tr.log, []string{"1: mem x2", "52: mem busy", "102: mem /2"})
+	if st := tr.c.Status(); st.Busy != 1 || st.Limit.Memory != 256*MiB {
+		t.Fatalf("status %+v", st)
+	}
+}
+
+// A vanished cgroup (the task exited) ends Run without a failure and
+// returns the lease.
+func TestRunCgroupVanished(t *testing.T) {
+	cfg := testConfig()
+	arb := bigNode()
+	clk, cg := newFakeClock(), newFakeCgroup()
+	c, err := NewController("env", cg, cfg, arb, WithClock(clk))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	for i := 0; ; i++ {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("Run: %v", err)
+			}
+			if len(arb.Leases()) != 0 {
+				t.Fatalf("lease not released: %v", arb.Leases())
+			}
+			if len(c.Timeline()) < 3 {
+				t.Fatalf("ran %d ticks before the cgroup vanished, want 3", len(c.Timeline()))
+			}
+			return
+		default:
+		}
+		if len(c.Timeline()) >= 3 {
+			cg.mu.Lock()
+			cg.sampleErr = ErrVanished
+			cg.mu.Unlock()
+		}
+		clk.Advance(tick)
+		time.Sleep(time.Millisecond)
+		if i > 10000 {
+			t.Fatal("Run did not return")
+		}
+	}
+}
+
+// A kernel event wakes Run before the tick is due.
+func TestRunEventWakes(t *testing.T) {
+	clk, cg := newFakeClock(), newFakeCgroup()
+	c, err := NewController("env", cg, testConfig(), bigNode(), WithClock(clk))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	for len(c.Timeline()) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	cg.mu.Lock()
+	cg.s.MemUsage = 250 * MiB
+	cg.mu.Unlock()
+	cg.events <- Event{Kind: 1}
+	deadline := time.Now().Add(5 * time.Second)
+	for c.Status().Limit.Memory != GiB {
+		if time.Now().After(deadline) {
+			t.Fatalf("event did not trigger a grow: %+v", c.Timeline())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	tl := c.Timeline()
+	if p := tl[len(tl)-1]; p.Wake != "event" || p.Actions != "mem x4" || !p.T.Equal(tl[0].T) {
+		t.Fatalf("last point %+v, want an event-woken x4 without the clock moving", p)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAdmissionRejected(t *testing.T) {
+	arb := NewNodeArbiter(Resources{CPU: 0.5, Memory: GiB}, DefaultReserve)
+	c, err := NewController("env", newFakeCgroup(), testConfig(), arb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = c.Run(context.Background())
+	var fe *FailureError
+	if !errors.As(err, &fe) || fe.Reason != ReasonAdmissionRejected || !errdefs.IsResourceExhausted(err) {
+		t.Fatalf("got %v, want ADMISSION_REJECTED wrapping ErrResourceExhausted", err)
+	}
+}
