@@ -16,6 +16,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"time"
 
@@ -45,6 +47,12 @@ const (
 	manifestCacheEntries = 32
 	// fuseSuperMagic is the f_type statfs reports for FUSE mounts.
 	fuseSuperMagic = 0x65735546
+	// DefaultReadAheadKB replaces the kernel's 128 KiB readahead window of
+	// a FUSE mount: lazyfs accepts 1 MiB reads (one chunk), but the kernel
+	// only sends requests as large as its readahead window. Measured on the
+	// 200 MiB cached-read benchmark (tests/snapshotter, loaded 2-core box):
+	// 103 MiB/s at 128 KiB, 169-193 MiB/s at 1-4 MiB.
+	DefaultReadAheadKB = 1024
 )
 
 // Config configures a Store.
@@ -61,6 +69,9 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
+	// ReadAheadKB is the kernel readahead window of each mount
+	// (DefaultReadAheadKB when zero; negative keeps the kernel's).
+	ReadAheadKB int
 }
 
 // Store implements snapshotter.FileSystem.
@@ -90,6 +101,9 @@ func New(cfg Config) (*Store, error) {
 	}
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = DefaultReadTimeout
+	}
+	if cfg.ReadAheadKB == 0 {
+		cfg.ReadAheadKB = DefaultReadAheadKB
 	}
 	return &Store{
 		cfg:       cfg,
@@ -159,6 +173,11 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	srv, err := lazyfs.Mount(context.WithoutCancel(ctx), mountpoint, toc, layer, opts...)
 	if err != nil {
 		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
+	}
+	if s.cfg.ReadAheadKB > 0 {
+		if err := setReadAhead(mountpoint, s.cfg.ReadAheadKB); err != nil {
+			log.G(ctx).WithError(err).WithField("layer", ldgst).Warn("cannot raise readahead of lazy layer mount")
+		}
 	}
 	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
@@ -273,4 +292,18 @@ func (s *Store) Status() map[string]LayerStatus {
 		out[mp] = ls
 	}
 	return out
+}
+
+// setReadAhead sets the readahead window of the filesystem mounted at
+// mountpoint through its backing device info in sysfs.
+func setReadAhead(mountpoint string, kb int) error {
+	var st unix.Stat_t
+	if err := unix.Stat(mountpoint, &st); err != nil {
+		return fmt.Errorf("stat %s: %w", mountpoint, err)
+	}
+	p := fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(st.Dev), unix.Minor(st.Dev))
+	if err := os.WriteFile(p, []byte(strconv.Itoa(kb)), 0o644); err != nil {
+		return fmt.Errorf("set %s: %w", p, err)
+	}
+	return nil
 }
