@@ -35,7 +35,7 @@ var (
 )
 
 // workload builds tests/shim/workload as a static binary, once per run.
-func workload(t *testing.T) []byte {
+func workload(t testing.TB) []byte {
 	t.Helper()
 	workloadOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "envlet-workload")
@@ -74,7 +74,7 @@ type suite struct {
 	img     client.Image
 }
 
-func newSuite(t *testing.T, n node) *suite {
+func newSuite(t testing.TB, n node) *suite {
 	t.Helper()
 	testenv.RequireRoot(t)
 	bin := workload(t)
@@ -115,7 +115,7 @@ func newSuite(t *testing.T, n node) *suite {
 }
 
 // envsnap runs the containerd-envsnap CLI against the suite's arbiter.
-func (s *suite) envsnap(t *testing.T, args ...string) string {
+func (s *suite) envsnap(t testing.TB, args ...string) string {
 	t.Helper()
 	cmd := exec.Command(testenv.Binary(t, "containerd-envsnap"), args...)
 	cmd.Env = append(os.Environ(), "ENVLET_CONFIG="+s.cfgPath)
@@ -155,16 +155,29 @@ func (b *syncBuffer) String() string {
 
 var ctrCount int
 
+// runOpts selects how a container runs.
+type runOpts struct {
+	runtime  string            // default the envlet runtime
+	ann      map[string]string // envlet knobs, without the annotation prefix
+	specOpts []oci.SpecOpts
+}
+
 // run creates and starts a container of the workload image with the
-// envlet runtime (or runtime, when set) and envlet annotations.
-func (s *suite) run(t *testing.T, runtime string, ann map[string]string, args ...string) (*ctr, error) {
+// envlet runtime and annotations ann (envlet knobs).
+func (s *suite) run(t testing.TB, ann map[string]string, args ...string) (*ctr, error) {
+	return s.runWith(t, runOpts{ann: ann}, args...)
+}
+
+// runWith creates and starts a container of the workload image.
+func (s *suite) runWith(t testing.TB, o runOpts, args ...string) (*ctr, error) {
 	t.Helper()
+	runtime, ann := o.runtime, o.ann
 	if runtime == "" {
 		runtime = envletRuntime
 	}
 	ctx := s.env.Context()
 	ctrCount++
-	id := fmt.Sprintf("%s-%d", strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name())), ctrCount)
+	id := fmt.Sprintf("%s-%d", strings.ToLower(strings.NewReplacer("/", "-", "_", "-", " ", "-").Replace(t.Name())), ctrCount)
 	a := map[string]string{}
 	for k, v := range ann {
 		a[envlet.AnnotationPrefix+k] = v
@@ -173,7 +186,8 @@ func (s *suite) run(t *testing.T, runtime string, ann map[string]string, args ..
 		client.WithSnapshotter("overlayfs"),
 		client.WithNewSnapshot(id+"-snap", s.img),
 		client.WithRuntime(runtime, nil),
-		client.WithNewSpec(oci.WithImageConfig(s.img), oci.WithProcessArgs(append([]string{"/workload"}, args...)...), oci.WithAnnotations(a)),
+		client.WithNewSpec(append([]oci.SpecOpts{oci.WithImageConfig(s.img),
+			oci.WithProcessArgs(append([]string{"/workload"}, args...)...), oci.WithAnnotations(a)}, o.specOpts...)...),
 	)
 	if err != nil {
 		t.Fatalf("create container %s: %v", id, err)
@@ -204,7 +218,7 @@ func (s *suite) run(t *testing.T, runtime string, ann map[string]string, args ..
 }
 
 // wait returns the exit status, failing the test after timeout.
-func (c *ctr) wait(t *testing.T, timeout time.Duration) uint32 {
+func (c *ctr) wait(t testing.TB, timeout time.Duration) uint32 {
 	t.Helper()
 	select {
 	case st := <-c.statusC:
@@ -220,7 +234,7 @@ func (c *ctr) wait(t *testing.T, timeout time.Duration) uint32 {
 }
 
 // stamp returns the time the workload printed for phase.
-func (c *ctr) stamp(t *testing.T, phase string) time.Time {
+func (c *ctr) stamp(t testing.TB, phase string) time.Time {
 	t.Helper()
 	sc := bufio.NewScanner(strings.NewReader(c.out.String()))
 	for sc.Scan() {
@@ -237,7 +251,7 @@ func (c *ctr) stamp(t *testing.T, phase string) time.Time {
 }
 
 // waitStamp waits until the workload prints phase.
-func (c *ctr) waitStamp(t *testing.T, phase string, timeout time.Duration) time.Time {
+func (c *ctr) waitStamp(t testing.TB, phase string, timeout time.Duration) time.Time {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for !strings.Contains(c.out.String(), phase+" ") {
@@ -312,7 +326,7 @@ type sampler struct {
 	done chan struct{}
 }
 
-func (c *ctr) sample(t *testing.T) *sampler {
+func (c *ctr) sample(t testing.TB) *sampler {
 	sp := &sampler{stop: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(sp.done)
@@ -360,7 +374,7 @@ type event struct {
 
 // watch collects /envlet/env/failed and /tasks/oom events of the suite's
 // namespace.
-func (s *suite) watch(t *testing.T) func() []event {
+func (s *suite) watch(t testing.TB) func() []event {
 	ctx, cancel := context.WithCancel(s.env.Context())
 	t.Cleanup(cancel)
 	ch, errs := s.env.Client.Subscribe(ctx, `topic=="`+shim.FailedEventTopic+`"`, `topic=="/tasks/oom"`)

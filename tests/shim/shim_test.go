@@ -24,7 +24,7 @@ import (
 // (1.7 cores) before any jump, which would make the check vacuous.
 func TestCPUJump(t *testing.T) {
 	s := newSuite(t, node{})
-	c, err := s.run(t, "", map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"},
+	c, err := s.run(t, map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"},
 		"-mode", "cpu", "-threads", "0", "-threads2", "8", "-jump", "2s", "-duration", "4s")
 	if err != nil {
 		t.Fatal(err)
@@ -118,7 +118,7 @@ func tail(s []sample, n int) []sample {
 func TestMemoryGrowth(t *testing.T) {
 	s := newSuite(t, node{})
 	events := s.watch(t)
-	c, err := s.run(t, "", map[string]string{"initial-cpu": "1", "initial-memory": "256Mi"},
+	c, err := s.run(t, map[string]string{"initial-cpu": "1", "initial-memory": "256Mi"},
 		"-mode", "mem", "-from", "100", "-to", "6144", "-step", "64", "-hold", "500ms")
 	if err != nil {
 		t.Fatal(err)
@@ -150,7 +150,7 @@ func TestMemoryGrowth(t *testing.T) {
 // once the container has been idle for the (shortened) shrink windows.
 func TestIdleShrink(t *testing.T) {
 	s := newSuite(t, node{})
-	c, err := s.run(t, "", map[string]string{
+	c, err := s.run(t, map[string]string{
 		"initial-cpu": "0.5", "initial-memory": "256Mi",
 		"cpu-shrink-after": "2s", "cpu-cooldown": "1s", "mem-shrink-after": "3s",
 	}, "-mode", "burst", "-threads", "2", "-duration", "3s", "-to", "1024", "-hold", "14s")
@@ -199,7 +199,7 @@ func TestIdleShrink(t *testing.T) {
 func TestNodeExhausted(t *testing.T) {
 	s := newSuite(t, node{memory: "4Gi"})
 	events := s.watch(t)
-	c, err := s.run(t, "", map[string]string{"initial-cpu": "1", "initial-memory": "256Mi", "fail-window": "30s"},
+	c, err := s.run(t, map[string]string{"initial-cpu": "1", "initial-memory": "256Mi", "fail-window": "30s"},
 		"-mode", "respawn", "-from", "100", "-to", "6144", "-step", "64", "-hold", "1s")
 	if err != nil {
 		t.Fatal(err)
@@ -249,7 +249,7 @@ func TestNodeExhausted(t *testing.T) {
 func TestAdmissionReclaim(t *testing.T) {
 	s := newSuite(t, node{memory: "4Gi"})
 	// The shrink window is long: only the admission can take the burst.
-	a, err := s.run(t, "", map[string]string{"initial-cpu": "0.5", "initial-memory": "512Mi", "mem-shrink-after": "10m"},
+	a, err := s.run(t, map[string]string{"initial-cpu": "0.5", "initial-memory": "512Mi", "mem-shrink-after": "10m"},
 		"-mode", "burst", "-threads", "1", "-duration", "1s", "-to", "2400", "-hold", "60s")
 	if err != nil {
 		t.Fatal(err)
@@ -266,7 +266,7 @@ func TestAdmissionReclaim(t *testing.T) {
 		t.Fatalf("a's memory limit %s after a 2.4 GiB burst: expected the node's grow limit (3.4 GiB)", envlet.FormatBytes(burst))
 	}
 	admitted := time.Now()
-	b, err := s.run(t, "", map[string]string{"initial-cpu": "0.5", "initial-memory": "1536Mi"}, "-mode", "idle", "-hold", "3s")
+	b, err := s.run(t, map[string]string{"initial-cpu": "0.5", "initial-memory": "1536Mi"}, "-mode", "idle", "-hold", "3s")
 	if err != nil {
 		t.Fatalf("b not admitted next to a's idle burst (%s of 4 GiB): %v", envlet.FormatBytes(burst), err)
 	}

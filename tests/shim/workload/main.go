@@ -26,7 +26,9 @@ func main() {
 	to := flag.Int("to", 1024, "MiB allocated in the end (mem), held (burst, bench)")
 	step := flag.Int("step", 64, "MiB per allocation step (mem)")
 	hold := flag.Duration("hold", time.Second, "how long to hold the memory (mem), idle time (burst)")
-	work := flag.Int("work", 400, "units of CPU work (bench)")
+	work := flag.Int("work", 400, "units of CPU work per burst (bench)")
+	bursts := flag.Int("bursts", 1, "bursts (bench)")
+	gap := flag.Duration("gap", time.Second, "idle time between bursts (bench)")
 	flag.Parse()
 	// Go sizes GOMAXPROCS from the cgroup quota, which the controller
 	// changes under us: pin it so the demand is what the test asked for.
@@ -69,20 +71,27 @@ func main() {
 		stamp("idle")
 		time.Sleep(*hold)
 	case "bench":
+		// Bursts of CPU and memory demand separated by idle gaps, the
+		// shape of an agent episode (think, build, think, test).
 		start := time.Now()
-		regions := allocate(*to, *to, 64)
-		done := make(chan struct{})
-		per := *work / *threads
-		for range *threads {
-			go func() {
-				burn(per, regions)
-				done <- struct{}{}
-			}()
+		for b := range *bursts {
+			if b > 0 {
+				time.Sleep(*gap)
+			}
+			regions := allocate(*to, *to, 64)
+			done := make(chan struct{})
+			per := *work / *threads
+			for range *threads {
+				go func() {
+					burn(per, regions)
+					done <- struct{}{}
+				}()
+			}
+			for range *threads {
+				<-done
+			}
+			free(regions)
 		}
-		for range *threads {
-			<-done
-		}
-		free(regions)
 		fmt.Printf("elapsed %d\n", time.Since(start).Nanoseconds())
 	case "idle":
 		time.Sleep(*hold)
