@@ -177,7 +177,7 @@ func parseContentRange(v string) (first, last, total int64, err error) {
 	}
 	total = -1
 	if tot != "*" {
-		if total, err = strconv.ParseInt(tot, 10, 64); err != nil {
+		if total, err = strconv.ParseInt(tot, 10, 64); err != nil || total <= last {
 			return 0, 0, 0, fmt.Errorf("bad Content-Range %q", v)
 		}
 	}

@@ -342,3 +342,18 @@ func TestRequestMetrics(t *testing.T) {
 }
 
 var _ docker.RegistryHosts = hostsFor(nil)
+
+func FuzzParseContentRange(f *testing.F) {
+	for _, s := range []string{"bytes 0-99/100", "bytes 5-9/*", "bytes 9-5/10", "bytes -1-2/3", "items 0-1/2", "bytes 0-99/100/1", "bytes 0-1/-5", "bytes 0-9/5", ""} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		first, last, total, err := parseContentRange(v)
+		if err != nil {
+			return
+		}
+		if first < 0 || last < first || (total != -1 && total <= last) {
+			t.Fatalf("%q parsed to %d-%d/%d", v, first, last, total)
+		}
+	})
+}

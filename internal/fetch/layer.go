@@ -40,7 +40,7 @@ const (
 	// DefaultWholeBlobMax: when a registry ignores Range, every read costs
 	// the whole blob anyway, so for blobs up to this size the first miss
 	// caches every chunk it carried.
-	DefaultWholeBlobMax = 256 << 20
+	DefaultWholeBlobMax = 64 << 20
 	// fillGap is the largest hole bridged inside a fill batch: the fill
 	// wants nearly everything, holes are only tar headers and chunks
 	// already cached.
@@ -684,6 +684,16 @@ func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issue
 	}
 
 	l.mu.Lock()
+	if l.blob.RangeIgnored() && l.blob.Size() <= l.o.wholeBlobMax {
+		// Every request streams the whole blob: window-by-window would
+		// cost the blob size per batch. Take everything at once.
+		idx = idx[:0:0]
+		for j := range l.spans {
+			if l.canonical(j) == j {
+				idx = append(idx, j)
+			}
+		}
+	}
 	var chunks []layerfmt.Chunk
 	for _, j := range idx {
 		if l.cached[j] {

@@ -497,3 +497,18 @@ func TestLayerFrameCache(t *testing.T) {
 		t.Errorf("%d requests for one frame", n)
 	}
 }
+
+// TestLayerFillRangeIgnored: against a registry that ignores Range, the fill
+// takes the whole (small) blob in one response instead of one full-blob
+// response per batch.
+func TestLayerFillRangeIgnored(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithFillBatch(64<<10, 1))
+	fx.reg.noRange = true
+	fx.layer.StartFill(context.Background())
+	waitFilled(t, fx.layer)
+	// The first batch discovers it, the second takes the rest.
+	if n := fx.reg.requests(); n > 2 {
+		t.Fatalf("fill against a Range-ignoring registry took %d full-blob responses", n)
+	}
+}
