@@ -71,9 +71,14 @@ type layerOptions struct {
 }
 
 // WithReadTimeout bounds one ReadChunk, retries included (default
-// DefaultReadTimeout). Past it the read fails and FUSE returns EIO.
+// DefaultReadTimeout; zero or negative keeps the default). Past it the read
+// fails and FUSE returns EIO.
 func WithReadTimeout(d time.Duration) LayerOption {
-	return func(o *layerOptions) { o.readTimeout = d }
+	return func(o *layerOptions) {
+		if d > 0 {
+			o.readTimeout = d
+		}
+	}
 }
 
 // WithFillRate limits the background fill to bytesPerSec of compressed
@@ -100,7 +105,12 @@ func WithMaxGap(n int64) LayerOption { return func(o *layerOptions) { o.maxGap =
 // WithFillBatch sets the size of background fill requests and how many run
 // in parallel (defaults DefaultFillBatch, DefaultFillParallel).
 func WithFillBatch(size int64, parallel int) LayerOption {
-	return func(o *layerOptions) { o.fillBatch, o.fillParallel = size, max(parallel, 1) }
+	return func(o *layerOptions) {
+		if size > 0 {
+			o.fillBatch = size
+		}
+		o.fillParallel = max(parallel, 1)
+	}
 }
 
 // WithFrameCache bounds the decoded frames kept in memory per layer (default
