@@ -213,8 +213,8 @@ func (r *Reader) readFrame(c Chunk, dst []byte) ([]byte, error) {
 func (r *Reader) cachedFrame(j, k int) ([]byte, Chunk, error) {
 	// The cache is keyed by frame offset: a verified frame at an offset is
 	// the same bytes for every chunk that names that offset.
-	off, fileOff, size, frameOff, frameSize := r.toc.chunkGeometry(j, k)
-	c := Chunk{Offset: off, FileOffset: fileOff, Size: size, FrameOffset: frameOff, FrameSize: frameSize}
+	c := r.toc.chunkGeometry(j, k)
+	off, frameSize := c.Offset, c.FrameSize
 	r.mu.Lock()
 	r.clock++
 	for k := range r.frames {
@@ -329,7 +329,7 @@ func (r *Reader) resolve(name string, followLast bool) (int, error) {
 
 func (t *TOC) linkname(i int) string {
 	r := t.rec(i)
-	return string(t.str(le32(r, 60), le32(r, 64)))
+	return string(t.str(le32(r, eLinkOff), le32(r, eLinkLen)))
 }
 
 func (r *Reader) lookup(op, name string, followLast bool) (int, error) {

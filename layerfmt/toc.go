@@ -80,17 +80,52 @@ type Entry struct {
 	Implicit bool
 }
 
-// Raw TOC layout; see docs/layer-format.md.
+// Raw TOC layout; see docs/layer-format.md. Offsets are of little-endian
+// fields within each fixed-size record.
 const (
 	tocMagic       = "ESNAPTOC"
 	tocHeaderSize  = 64
-	entryRecSize   = 96
-	chunkRecSize   = 64
+	entryRecSize   = 72
+	chunkRecSize   = 24
+	frameRecSize   = 48
 	xattrRecSize   = 16
 	flagImplicit   = 1
 	unixModeMask   = 0o7777
 	maxXattrKeyLen = 255
 	maxXattrValLen = 1 << 16
+
+	// entry record
+	eParent   = 0  // u32 index of the parent directory (0 for the root)
+	eNameOff  = 4  // u32 base name in the string table
+	eNameLen  = 8  // u32
+	eType     = 12 // u8 EntryType
+	eFlags    = 13 // u8 flagImplicit
+	eReserved = 14 // u16 zero
+	eMode     = 16 // u32 permission, setuid, setgid, sticky bits
+	eUID      = 20 // u32
+	eGID      = 24 // u32
+	eNsec     = 28 // u32 mtime nanoseconds
+	eMtime    = 32 // i64 mtime seconds since the Unix epoch
+	eSize     = 40 // u64 regular file size
+	eA        = 48 // u32 first child | first chunk | device major
+	eB        = 52 // u32 child count | chunk count | device minor
+	eLinkOff  = 56 // u32 link target in the string table
+	eLinkLen  = 60 // u32
+	eXattrOff = 64 // u32 first xattr record
+	eXattrN   = 68 // u32 xattr count
+
+	// chunk record
+	cFileOff  = 0  // u64 offset in the file
+	cFrame    = 8  // u32 frame index
+	cFrameOff = 12 // u32 offset in the decompressed frame
+	cSize     = 16 // u32 size
+	cReserved = 20 // u32 zero
+
+	// frame record
+	fOffset = 0  // u64 blob offset
+	fCSize  = 8  // u32 compressed size
+	fSize   = 12 // u32 decompressed size
+	fDigest = 16 // [32]byte sha256 of the compressed frame
 )
 
 // TOC is a decoded table of contents. It keeps the decompressed TOC bytes
@@ -102,6 +137,7 @@ const (
 type TOC struct {
 	entries []byte
 	chunks  []byte
+	frames  []byte
 	xattrs  []byte
 	strs    []byte
 	n       int
@@ -129,7 +165,9 @@ func decompressTOC(b []byte, size uint64) ([]byte, error) {
 	if err := dec.Reset(bytes.NewReader(b)); err != nil {
 		return nil, err
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, min(size, 8*uint64(len(b))+4096)))
+	// Trust the declared size up to a generous compression ratio (real
+	// TOCs compress 10-40x); beyond that, grow with the actual output.
+	buf := bytes.NewBuffer(make([]byte, 0, min(size+bytes.MinRead, max(1<<20, 128*uint64(len(b))))))
 	if _, err := buf.ReadFrom(io.LimitReader(dec, int64(size)+1)); err != nil {
 		return nil, err
 	}
@@ -199,17 +237,17 @@ func parseTOC(raw []byte) (*TOC, error) {
 	if f := le32(raw, 12); f != 0 {
 		return nil, bad("unknown TOC flags %#x", f)
 	}
-	n, nc, nx, ns := uint64(le32(raw, 16)), uint64(le32(raw, 20)), uint64(le32(raw, 24)), uint64(le32(raw, 28))
-	if le32(raw, 32) != entryRecSize || le32(raw, 36) != chunkRecSize || le32(raw, 40) != xattrRecSize || le32(raw, 44) != 0 || le64(raw, 56) != 0 {
+	n, nc, nf, nx, ns := uint64(le32(raw, 16)), uint64(le32(raw, 20)), uint64(le32(raw, 24)), uint64(le32(raw, 28)), uint64(le32(raw, 32))
+	if le32(raw, 36) != entryRecSize || le32(raw, 40) != chunkRecSize || le32(raw, 44) != frameRecSize || le32(raw, 48) != xattrRecSize || le32(raw, 52) != 0 {
 		return nil, bad("unexpected record sizes or reserved fields")
 	}
 	if n == 0 || n > MaxEntries {
 		return nil, bad("%d entries", n)
 	}
-	if want := tocHeaderSize + n*entryRecSize + nc*chunkRecSize + nx*xattrRecSize + ns; want != uint64(len(raw)) {
+	if want := tocHeaderSize + n*entryRecSize + nc*chunkRecSize + nf*frameRecSize + nx*xattrRecSize + ns; want != uint64(len(raw)) {
 		return nil, bad("TOC is %d bytes, its counts need %d", len(raw), want)
 	}
-	dataEnd := le64(raw, 48)
+	dataEnd := le64(raw, 56)
 	if dataEnd > 1<<62 {
 		return nil, bad("data end %d", dataEnd)
 	}
@@ -217,8 +255,23 @@ func parseTOC(raw []byte) (*TOC, error) {
 	p := raw[tocHeaderSize:]
 	t.entries, p = p[:n*entryRecSize], p[n*entryRecSize:]
 	t.chunks, p = p[:nc*chunkRecSize], p[nc*chunkRecSize:]
+	t.frames, p = p[:nf*frameRecSize], p[nf*frameRecSize:]
 	t.xattrs, p = p[:nx*xattrRecSize], p[nx*xattrRecSize:]
 	t.strs = p
+
+	// Frames tile the data region [0, dataEnd) in blob order.
+	var pos uint64
+	for k := uint64(0); k < nf; k++ {
+		fr := t.frames[k*frameRecSize:]
+		off, csz, sz := le64(fr, fOffset), uint64(le32(fr, fCSize)), uint64(le32(fr, fSize))
+		if off != pos || csz == 0 || csz > MaxCompressedChunkSize || sz == 0 || sz > MaxChunkSize {
+			return nil, bad("frame %d: offset %d (want %d), sizes %d/%d", k, off, pos, csz, sz)
+		}
+		pos += csz
+	}
+	if pos != dataEnd {
+		return nil, bad("frames cover %d of %d data bytes", pos, dataEnd)
+	}
 
 	str := func(off, l uint32) ([]byte, bool) {
 		end := uint64(off) + uint64(l)
@@ -230,9 +283,9 @@ func parseTOC(raw []byte) (*TOC, error) {
 	var childSum, chunkNext, xattrNext uint64
 	for i := 0; i < t.n; i++ {
 		r := t.rec(i)
-		parent, first, nch := uint64(le32(r, 0)), uint64(le32(r, 12)), uint64(le32(r, 16))
-		typ, flags := EntryType(r[20]), r[21]
-		name, ok := str(le32(r, 4), le32(r, 8))
+		parent, a, b := uint64(le32(r, eParent)), uint64(le32(r, eA)), uint64(le32(r, eB))
+		typ, flags := EntryType(r[eType]), r[eFlags]
+		name, ok := str(le32(r, eNameOff), le32(r, eNameLen))
 		if !ok {
 			return nil, bad("entry %d: name outside string table", i)
 		}
@@ -243,13 +296,13 @@ func parseTOC(raw []byte) (*TOC, error) {
 		} else if parent >= uint64(i) || !validBase(name) {
 			return nil, bad("entry %d: bad parent %d or name %q", i, parent, name)
 		}
-		if r[22] != 0 || r[23] != 0 || le32(r, 36) != 0 || le32(r, 92) != 0 || flags&^flagImplicit != 0 {
+		if r[eReserved] != 0 || r[eReserved+1] != 0 || flags&^flagImplicit != 0 {
 			return nil, bad("entry %d: reserved fields set", i)
 		}
-		if le32(r, 24)&^unixModeMask != 0 {
-			return nil, bad("entry %d: mode %#o", i, le32(r, 24))
+		if le32(r, eMode)&^unixModeMask != 0 {
+			return nil, bad("entry %d: mode %#o", i, le32(r, eMode))
 		}
-		if nsec := le32(r, 56); nsec >= 1e9 {
+		if nsec := le32(r, eNsec); nsec >= 1e9 {
 			return nil, bad("entry %d: nanoseconds %d", i, nsec)
 		}
 		if typ < TypeReg || typ > TypeFIFO {
@@ -258,32 +311,69 @@ func parseTOC(raw []byte) (*TOC, error) {
 		if flags&flagImplicit != 0 && typ != TypeDir {
 			return nil, bad("entry %d: implicit non-directory", i)
 		}
-		// Children: a contiguous range after the entry itself, each child
-		// pointing back, names strictly increasing. With the range after
-		// the parent and the counts summing to n-1, every non-root entry
-		// belongs to exactly one directory and the tree has no cycles.
-		if nch != 0 {
-			if typ != TypeDir || first <= uint64(i) || first+nch > n {
-				return nil, bad("entry %d: children %d+%d", i, first, nch)
+		size := le64(r, eSize)
+		if typ != TypeReg && size != 0 {
+			return nil, bad("entry %d: size on a %s", i, typ)
+		}
+		switch typ {
+		case TypeDir:
+			// Children: a contiguous range after the entry itself, each
+			// child pointing back, names strictly increasing. With the
+			// range after the parent and the counts summing to n-1, every
+			// non-root entry belongs to exactly one directory and the
+			// tree has no cycles.
+			if b == 0 {
+				if a != 0 {
+					return nil, bad("entry %d: first child without children", i)
+				}
+				break
+			}
+			if a <= uint64(i) || a+b > n {
+				return nil, bad("entry %d: children %d+%d", i, a, b)
 			}
 			var prev []byte
-			for c := first; c < first+nch; c++ {
+			for c := a; c < a+b; c++ {
 				cr := t.rec(int(c))
-				if uint64(le32(cr, 0)) != uint64(i) {
-					return nil, bad("entry %d: child %d has parent %d", i, c, le32(cr, 0))
+				if uint64(le32(cr, eParent)) != uint64(i) {
+					return nil, bad("entry %d: child %d has parent %d", i, c, le32(cr, eParent))
 				}
-				cn, _ := str(le32(cr, 4), le32(cr, 8)) // checked when c is visited; bounds-safe here
-				if c > first && bytes.Compare(prev, cn) >= 0 {
+				cn, _ := str(le32(cr, eNameOff), le32(cr, eNameLen)) // bounds checked when c is visited
+				if c > a && bytes.Compare(prev, cn) >= 0 {
 					return nil, bad("entry %d: children not sorted or duplicated at %q", i, cn)
 				}
 				prev = cn
 			}
-			childSum += nch
-		} else if first != 0 {
-			return nil, bad("entry %d: first child without children", i)
+			childSum += b
+		case TypeReg:
+			// Chunks: a contiguous run of the chunk table, in entry order
+			// (so each chunk record belongs to one file), tiling the file.
+			if b == 0 && a != 0 {
+				return nil, bad("entry %d: first chunk without chunks", i)
+			}
+			if b != 0 && (a != chunkNext || a+b > nc) {
+				return nil, bad("entry %d: chunks %d+%d", i, a, b)
+			}
+			var fileOff uint64
+			for c := a; c < a+b; c++ {
+				cr := t.chunks[c*chunkRecSize:]
+				foff, fr, froff, sz := le64(cr, cFileOff), uint64(le32(cr, cFrame)), uint64(le32(cr, cFrameOff)), uint64(le32(cr, cSize))
+				if foff != fileOff || sz == 0 || fr >= nf || froff+sz > uint64(le32(t.frames[fr*frameRecSize:], fSize)) || le32(cr, cReserved) != 0 {
+					return nil, bad("entry %d: chunk %d (file offset %d, frame %d+%d, size %d)", i, c, foff, fr, froff, sz)
+				}
+				fileOff += sz
+			}
+			if fileOff != size {
+				return nil, bad("entry %d: chunks cover %d of %d bytes", i, fileOff, size)
+			}
+			chunkNext += b
+		case TypeChar, TypeBlock:
+			// a, b are the device numbers.
+		default:
+			if a != 0 || b != 0 {
+				return nil, bad("entry %d: children, chunks or device numbers on a %s", i, typ)
+			}
 		}
-		// Link targets.
-		link, ok := str(le32(r, 60), le32(r, 64))
+		link, ok := str(le32(r, eLinkOff), le32(r, eLinkLen))
 		if !ok || len(link) > MaxNameLen {
 			return nil, bad("entry %d: link target outside string table or too long", i)
 		}
@@ -301,47 +391,8 @@ func parseTOC(raw []byte) (*TOC, error) {
 				return nil, bad("entry %d: link target on a %s", i, typ)
 			}
 		}
-		if typ != TypeChar && typ != TypeBlock && (le32(r, 68) != 0 || le32(r, 72) != 0) {
-			return nil, bad("entry %d: device numbers on a %s", i, typ)
-		}
-		// Chunks: regular files own a contiguous, in-order run of the chunk
-		// table that covers the file exactly, and the runs appear in entry
-		// order so that each chunk record belongs to one file.
-		size, fc, ncs := le64(r, 40), uint64(le32(r, 76)), uint64(le32(r, 80))
-		if typ != TypeReg && (size != 0 || ncs != 0 || fc != 0) {
-			return nil, bad("entry %d: size or chunks on a %s", i, typ)
-		}
-		if typ == TypeReg {
-			if ncs == 0 && fc != 0 {
-				return nil, bad("entry %d: first chunk without chunks", i)
-			}
-			if ncs != 0 {
-				if fc != chunkNext || fc+ncs > nc {
-					return nil, bad("entry %d: chunks %d+%d", i, fc, ncs)
-				}
-				var fileOff uint64
-				for c := fc; c < fc+ncs; c++ {
-					cr := t.chunks[c*chunkRecSize:]
-					off, foff, csz, sz := le64(cr, 0), le64(cr, 8), uint64(le32(cr, 16)), uint64(le32(cr, 20))
-					foff2, flen := uint64(le32(cr, 24)), uint64(le32(cr, 28))
-					if foff != fileOff || sz == 0 || flen > MaxChunkSize || foff2+sz > flen || csz == 0 || csz > MaxCompressedChunkSize || off+csz > dataEnd {
-						return nil, bad("entry %d: chunk %d (offset %d, size %d/%d, file offset %d)", i, c, off, csz, sz, foff)
-					}
-					fileOff += sz
-				}
-				chunkNext = fc + ncs
-			}
-			var covered uint64
-			if ncs != 0 {
-				last := t.chunks[(fc+ncs-1)*chunkRecSize:]
-				covered = le64(last, 8) + uint64(le32(last, 20))
-			}
-			if covered != size {
-				return nil, bad("entry %d: chunks cover %d of %d bytes", i, covered, size)
-			}
-		}
 		// Xattrs: an in-order run of the xattr table, keys strictly sorted.
-		xf, xn := uint64(le32(r, 84)), uint64(le32(r, 88))
+		xf, xn := uint64(le32(r, eXattrOff)), uint64(le32(r, eXattrN))
 		if xn == 0 && xf != 0 {
 			return nil, bad("entry %d: first xattr without xattrs", i)
 		}
@@ -411,10 +462,10 @@ func (t *TOC) Len() int { return t.n }
 func (t *TOC) DataEnd() int64 { return t.dataEnd }
 
 // Type returns the type of entry i without decoding the rest of it.
-func (t *TOC) Type(i int) EntryType { return EntryType(t.rec(i)[20]) }
+func (t *TOC) Type(i int) EntryType { return EntryType(t.rec(i)[eType]) }
 
 // Size returns the size of entry i (0 unless a regular file).
-func (t *TOC) Size(i int) int64 { return int64(le64(t.rec(i), 40)) }
+func (t *TOC) Size(i int) int64 { return int64(le64(t.rec(i), eSize)) }
 
 // BaseName returns the last path component of entry i ("." for the root).
 func (t *TOC) BaseName(i int) string {
@@ -422,7 +473,7 @@ func (t *TOC) BaseName(i int) string {
 		return "."
 	}
 	r := t.rec(i)
-	return string(t.str(le32(r, 4), le32(r, 8)))
+	return string(t.str(le32(r, eNameOff), le32(r, eNameLen)))
 }
 
 // Name returns the full cleaned path of entry i.
@@ -432,9 +483,9 @@ func (t *TOC) Name(i int) string {
 	}
 	var parts [][]byte
 	size := 0
-	for j := i; j != 0; j = int(le32(t.rec(j), 0)) {
+	for j := i; j != 0; j = int(le32(t.rec(j), eParent)) {
 		r := t.rec(j)
-		b := t.str(le32(r, 4), le32(r, 8))
+		b := t.str(le32(r, eNameOff), le32(r, eNameLen))
 		parts = append(parts, b)
 		size += len(b) + 1
 	}
@@ -452,7 +503,7 @@ func (t *TOC) Name(i int) string {
 // Mode returns the fs.FileMode of entry i (see Entry.Mode).
 func (t *TOC) Mode(i int) fs.FileMode {
 	r := t.rec(i)
-	return fileMode(EntryType(r[20]), le32(r, 24))
+	return fileMode(EntryType(r[eType]), le32(r, eMode))
 }
 
 func fileMode(typ EntryType, unix uint32) fs.FileMode {
@@ -483,26 +534,27 @@ func fileMode(typ EntryType, unix uint32) fs.FileMode {
 
 // UnixMode returns the permission and setuid/setgid/sticky bits of entry
 // i as in stat(2) (mask 07777), without type bits.
-func (t *TOC) UnixMode(i int) uint32 { return le32(t.rec(i), 24) }
+func (t *TOC) UnixMode(i int) uint32 { return le32(t.rec(i), eMode) }
 
 // Entry decodes entry i.
 func (t *TOC) Entry(i int) Entry {
 	r := t.rec(i)
-	typ := EntryType(r[20])
+	typ := EntryType(r[eType])
 	e := Entry{
 		Name:     t.Name(i),
 		Type:     typ,
-		Mode:     fileMode(typ, le32(r, 24)),
-		UID:      int(le32(r, 28)),
-		GID:      int(le32(r, 32)),
-		Size:     int64(le64(r, 40)),
-		ModTime:  time.Unix(int64(le64(r, 48)), int64(le32(r, 56))).UTC(),
-		Linkname: string(t.str(le32(r, 60), le32(r, 64))),
-		Devmajor: le32(r, 68),
-		Devminor: le32(r, 72),
-		Implicit: r[21]&flagImplicit != 0,
+		Mode:     fileMode(typ, le32(r, eMode)),
+		UID:      int(le32(r, eUID)),
+		GID:      int(le32(r, eGID)),
+		Size:     int64(le64(r, eSize)),
+		ModTime:  time.Unix(int64(le64(r, eMtime)), int64(le32(r, eNsec))).UTC(),
+		Linkname: string(t.str(le32(r, eLinkOff), le32(r, eLinkLen))),
+		Implicit: r[eFlags]&flagImplicit != 0,
 	}
-	if xf, xn := le32(r, 84), le32(r, 88); xn != 0 {
+	if typ == TypeChar || typ == TypeBlock {
+		e.Devmajor, e.Devminor = le32(r, eA), le32(r, eB)
+	}
+	if xf, xn := le32(r, eXattrOff), le32(r, eXattrN); xn != 0 {
 		e.Xattrs = make(map[string]string, xn)
 		for x := xf; x < xf+xn; x++ {
 			xr := t.xattrs[int(x)*xattrRecSize:]
@@ -514,13 +566,16 @@ func (t *TOC) Entry(i int) Entry {
 
 // Parent returns the index of the directory holding entry i (0 for the
 // root itself).
-func (t *TOC) Parent(i int) int { return int(le32(t.rec(i), 0)) }
+func (t *TOC) Parent(i int) int { return int(le32(t.rec(i), eParent)) }
 
 // ChildRange returns the direct children of directory entry dir as the
 // index range [first, first+n), sorted by name.
 func (t *TOC) ChildRange(dir int) (first, n int) {
 	r := t.rec(dir)
-	return int(le32(r, 12)), int(le32(r, 16))
+	if EntryType(r[eType]) != TypeDir {
+		return 0, 0
+	}
+	return int(le32(r, eA)), int(le32(r, eB))
 }
 
 // Children returns the direct children of directory entry dir, sorted by
@@ -541,7 +596,7 @@ func (t *TOC) LookupChild(dir int, base string) (int, bool) {
 	for lo < hi {
 		mid := int(uint(lo+hi) >> 1)
 		r := t.rec(mid)
-		switch c := strings.Compare(string(t.str(le32(r, 4), le32(r, 8))), base); {
+		switch c := compareBytesString(t.str(le32(r, eNameOff), le32(r, eNameLen)), base); {
 		case c == 0:
 			return mid, true
 		case c < 0:
@@ -596,7 +651,7 @@ func (t *TOC) Resolve(i int) (int, bool) {
 			return -1, false
 		}
 		r := t.rec(i)
-		j, ok := t.Lookup(string(t.str(le32(r, 60), le32(r, 64))))
+		j, ok := t.Lookup(string(t.str(le32(r, eLinkOff), le32(r, eLinkLen))))
 		if !ok {
 			return -1, false
 		}
@@ -623,23 +678,64 @@ type Chunk struct {
 	// frame, and FrameSize the decompressed size of the whole frame
 	// (FrameOffset+Size <= FrameSize <= MaxChunkSize).
 	FrameOffset, FrameSize int64
+	// FrameIndex is the frame's index in the TOC's frame table.
+	FrameIndex int
 }
 
 // NumChunks returns the number of chunks of entry i.
-func (t *TOC) NumChunks(i int) int { return int(le32(t.rec(i), 80)) }
+func (t *TOC) NumChunks(i int) int {
+	r := t.rec(i)
+	if EntryType(r[eType]) != TypeReg {
+		return 0
+	}
+	return int(le32(r, eB))
+}
 
 // Chunk returns chunk k (0 <= k < NumChunks(i)) of entry i.
 func (t *TOC) Chunk(i, k int) Chunk {
-	c := int(le32(t.rec(i), 76)) + k
-	cr := t.chunks[c*chunkRecSize : (c+1)*chunkRecSize]
+	c := t.chunkGeometry(i, k)
+	c.Digest = sha256Digest(t.frames[c.FrameIndex*frameRecSize+fDigest:][:32])
+	return c
+}
+
+// chunkGeometry returns chunk k of entry i without formatting its digest.
+func (t *TOC) chunkGeometry(i, k int) Chunk {
+	cr := t.chunks[(int(le32(t.rec(i), eA))+k)*chunkRecSize:][:chunkRecSize]
+	fi := int(le32(cr, cFrame))
+	fr := t.frames[fi*frameRecSize:][:frameRecSize]
 	return Chunk{
-		Offset:         int64(le64(cr, 0)),
-		FileOffset:     int64(le64(cr, 8)),
-		CompressedSize: int64(le32(cr, 16)),
-		Size:           int64(le32(cr, 20)),
-		FrameOffset:    int64(le32(cr, 24)),
-		FrameSize:      int64(le32(cr, 28)),
-		Digest:         sha256Digest(cr[32:64]),
+		Offset:         int64(le64(fr, fOffset)),
+		CompressedSize: int64(le32(fr, fCSize)),
+		FileOffset:     int64(le64(cr, cFileOff)),
+		Size:           int64(le32(cr, cSize)),
+		FrameOffset:    int64(le32(cr, cFrameOff)),
+		FrameSize:      int64(le32(fr, fSize)),
+		FrameIndex:     fi,
+	}
+}
+
+// Frame is one zstd frame of the blob's data region. The frames tile
+// [0, DataEnd()) in order; decompressed and concatenated they are the
+// uncompressed tar stream (the diffID's preimage), so a reader can verify
+// and reassemble the whole tar from frames alone.
+type Frame struct {
+	Offset         int64
+	CompressedSize int64
+	Size           int64 // decompressed
+	Digest         digest.Digest
+}
+
+// NumFrames returns the number of frames in the data region.
+func (t *TOC) NumFrames() int { return len(t.frames) / frameRecSize }
+
+// Frame returns frame k.
+func (t *TOC) Frame(k int) Frame {
+	fr := t.frames[k*frameRecSize:][:frameRecSize]
+	return Frame{
+		Offset:         int64(le64(fr, fOffset)),
+		CompressedSize: int64(le32(fr, fCSize)),
+		Size:           int64(le32(fr, fSize)),
+		Digest:         sha256Digest(fr[fDigest : fDigest+32]),
 	}
 }
 
@@ -670,11 +766,11 @@ func (t *TOC) ChunkAt(i int, off int64) int {
 	if off < 0 || off >= t.Size(i) || n == 0 {
 		return -1
 	}
-	base := int(le32(t.rec(i), 76))
+	base := int(le32(t.rec(i), eA))
 	lo, hi := 0, n
 	for hi-lo > 1 {
 		mid := int(uint(lo+hi) >> 1)
-		if int64(le64(t.chunks[(base+mid)*chunkRecSize:], 8)) <= off {
+		if int64(le64(t.chunks[(base+mid)*chunkRecSize:], cFileOff)) <= off {
 			lo = mid
 		} else {
 			hi = mid
@@ -683,9 +779,22 @@ func (t *TOC) ChunkAt(i int, off int64) int {
 	return lo
 }
 
-// chunkGeometry returns chunk k of entry i without formatting its digest.
-func (t *TOC) chunkGeometry(i, k int) (off, fileOff, size, frameOff, frameSize int64) {
-	c := int(le32(t.rec(i), 76)) + k
-	cr := t.chunks[c*chunkRecSize : (c+1)*chunkRecSize]
-	return int64(le64(cr, 0)), int64(le64(cr, 8)), int64(le32(cr, 20)), int64(le32(cr, 24)), int64(le32(cr, 28))
+// compareBytesString is bytes.Compare(b, []byte(s)) without converting.
+func compareBytesString(b []byte, s string) int {
+	n := min(len(b), len(s))
+	for k := 0; k < n; k++ {
+		if b[k] != s[k] {
+			if b[k] < s[k] {
+				return -1
+			}
+			return 1
+		}
+	}
+	switch {
+	case len(b) < len(s):
+		return -1
+	case len(b) > len(s):
+		return 1
+	}
+	return 0
 }

@@ -234,10 +234,15 @@ type node struct {
 }
 
 type chunkRec struct {
-	off, fileOff       int64
-	csize, size        uint32
-	frameOff, frameLen uint32
-	sum                [32]byte
+	fileOff        int64
+	frame          uint32 // index into convWriter.frames, set when it is written
+	frameOff, size uint32
+}
+
+type frameRec struct {
+	off         int64
+	csize, size uint32
+	sum         [32]byte
 }
 
 // convWriter receives the canonical tar stream from archive/tar and cuts it
@@ -258,6 +263,7 @@ type convWriter struct {
 	chunkCap int
 	cur      []byte // uncompressed bytes of the frame being built
 	pending  []pendingChunk
+	frames   []frameRec
 	frame    []byte
 	err      error
 
@@ -366,9 +372,9 @@ func (w *convWriter) flushFrame() error {
 		return err
 	}
 	for _, pc := range w.pending {
-		c := &pc.nd.chunks[pc.k]
-		c.off, c.csize, c.frameLen, c.sum = off, uint32(len(w.frame)), uint32(len(w.cur)), sum
+		pc.nd.chunks[pc.k].frame = uint32(len(w.frames))
 	}
+	w.frames = append(w.frames, frameRec{off: off, csize: uint32(len(w.frame)), size: uint32(len(w.cur)), sum: sum})
 	w.pending = w.pending[:0]
 	w.cur = w.cur[:0]
 	return nil
@@ -592,78 +598,94 @@ func (w *convWriter) encodeTOC(dataEnd int64) ([]byte, int, error) {
 		strs = append(strs, s...)
 		return off, uint32(len(s)), nil
 	}
-	raw := make([]byte, tocHeaderSize+n*entryRecSize+nChunks*chunkRecSize+nXattrs*xattrRecSize)
+	nFrames := len(w.frames)
+	if n > MaxEntries {
+		return nil, 0, fmt.Errorf("%d entries exceed the limit of %d", n, MaxEntries)
+	}
+	raw := make([]byte, tocHeaderSize+n*entryRecSize+nChunks*chunkRecSize+nFrames*frameRecSize+nXattrs*xattrRecSize)
 	le := binary.LittleEndian
 	copy(raw, tocMagic)
 	le.PutUint32(raw[8:], Version)
 	le.PutUint32(raw[16:], uint32(n))
 	le.PutUint32(raw[20:], uint32(nChunks))
-	le.PutUint32(raw[24:], uint32(nXattrs))
-	le.PutUint32(raw[32:], entryRecSize)
-	le.PutUint32(raw[36:], chunkRecSize)
-	le.PutUint32(raw[40:], xattrRecSize)
-	le.PutUint64(raw[48:], uint64(dataEnd))
+	le.PutUint32(raw[24:], uint32(nFrames))
+	le.PutUint32(raw[28:], uint32(nXattrs))
+	le.PutUint32(raw[36:], entryRecSize)
+	le.PutUint32(raw[40:], chunkRecSize)
+	le.PutUint32(raw[44:], frameRecSize)
+	le.PutUint32(raw[48:], xattrRecSize)
+	le.PutUint64(raw[56:], uint64(dataEnd))
 	entries := raw[tocHeaderSize:]
 	chunks := entries[n*entryRecSize:]
-	xattrs := chunks[nChunks*chunkRecSize:]
+	frames := chunks[nChunks*chunkRecSize:]
+	xattrs := frames[nFrames*frameRecSize:]
+	for k, f := range w.frames {
+		fr := frames[k*frameRecSize:]
+		le.PutUint64(fr[fOffset:], uint64(f.off))
+		le.PutUint32(fr[fCSize:], f.csize)
+		le.PutUint32(fr[fSize:], f.size)
+		copy(fr[fDigest:fDigest+32], f.sum[:])
+	}
 	next := 1 // index of the first child of the next directory in BFS order
 	var ci, xi int
 	for i, nd := range order {
 		r := entries[i*entryRecSize:]
-		le.PutUint32(r[0:], parents[i])
+		le.PutUint32(r[eParent:], parents[i])
 		if i != 0 {
 			off, l, err := addStr(nd.base)
 			if err != nil {
 				return nil, 0, err
 			}
-			le.PutUint32(r[4:], off)
-			le.PutUint32(r[8:], l)
+			le.PutUint32(r[eNameOff:], off)
+			le.PutUint32(r[eNameLen:], l)
 		}
-		if len(nd.children) > 0 {
-			le.PutUint32(r[12:], uint32(next))
-			le.PutUint32(r[16:], uint32(len(nd.children)))
-			next += len(nd.children)
-		}
-		r[20] = byte(nd.typ)
+		r[eType] = byte(nd.typ)
 		if nd.implicit {
-			r[21] = flagImplicit
+			r[eFlags] = flagImplicit
 		}
-		le.PutUint32(r[24:], nd.mode)
-		le.PutUint32(r[28:], nd.uid)
-		le.PutUint32(r[32:], nd.gid)
-		le.PutUint64(r[40:], uint64(nd.size))
+		le.PutUint32(r[eMode:], nd.mode)
+		le.PutUint32(r[eUID:], nd.uid)
+		le.PutUint32(r[eGID:], nd.gid)
 		if !nd.mtime.IsZero() {
-			le.PutUint64(r[48:], uint64(nd.mtime.Unix()))
-			le.PutUint32(r[56:], uint32(nd.mtime.Nanosecond()))
+			le.PutUint64(r[eMtime:], uint64(nd.mtime.Unix()))
+			le.PutUint32(r[eNsec:], uint32(nd.mtime.Nanosecond()))
+		}
+		le.PutUint64(r[eSize:], uint64(nd.size))
+		switch nd.typ {
+		case TypeDir:
+			if len(nd.children) > 0 {
+				le.PutUint32(r[eA:], uint32(next))
+				le.PutUint32(r[eB:], uint32(len(nd.children)))
+				next += len(nd.children)
+			}
+		case TypeReg:
+			if len(nd.chunks) > 0 {
+				le.PutUint32(r[eA:], uint32(ci))
+				le.PutUint32(r[eB:], uint32(len(nd.chunks)))
+				for _, c := range nd.chunks {
+					cr := chunks[ci*chunkRecSize:]
+					le.PutUint64(cr[cFileOff:], uint64(c.fileOff))
+					le.PutUint32(cr[cFrame:], c.frame)
+					le.PutUint32(cr[cFrameOff:], c.frameOff)
+					le.PutUint32(cr[cSize:], c.size)
+					ci++
+				}
+			}
+		case TypeChar, TypeBlock:
+			le.PutUint32(r[eA:], nd.devmajor)
+			le.PutUint32(r[eB:], nd.devminor)
 		}
 		if nd.link != "" {
 			off, l, err := addStr(nd.link)
 			if err != nil {
 				return nil, 0, err
 			}
-			le.PutUint32(r[60:], off)
-			le.PutUint32(r[64:], l)
-		}
-		le.PutUint32(r[68:], nd.devmajor)
-		le.PutUint32(r[72:], nd.devminor)
-		if len(nd.chunks) > 0 {
-			le.PutUint32(r[76:], uint32(ci))
-			le.PutUint32(r[80:], uint32(len(nd.chunks)))
-			for _, c := range nd.chunks {
-				cr := chunks[ci*chunkRecSize:]
-				le.PutUint64(cr[0:], uint64(c.off))
-				le.PutUint64(cr[8:], uint64(c.fileOff))
-				le.PutUint32(cr[16:], c.csize)
-				le.PutUint32(cr[20:], c.size)
-				le.PutUint32(cr[24:], c.frameOff)
-				le.PutUint32(cr[28:], c.frameLen)
-				copy(cr[32:64], c.sum[:])
-				ci++
-			}
+			le.PutUint32(r[eLinkOff:], off)
+			le.PutUint32(r[eLinkLen:], l)
 		}
 		if len(nd.xattrs) > 0 {
-			le.PutUint32(r[84:], uint32(xi))
-			le.PutUint32(r[88:], uint32(len(nd.xattrs)))
+			le.PutUint32(r[eXattrOff:], uint32(xi))
+			le.PutUint32(r[eXattrN:], uint32(len(nd.xattrs)))
 			for _, kv := range nd.xattrs {
 				xr := xattrs[xi*xattrRecSize:]
 				ko, kl, err := addStr(kv[0])
@@ -682,6 +704,6 @@ func (w *convWriter) encodeTOC(dataEnd int64) ([]byte, int, error) {
 			}
 		}
 	}
-	le.PutUint32(raw[28:], uint32(len(strs)))
+	le.PutUint32(raw[32:], uint32(len(strs)))
 	return append(raw, strs...), n, nil
 }
