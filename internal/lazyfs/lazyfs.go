@@ -176,7 +176,15 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 
 	target := mountpoint
 	if o.devFD >= 0 {
+		var st unix.Stat_t
+		if err := unix.Fstat(o.devFD, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR {
+			return nil, fmt.Errorf("lazyfs: fd %d is not an open /dev/fuse (%v)", o.devFD, err)
+		}
 		target = fmt.Sprintf("/dev/fd/%d", o.devFD)
+		// go-fuse tries DirectMount before it recognises "/dev/fd/N":
+		// left on, it would mount a new filesystem over the path the
+		// magic name resolves to, which is /dev/fuse itself.
+		fsOpts.MountOptions.DirectMount = false
 	}
 	srv, err := fuse.NewServer(raw, target, &fsOpts.MountOptions)
 	if err != nil {

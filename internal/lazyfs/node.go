@@ -19,6 +19,11 @@ const (
 	whiteoutPrefix = ".wh."
 	opaqueMarker   = ".wh..wh..opq"
 
+	// nameMax is Linux's NAME_MAX. The TOC allows longer components, but
+	// the kernel can never look them up, and one name over FUSE_NAME_MAX
+	// (1024) in a READDIR reply makes the whole directory listing fail.
+	nameMax = 255
+
 	// overlayXattrPrefix and userOverlayXattrPrefix are the namespaces
 	// overlayfs interprets on lower layers (the second one with the
 	// userxattr mount option). Layer content must not be able to set them:
@@ -102,7 +107,7 @@ func (l *layer) resolveChild(dir, k int) (c child, name string, ok bool) {
 		return child{}, "", false
 	}
 	if target, isWh := strings.CutPrefix(base, whiteoutPrefix); isWh {
-		if target == "" || target == "." || target == ".." || strings.Contains(target, "/") {
+		if target == "" || target == "." || target == ".." || len(target) > nameMax || strings.Contains(target, "/") {
 			return child{}, "", false
 		}
 		// OCI: a whiteout only applies to lower layers; an entry of the
@@ -111,6 +116,9 @@ func (l *layer) resolveChild(dir, k int) (c child, name string, ok bool) {
 			return child{}, "", false
 		}
 		return child{idx: k, mode: syscall.S_IFCHR, whiteout: true}, target, true
+	}
+	if len(base) > nameMax {
+		return child{}, "", false
 	}
 	idx := k
 	if t.Type(k) == layerfmt.TypeHardlink {

@@ -1,0 +1,123 @@
+package lazyfs
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestOverlayLowerLayer stacks the FUSE mount over a plain lower directory
+// in overlayfs, as the snapshotter does, and checks the OCI whiteouts and
+// opaque directories take effect and writes land in the upper directory.
+func TestOverlayLowerLayer(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	mnt, _, _ := f.mount(t)
+
+	// What an older layer below ours contains.
+	base := t.TempDir()
+	for p, data := range map[string]string{
+		"gone":        "lower",
+		"usr/removed": "lower",
+		"usr/base":    "lower",
+		"opq/old":     "lower",
+		"redo/old":    "lower",
+		"shadow":      "old",
+		"etc/group":   "lower",
+	} {
+		if err := os.MkdirAll(filepath.Join(base, filepath.Dir(p)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(base, p), []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	upper, work, merged := t.TempDir(), t.TempDir(), t.TempDir()
+	opts := "lowerdir=" + mnt + ":" + base + ",upperdir=" + upper + ",workdir=" + work
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		t.Fatalf("mount overlay %s: %v", opts, err)
+	}
+	// Registered after the FUSE mount's cleanup, so it runs first.
+	t.Cleanup(func() {
+		if err := unix.Unmount(merged, 0); err != nil {
+			t.Errorf("unmount overlay: %v", err)
+			_ = unix.Unmount(merged, unix.MNT_DETACH)
+		}
+	})
+
+	for _, p := range []string{"gone", "usr/removed", "opq/old", "redo/old"} {
+		if _, err := os.Lstat(filepath.Join(merged, p)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: %v, want hidden by the layer's whiteout/opaque dir", p, err)
+		}
+	}
+	for p, want := range map[string]string{
+		"usr/base":   "lower", // plain dirs merge
+		"usr/kept":   "kept",
+		"opq/keep":   "keep",
+		"redo/fresh": "fresh",
+		"shadow":     "new",
+		"etc/group":  "lower",
+		"etc/passwd": "root:x:0:0::/root:/bin/sh\n",
+		"bin/ls":     "#!busybox\n",
+	} {
+		if got, err := os.ReadFile(filepath.Join(merged, p)); err != nil || string(got) != want {
+			t.Errorf("%s = %q, %v; want %q", p, got, err, want)
+		}
+	}
+	for _, d := range []string{".", "opq", "usr"} {
+		ents, err := os.ReadDir(filepath.Join(merged, d))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), ".wh.") || e.Name() == "gone" || e.Name() == "removed" || e.Name() == "old" {
+				t.Errorf("readdir %s shows %s", d, e.Name())
+			}
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(merged, "bin/su"), &st); err != nil || st.Mode&unix.S_ISUID == 0 {
+		t.Errorf("bin/su through overlay: mode %o, %v; want setuid", st.Mode, err)
+	}
+	if got := xattrs(t, filepath.Join(merged, "bin/su"))["security.capability"]; got != capability {
+		t.Errorf("security.capability through overlay = %q", got)
+	}
+
+	// Writes go to the upper dir; the layer is untouched.
+	if err := os.WriteFile(filepath.Join(merged, "newfile"), []byte("n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(merged, "etc/passwd"), []byte("changed"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(merged, "bin/busybox")); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(upper, "etc/passwd")); string(got) != "changed" {
+		t.Errorf("upper etc/passwd = %q", got)
+	}
+	if _, err := os.Stat(filepath.Join(upper, "newfile")); err != nil {
+		t.Errorf("upper newfile: %v", err)
+	}
+	if err := unix.Lstat(filepath.Join(upper, "bin/busybox"), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != 0 {
+		t.Errorf("upper bin/busybox is not a whiteout: mode %o rdev %d, %v", st.Mode, st.Rdev, err)
+	}
+	// The copied-up file kept the capability.
+	if got := xattrs(t, filepath.Join(merged, "bin/su"))["security.capability"]; got != capability {
+		t.Errorf("security.capability = %q", got)
+	}
+	if got, _ := os.ReadFile(filepath.Join(mnt, "etc/passwd")); string(got) != "root:x:0:0::/root:/bin/sh\n" {
+		t.Errorf("layer etc/passwd changed: %q", got)
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "bin/busybox")); err != nil {
+		t.Errorf("layer bin/busybox: %v", err)
+	}
+	// Direct writes to the layer itself are refused.
+	if err := os.WriteFile(filepath.Join(mnt, "etc/passwd"), []byte("x"), 0o644); errnoOf(err) != unix.EROFS {
+		t.Errorf("write to the layer: %v, want EROFS", err)
+	}
+}
