@@ -54,10 +54,11 @@ func init() {
 			}
 			cfg, err := config.Load()
 			if err != nil {
-				// A broken node config must not take every pod down with
-				// it silently: run, but say so on every container.
-				log.G(ic.Context).WithError(err).Error("envlet: config; using defaults")
-				cfg = config.Config{}
+				// A broken node config must not run pods with a policy
+				// nobody asked for, nor silently: every Create fails with
+				// the reason until the file is fixed (new pods, new shims).
+				log.G(ic.Context).WithError(err).Error("envlet: config")
+				return New(ic.Context, inner, publisher, Options{ConfigErr: err}), nil
 			}
 			policy, err := cfg.Envlet()
 			if err != nil {

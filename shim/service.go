@@ -68,6 +68,9 @@ type Options struct {
 	Arbiter Arbiter
 	// NewController defaults to the real controller.
 	NewController ControllerFactory
+	// ConfigErr, when set, fails every Create: the node configuration
+	// could not be loaded.
+	ConfigErr error
 }
 
 // Service is the envlet task service.
@@ -142,6 +145,9 @@ func (s *Service) lookup(id string) *env {
 // Create admits the container with the arbiter before runc creates it, so
 // a rejected container never exists.
 func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
+	if s.opts.ConfigErr != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet shim: %v: %w", s.opts.ConfigErr, errdefs.ErrFailedPrecondition))
+	}
 	spec, err := readSpec(r.Bundle)
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)

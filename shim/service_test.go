@@ -5,6 +5,7 @@ package shim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -443,5 +444,17 @@ func TestUpdateMovesCap(t *testing.T) {
 	fwd := f.runc.updates[0]
 	if fwd.CPU.Quota != nil || fwd.Memory.Limit != nil || fwd.CPU.Shares == nil || *fwd.CPU.Shares != 512 {
 		t.Fatalf("forwarded to runc: %+v %+v", fwd.CPU, fwd.Memory)
+	}
+}
+
+func TestConfigErrorFailsCreate(t *testing.T) {
+	runc := newFakeRunc()
+	svc := New(context.Background(), runc, &fakePublisher{}, Options{ConfigErr: errors.New("envlet.toml: unknown key cpus")})
+	_, err := svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, linuxSpec("x", nil))})
+	if err = errgrpc.ToNative(err); !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "cpus") {
+		t.Fatalf("create with a broken config: %v", err)
+	}
+	if len(runc.calls) != 0 {
+		t.Fatalf("runc called: %v", runc.calls)
 	}
 }

@@ -429,7 +429,8 @@ func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
 		if f := status.Failure; f != nil && (reason == "" || reason == "exited") {
 			reason = f.Reason
 		}
-		req := &ReportRequest{Env: env, Current: toWire(st.current)}
+		req := &ReportRequest{Env: env, Current: toWire(st.current),
+			Used: Resources{CPU: status.CPUUsed, Memory: status.WorkingSet}}
 		if b, err := json.Marshal(status); err == nil {
 			req.Status = b
 		}

@@ -71,6 +71,7 @@ type suite struct {
 	dir     string
 	socket  string
 	cfgPath string
+	arbiter *testenv.Process
 	img     client.Image
 }
 
@@ -97,21 +98,28 @@ func newSuite(t testing.TB, n node) *suite {
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	arb := testenv.StartProcess(t, dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"), "arbiter", "--config", s.cfgPath)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, err := os.Stat(s.socket); err == nil {
-			break
-		}
-		if exited, err := arb.Exited(); exited || time.Now().After(deadline) {
-			t.Fatalf("arbiter did not start (exited %v: %v)\n%s", exited, err, arb.LogTail(20))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	s.startArbiter(t)
 	s.env = testenv.New(t, testenv.WithContainerdEnv("ENVLET_CONFIG="+s.cfgPath))
 	ref := s.env.PushImage(t, "envlet/workload:1", []testenv.File{{Path: "/workload", Mode: 0o755, Data: bin}}).Ref
 	s.img = s.env.Pull(t, ref, "overlayfs")
 	return s
+}
+
+// startArbiter starts `containerd-envsnap arbiter` and waits for its socket.
+func (s *suite) startArbiter(t testing.TB) {
+	t.Helper()
+	_ = os.Remove(s.socket)
+	s.arbiter = testenv.StartProcess(t, s.dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"), "arbiter", "--config", s.cfgPath)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Stat(s.socket); err == nil {
+			return
+		}
+		if exited, err := s.arbiter.Exited(); exited || time.Now().After(deadline) {
+			t.Fatalf("arbiter did not start (exited %v: %v)\n%s", exited, err, s.arbiter.LogTail(20))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // envsnap runs the containerd-envsnap CLI against the suite's arbiter.

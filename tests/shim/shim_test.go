@@ -6,6 +6,7 @@ package shim_test
 
 import (
 	"encoding/csv"
+	"encoding/json"
 	"os"
 	"strconv"
 	"strings"
@@ -291,4 +292,51 @@ func TestAdmissionReclaim(t *testing.T) {
 	if code := b.wait(t, time.Minute); code != 0 {
 		t.Errorf("b exit %d", code)
 	}
+}
+
+// TestArbiterRestart: the shims hold the truth. After the arbiter daemon
+// dies and comes back empty, a running container is registered again, with
+// the grant it holds, at its next report.
+func TestArbiterRestart(t *testing.T) {
+	s := newSuite(t, node{memory: "4Gi"})
+	c, err := s.run(t, map[string]string{"initial-cpu": "0.5", "initial-memory": "512Mi", "mem-shrink-after": "10m"},
+		"-mode", "burst", "-threads", "1", "-duration", "1s", "-to", "1024", "-hold", "30s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.waitStamp(t, "idle", time.Minute)
+	_, held, err := c.limits()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(s.envsnap(t, "envs"), c.id) {
+		t.Fatalf("%s not listed before the restart", c.id)
+	}
+	s.arbiter.Kill()
+	s.startArbiter(t)
+	var list string
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		list = s.envsnap(t, "envs", "--json")
+		if strings.Contains(list, c.id) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if !strings.Contains(list, c.id) {
+		t.Fatalf("%s not re-registered with the restarted arbiter:\n%s", c.id, list)
+	}
+	var envs []struct {
+		Env     string
+		Current struct{ Memory int64 }
+	}
+	if err := json.Unmarshal([]byte(list), &envs); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range envs {
+		if e.Env == c.id && e.Current.Memory != held {
+			t.Errorf("re-registered with %s, the container holds %s", envlet.FormatBytes(e.Current.Memory), envlet.FormatBytes(held))
+		}
+	}
+	t.Logf("re-registered with %s held\n%s", envlet.FormatBytes(held), s.envsnap(t, "envs"))
 }
