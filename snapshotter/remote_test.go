@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -33,6 +34,7 @@ type fakeFS struct {
 	real     bool
 	// unmountDelay widens the window in which an unmount is in progress.
 	unmountDelay time.Duration
+	mountErr     error // when set, Mount fails with it
 }
 
 func newFakeFS() *fakeFS {
@@ -46,6 +48,9 @@ func (f *fakeFS) Mount(ctx context.Context, mountpoint string, labels map[string
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	d := labels[LabelLayerDigest]
+	if f.mountErr != nil {
+		return f.mountErr
+	}
 	if f.notLazy[d] {
 		return fmt.Errorf("layer %s: %w", d, errdefs.ErrNotImplemented)
 	}
@@ -513,4 +518,45 @@ func TestRemoteSnapshotConcurrent(t *testing.T) {
 	if ls := s.Layers(); len(ls) != 0 {
 		t.Fatalf("layers left: %+v", ls)
 	}
+}
+
+// TestRestoreFailure: a layer that cannot be remounted on startup is
+// reported, its snapshots fail to mount instead of showing an empty layer,
+// and the next Prepare of the layer mounts it again.
+func TestRestoreFailure(t *testing.T) {
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	l := layerDigest(1)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prepareLazy(t, s, "c1", "", l)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	fsys.mountErr = errors.New("registry unreachable")
+	s, err = New(ctx, root, fsys)
+	if err != nil {
+		t.Fatalf("New must survive a failed restore: %v", err)
+	}
+	t.Cleanup(func() { s.Close() })
+	ls := s.Layers()
+	if len(ls) != 1 || ls[0].Mounted || !strings.Contains(ls[0].Error, "registry unreachable") {
+		t.Fatalf("layers after failed restore: %+v", ls)
+	}
+	// overlay stats the parent's upper directory (our dangling symlink).
+	if _, err := s.View(ctx, "v1", "c1"); err == nil {
+		t.Fatal("made a view of a snapshot whose layer is not mounted")
+	}
+
+	fsys.mountErr = nil
+	prepareLazy(t, s, "d1", "", l) // another chain with the same layer
+	mounts, err := s.View(ctx, "v1", "c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkMountedFiles(t, mounts, []digest.Digest{l})
 }

@@ -37,7 +37,11 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sync/errgroup"
 )
+
+// restoreParallel bounds the layers remounted at once on startup.
+const restoreParallel = 8
 
 // Labels on a committed lazy snapshot. They live under the
 // "containerd.io/snapshot/" prefix on purpose: containerd's metadata store
@@ -183,15 +187,22 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 	if err != nil && !errdefs.IsNotFound(err) { // a new store has no bucket yet
 		return fmt.Errorf("walk lazy snapshots: %w", err)
 	}
+	// Each remount costs a manifest and a TOC round trip; a node with
+	// hundreds of lazy layers should not pay them one after another.
+	var g errgroup.Group
+	g.SetLimit(restoreParallel)
 	for d, labels := range labelsOf {
 		l := s.layers[d]
-		l.mu.Lock()
-		if err := s.mountLocked(ctx, l, labels); err != nil {
-			log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; snapshots using it read an empty directory until it is remounted")
-		}
-		l.mu.Unlock()
+		g.Go(func() error {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			if err := s.mountLocked(ctx, l, labels); err != nil {
+				log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; snapshots using it cannot be mounted until a pull of the layer remounts it")
+			}
+			return nil
+		})
 	}
-	return nil
+	return g.Wait()
 }
 
 // ref returns the layer for d with its reference count incremented.
@@ -258,6 +269,10 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 	}
 	if err := s.fs.Mount(ctx, l.mountpoint, labels); err != nil {
 		l.lastErr = err
+		// No mountpoint, no silent empty layer: the symlinks of snapshots
+		// using it dangle, so mounting them fails loudly until a later
+		// Prepare of the layer mounts it again.
+		os.Remove(l.mountpoint)
 		return fmt.Errorf("mount layer %s: %w", l.dgst, err)
 	}
 	l.mounted, l.lastErr = true, nil

@@ -53,6 +53,8 @@ const (
 	// 200 MiB cached-read benchmark (tests/snapshotter, loaded 2-core box):
 	// 103 MiB/s at 128 KiB, 169-193 MiB/s at 1-4 MiB.
 	DefaultReadAheadKB = 1024
+	// checkTimeout bounds the liveness probe of a mount.
+	checkTimeout = 5 * time.Second
 )
 
 // Config configures a Store.
@@ -232,7 +234,10 @@ func findLayer(mf *ocispec.Manifest, d digest.Digest) (ocispec.Descriptor, bool)
 }
 
 // Check reports whether mountpoint is still a live FUSE mount of ours. A
-// mount whose server died answers statfs with ENOTCONN.
+// mount whose server died answers statfs with ENOTCONN; one whose server
+// hangs would block the caller forever, so the probe is bounded by
+// checkTimeout (the probing goroutine is then left behind, blocked in the
+// kernel, which is the lesser evil).
 func (s *Store) Check(ctx context.Context, mountpoint string, labels map[string]string) error {
 	s.mu.Lock()
 	_, ok := s.mounts[mountpoint]
@@ -240,14 +245,27 @@ func (s *Store) Check(ctx context.Context, mountpoint string, labels map[string]
 	if !ok {
 		return fmt.Errorf("no layer mounted at %s: %w", mountpoint, errdefs.ErrNotFound)
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(mountpoint, &st); err != nil {
-		return fmt.Errorf("statfs %s: %w", mountpoint, err)
+	done := make(chan error, 1)
+	go func() {
+		var st unix.Statfs_t
+		if err := unix.Statfs(mountpoint, &st); err != nil {
+			done <- fmt.Errorf("statfs %s: %w", mountpoint, err)
+			return
+		}
+		if st.Type != fuseSuperMagic {
+			done <- fmt.Errorf("%s is not a FUSE mount (f_type %#x)", mountpoint, st.Type)
+			return
+		}
+		done <- nil
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(checkTimeout):
+		return fmt.Errorf("statfs %s: no answer within %s", mountpoint, checkTimeout)
+	case <-ctx.Done():
+		return ctx.Err()
 	}
-	if st.Type != fuseSuperMagic {
-		return fmt.Errorf("%s is not a FUSE mount (f_type %#x)", mountpoint, st.Type)
-	}
-	return nil
 }
 
 // Unmount stops the layer's background fill and unmounts it. It fails (and
