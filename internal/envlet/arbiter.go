@@ -104,20 +104,26 @@ func (a *NodeArbiter) Leases() map[string]Lease {
 func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if l, ok := a.leases[env]; ok {
-		l.Base = base
-		l.Grant.CPU = math.Max(l.Grant.CPU, base.CPU)
-		l.Grant.Memory = max(l.Grant.Memory, base.Memory)
-		return nil
+	// Re-admission (a shim re-registering after an arbiter restart, or a
+	// new base) only needs room for what it adds.
+	extra := base
+	l, exists := a.leases[env]
+	if exists {
+		extra = Resources{CPU: math.Max(base.CPU-l.Grant.CPU, 0), Memory: max(base.Memory-l.Grant.Memory, 0)}
 	}
 	sum := a.granted()
-	needCPU := sum.CPU + base.CPU - a.capacity.CPU
-	needMem := sum.Memory + base.Memory - a.capacity.Memory
+	needCPU := sum.CPU + extra.CPU - a.capacity.CPU
+	needMem := sum.Memory + extra.Memory - a.capacity.Memory
 	if needCPU > 1e-9 && a.reclaimableCPU() < needCPU || needMem > 0 && a.reclaimableMem() < needMem {
 		return fmt.Errorf("admit %s with %v: node %v has %v granted and too little idle burst to reclaim: %w",
 			env, base, a.capacity, sum, errdefs.ErrResourceExhausted)
 	}
-	a.leases[env] = &Lease{Base: base, Grant: base}
+	if exists {
+		l.Base = base
+		l.Grant = Resources{CPU: l.Grant.CPU + extra.CPU, Memory: l.Grant.Memory + extra.Memory}
+	} else {
+		a.leases[env] = &Lease{Base: base, Grant: base}
+	}
 	// Restore the reserve from idle burst (best effort; the admission
 	// itself only needed the capacity).
 	lim := a.growLimit()

@@ -459,3 +459,17 @@ func (c *Controller) Timeline() []TimelinePoint {
 	}
 	return append(out, c.tl...)
 }
+
+// last returns the newest timeline point.
+func (c *Controller) last() (TimelinePoint, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.tl) == 0 {
+		return TimelinePoint{}, false
+	}
+	i := len(c.tl) - 1
+	if c.tlFilled {
+		i = (c.tlNext + c.tlCap - 1) % c.tlCap
+	}
+	return c.tl[i], true
+}

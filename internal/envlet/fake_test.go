@@ -166,8 +166,7 @@ func (tr *trace) step(set func(s *Sample)) error {
 		set(&tr.cg.s)
 	}
 	err := tr.c.step(tr.ctx, "tick")
-	tl := tr.c.Timeline()
-	if p := tl[len(tl)-1]; p.Actions != "" && p.T.Equal(tr.clk.Now()) {
+	if p, ok := tr.c.last(); ok && p.Actions != "" && p.T.Equal(tr.clk.Now()) {
 		tr.log = append(tr.log, fmt.Sprintf("%d: %s", tr.tick, p.Actions))
 	}
 	return err
