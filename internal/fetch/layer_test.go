@@ -516,3 +516,34 @@ func TestLayerFillRangeIgnored(t *testing.T) {
 		t.Fatalf("fill against a Range-ignoring registry took %d full-blob responses", n)
 	}
 }
+
+// TestLayerFillYieldsToForeground: while a foreground read waits on the
+// network, the fill sends nothing; it resumes once the read is served.
+func TestLayerFillYieldsToForeground(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithFillBatch(64<<10, 1))
+	fx.reg.latency = 500 * time.Millisecond
+	cs, want := fx.allChunks(t)
+	last := len(cs) - 1 // nothing follows it: its read fetches only its frame
+	done := make(chan error, 1)
+	go func() {
+		got, err := fx.layer.ReadChunk(context.Background(), cs[last])
+		if err == nil && !bytes.Equal(got, want[last]) {
+			err = errors.New("wrong bytes")
+		}
+		done <- err
+	}()
+	for fx.reg.requests() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	fx.layer.StartFill(context.Background())
+	time.Sleep(150 * time.Millisecond) // well inside the 500 ms the read waits
+	if n := fx.reg.requests(); n != 1 {
+		t.Fatalf("%d requests while a foreground read was waiting; the fill must wait", n)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	fx.reg.setLatency(0)
+	waitFilled(t, fx.layer)
+}

@@ -104,6 +104,12 @@ func (r *fakeRegistry) setFaults(always fault, first ...fault) {
 	r.always, r.faults = always, first
 }
 
+func (r *fakeRegistry) setLatency(d time.Duration) {
+	r.mu.Lock()
+	r.latency = d
+	r.mu.Unlock()
+}
+
 func (r *fakeRegistry) requests() int { return int(r.blobGets.Load()) }
 
 func (r *fakeRegistry) resetCounts() {
