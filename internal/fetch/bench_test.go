@@ -75,3 +75,54 @@ func wordBytes(r *rand.Rand, n int) []byte {
 	}
 	return b[:n]
 }
+
+// BenchmarkFill measures the background fill of a 32 MiB layer through a
+// registry adding 20 ms per request against one plain GET of the whole blob
+// through the same registry (the floor: one round trip, one stream), and
+// reports fill time / floor.
+func BenchmarkFill(b *testing.B) {
+	r := rand.New(rand.NewPCG(43, 44))
+	var files []testFile
+	for i := range 32 {
+		files = append(files, testFile{fmt.Sprintf("f%02d", i), wordBytes(r, 1<<20)})
+	}
+	blob, toc := testLayer(b, 1<<20, files...)
+	reg := newFakeRegistry(b)
+	desc := reg.addBlob(blob)
+	reg.setLatency(20 * time.Millisecond)
+
+	var fill, floor time.Duration
+	var requests int
+	for b.Loop() {
+		start := time.Now()
+		br, err := NewBlobReader(hostsFor(nil, reg), testRef, desc)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := br.ReadRange(context.Background(), 0, desc.Size); err != nil {
+			b.Fatal(err)
+		}
+		floor += time.Since(start)
+
+		cache, err := chunkcache.Open(b.TempDir(), 1<<30)
+		if err != nil {
+			b.Fatal(err)
+		}
+		l := NewLayer(br, toc, cache)
+		reg.resetCounts()
+		start = time.Now()
+		l.StartFill(context.Background())
+		for {
+			if c, t := l.Progress(); c == t {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		fill += time.Since(start)
+		requests = reg.requests()
+		l.Close()
+	}
+	b.ReportMetric(float64(fill)/float64(floor), "fill/single-GET")
+	b.ReportMetric(float64(requests), "fill-requests")
+	b.ReportMetric(float64(len(blob))/(1<<20), "blob-MiB")
+}
