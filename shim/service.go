@@ -92,11 +92,12 @@ type env struct {
 	cgroup  string
 	termMsg string
 
+	mu      sync.Mutex // guards cfg, ctrl, closeCg, cancel (Start vs Update vs exit)
 	ctrl    Controller
 	closeCg func() error
 	cancel  context.CancelFunc
 	done    chan struct{} // closed when the controller has stopped
-	reason  string        // why it ended, for the arbiter's listing
+	reason  string        // why it failed; written before done closes
 	once    sync.Once
 }
 
@@ -192,17 +193,24 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 // in Create) just before the container's process runs.
 func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.StartResponse, error) {
 	e := s.lookup(r.ID)
-	if r.ExecID != "" || e == nil || e.ctrl != nil {
+	if r.ExecID != "" || e == nil {
+		return s.TTRPCTaskService.Start(ctx, r)
+	}
+	e.mu.Lock()
+	if e.ctrl != nil {
+		e.mu.Unlock()
 		return s.TTRPCTaskService.Start(ctx, r)
 	}
 	ctrl, closeCg, err := s.opts.NewController(e.id, e.cgroup, e.cfg, s.opts.Arbiter)
 	if err != nil {
+		e.mu.Unlock()
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
 	}
 	s.opts.Arbiter.Track(e.id, ctrl)
 	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
-	go s.runController(runCtx, e)
+	e.mu.Unlock()
+	go s.runController(runCtx, e, ctrl)
 
 	resp, err := s.TTRPCTaskService.Start(ctx, r)
 	if err != nil {
@@ -218,9 +226,9 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	return resp, nil
 }
 
-func (s *Service) runController(ctx context.Context, e *env) {
+func (s *Service) runController(ctx context.Context, e *env, ctrl Controller) {
 	defer close(e.done)
-	err := e.ctrl.Run(ctx)
+	err := ctrl.Run(ctx)
 	var fe *envlet.FailureError
 	switch {
 	case errors.As(err, &fe):
@@ -236,11 +244,14 @@ func (s *Service) runController(ctx context.Context, e *env) {
 // finish stops e's controller and returns its grant, once.
 func (s *Service) finish(e *env, reason string) {
 	e.once.Do(func() {
-		if e.cancel != nil {
-			e.cancel()
+		e.mu.Lock()
+		cancel, closeCg := e.cancel, e.closeCg
+		e.mu.Unlock()
+		if cancel != nil {
+			cancel()
 			<-e.done
-			if e.closeCg != nil {
-				_ = e.closeCg()
+			if closeCg != nil {
+				_ = closeCg()
 			}
 		}
 		if e.reason != "" {
@@ -363,6 +374,8 @@ type BoundsSetter interface {
 // updateBounds makes limits (zero fields unchanged, never above the node)
 // the environment's new cap.
 func (s *Service) updateBounds(ctx context.Context, e *env, limits envlet.Resources) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	next := e.cfg.Cap
 	if limits.CPU > 0 {
 		next.CPU = limits.CPU

@@ -75,7 +75,7 @@ type suite struct {
 	img     client.Image
 }
 
-func newSuite(t testing.TB, n node) *suite {
+func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 	t.Helper()
 	testenv.RequireRoot(t)
 	bin := workload(t)
@@ -99,7 +99,7 @@ func newSuite(t testing.TB, n node) *suite {
 		t.Fatal(err)
 	}
 	s.startArbiter(t)
-	s.env = testenv.New(t, testenv.WithContainerdEnv("ENVLET_CONFIG="+s.cfgPath))
+	s.env = testenv.New(t, append([]testenv.Option{testenv.WithContainerdEnv("ENVLET_CONFIG=" + s.cfgPath)}, opts...)...)
 	ref := s.env.PushImage(t, "envlet/workload:1", []testenv.File{{Path: "/workload", Mode: 0o755, Data: bin}}).Ref
 	s.img = s.env.Pull(t, ref, "overlayfs")
 	return s
