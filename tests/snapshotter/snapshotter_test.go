@@ -7,8 +7,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -39,13 +43,20 @@ type lazyImage struct {
 // envsnap format and pushes the image as name.
 func pushLazyImage(t testing.TB, env *testenv.Env, name string, files []testenv.File, cmd ...string) lazyImage {
 	t.Helper()
+	return pushLazyLayers(t, env, name, [][]testenv.File{files}, cmd...)
+}
+
+// pushLazyLayers is pushLazyImage with one layer per element of layers
+// (above busybox).
+func pushLazyLayers(t testing.TB, env *testenv.Env, name string, layers [][]testenv.File, cmd ...string) lazyImage {
+	t.Helper()
 	ctx := env.Context()
 	bb, err := testenv.BusyboxFiles()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var tars [][]byte
-	for _, fs := range [][]testenv.File{bb, files} {
+	for _, fs := range append([][]testenv.File{bb}, layers...) {
 		if len(fs) == 0 {
 			continue
 		}
@@ -327,5 +338,83 @@ func TestRestart(t *testing.T) {
 	res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", f.Path}})
 	if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, f.Digest().Encoded()) {
 		t.Fatalf("after restart: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
+	}
+}
+
+// TestSharedLayer: one layer in two images on different parents (so under
+// two chainIDs) is served by one FUSE mount; it goes away with the last
+// image. Also checks the daemon's HTTP endpoints.
+func TestSharedLayer(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap("--fill=false"))
+	shared := []testenv.File{testenv.RandomFile("/data/shared.bin", 2<<20, 9)}
+	a := pushLazyLayers(t, env, "lazy/a:1", [][]testenv.File{shared}, "/bin/true")
+	b := pushLazyLayers(t, env, "lazy/b:1", [][]testenv.File{{{Path: "/etc/b", Data: []byte("b")}}, shared}, "/bin/true")
+	sharedDigest := a.Layers[1].Digest
+	if b.Layers[2].Digest != sharedDigest {
+		t.Fatalf("the shared layer converted differently: %s vs %s", sharedDigest, b.Layers[2].Digest)
+	}
+	imgA := env.Pull(t, a.Ref, "envsnap")
+	imgB := env.Pull(t, b.Ref, "envsnap")
+
+	st := envsnapStatus(t, env)
+	mounts := 0
+	for _, l := range st.Layers {
+		if l.Digest == sharedDigest {
+			mounts++
+			if l.Snapshots != 2 {
+				t.Errorf("shared layer used by %d snapshots, want 2", l.Snapshots)
+			}
+		}
+	}
+	if mounts != 1 || len(testenv.MountsBelow(filepath.Join(env.EnvsnapRoot, "layers"))) != 3 {
+		t.Fatalf("want one mount of the shared layer and 3 in all (busybox, b/etc, shared): status %+v, mounts %v",
+			st.Layers, testenv.MountsBelow(env.EnvsnapRoot))
+	}
+	for _, img := range []client.Image{imgA, imgB} {
+		res := env.RunContainer(t, img, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", shared[0].Path}})
+		if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, shared[0].Digest().Encoded()) {
+			t.Fatalf("%s: exit %d stdout %q stderr %q", img.Name(), res.ExitCode, res.Stdout, res.Stderr)
+		}
+	}
+
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", daemon.StatusSocket(env.SnapshotterSocket))
+	}}}
+	for path, want := range map[string]string{
+		"/healthz": "ok",
+		"/metrics": "envsnap_fetch_registry_bytes_total{layer=\"" + sharedDigest.String() + "\"}",
+	} {
+		resp, err := hc.Get("http://envsnap" + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), want) {
+			t.Errorf("GET %s: %s, body does not contain %q", path, resp.Status, want)
+		}
+	}
+
+	removeImage(t, env, a.Ref)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var refs int
+		for _, l := range envsnapStatus(t, env).Layers {
+			if l.Digest == sharedDigest {
+				refs = l.Snapshots
+			}
+		}
+		if refs == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("shared layer refs %d after removing image a, want 1", refs)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	removeImage(t, env, b.Ref)
+	waitNoLayers(t, env)
+	if mps := testenv.MountsBelow(env.EnvsnapRoot); len(mps) != 0 {
+		t.Errorf("mounts left: %v", mps)
 	}
 }
