@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/internal/plan"
+	"github.com/envsnap/envsnap/internal/registry"
 )
 
 var composeCommand = &cli.Command{
@@ -42,11 +43,8 @@ func runCompose(ctx context.Context, c *cli.Command) error {
 	if err != nil {
 		return err
 	}
-	resolver, hosts, err := resolverFromFlags(ctx, c)
-	if err != nil {
-		return err
-	}
-	composer := &plan.Composer{Resolver: resolver, Hosts: hosts, OpenLayer: plan.RemoteLayerOpener(hosts)}
+	hosts := registry.ConfigureHosts(ctx, registryOptions(c))
+	composer := &plan.Composer{Hosts: hosts, OpenLayer: plan.RemoteLayerOpener(hosts)}
 
 	var cl *client.Client
 	if c.Bool("local") {

@@ -12,6 +12,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/envsnap/envsnap/internal/group"
+	"github.com/envsnap/envsnap/internal/registry"
 )
 
 var groupCommand = &cli.Command{
@@ -74,11 +75,7 @@ func runGroupPublish(ctx context.Context, c *cli.Command) error {
 	if name == "" {
 		name = refName(ref)
 	}
-	resolver, _, err := resolverFromFlags(ctx, c)
-	if err != nil {
-		return err
-	}
-	p := &group.Publisher{Resolver: resolver, Progress: os.Stderr}
+	p := &group.Publisher{Hosts: registry.ConfigureHosts(ctx, registryOptions(c)), Progress: os.Stderr}
 	res, err := p.Publish(ctx, ref, sources, group.Meta{
 		Kind: c.String("kind"), Name: name, Env: c.StringSlice("env"), WorkingDir: c.String("workdir"), Labels: labels,
 	})

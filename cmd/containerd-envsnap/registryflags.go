@@ -1,10 +1,6 @@
 package main
 
 import (
-	"context"
-
-	"github.com/containerd/containerd/v2/core/remotes"
-	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/urfave/cli/v3"
 
 	"github.com/envsnap/envsnap/internal/registry"
@@ -26,13 +22,4 @@ func registryOptions(c *cli.Command) registry.Options {
 		DockerConfig: c.String("docker-config"),
 		PlainHTTP:    c.Bool("plain-http"),
 	}
-}
-
-func resolverFromFlags(ctx context.Context, c *cli.Command) (remotes.Resolver, docker.RegistryHosts, error) {
-	o := registryOptions(c)
-	r, err := registry.NewResolver(ctx, o)
-	if err != nil {
-		return nil, nil, err
-	}
-	return r, registry.ConfigureHosts(ctx, o), nil
 }

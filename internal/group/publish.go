@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/core/remotes"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/pkg/archive/compression"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
@@ -102,7 +103,11 @@ type Result struct {
 
 // Publisher converts layers to the envsnap format and pushes groups.
 type Publisher struct {
-	Resolver remotes.Resolver
+	// Hosts says how to reach registries (see internal/registry). Every
+	// Publish gets a pusher of its own: containerd's resolver remembers
+	// pushed content by digest alone, so a pusher shared across
+	// repositories would skip content the second repository still needs.
+	Hosts docker.RegistryHosts
 	// TempDir holds converted blobs until they are pushed; "" is the
 	// system default.
 	TempDir string
@@ -120,7 +125,7 @@ func (p *Publisher) Publish(ctx context.Context, ref string, sources []TarSource
 		return nil, fmt.Errorf("publish %s: a group needs at least one layer: %w", ref, errdefs.ErrInvalidArgument)
 	}
 	start := time.Now()
-	pusher, err := p.Resolver.Pusher(ctx, ref)
+	pusher, err := NewPusher(ctx, p.Hosts, ref)
 	if err != nil {
 		return nil, fmt.Errorf("publish %s: %w", ref, err)
 	}
@@ -221,6 +226,11 @@ func (p *Publisher) pushLayer(ctx context.Context, pusher remotes.Pusher, src Ta
 	}
 	uploaded, err := PushReader(ctx, pusher, desc, f)
 	return desc, wr.DiffID, uploaded, err
+}
+
+// NewPusher returns a pusher for ref with a fresh push tracker.
+func NewPusher(ctx context.Context, hosts docker.RegistryHosts, ref string) (remotes.Pusher, error) {
+	return docker.NewResolver(docker.ResolverOptions{Hosts: hosts}).Pusher(ctx, ref)
 }
 
 // PushBytes pushes b as desc; it reports whether bytes were sent (false

@@ -76,12 +76,7 @@ type Image struct {
 // Composer resolves groups (each distinct reference once per Composer) and
 // composes plans.
 type Composer struct {
-	// Resolver resolves and fetches groups.
-	Resolver remotes.Resolver
-	// Hosts, when set, gives every Push a pusher of its own. containerd's
-	// resolver tracks pushed blobs by digest alone, not by repository, so
-	// one shared pusher would skip linking a layer into the second target
-	// repository that needs it.
+	// Hosts says how to reach registries (see internal/registry).
 	Hosts docker.RegistryHosts
 	// OpenLayer reads files of a group's layer for mutations; nil means
 	// plans with mutations are refused.
@@ -132,11 +127,12 @@ func (c *Composer) Group(ctx context.Context, ref string) (*Group, error) {
 }
 
 func (c *Composer) resolveGroup(ctx context.Context, ref string) (*Group, error) {
-	name, desc, err := c.Resolver.Resolve(ctx, ref)
+	resolver := docker.NewResolver(docker.ResolverOptions{Hosts: c.Hosts})
+	name, desc, err := resolver.Resolve(ctx, ref)
 	if err != nil {
 		return nil, fmt.Errorf("resolve group %s: %w", ref, err)
 	}
-	fetcher, err := c.Resolver.Fetcher(ctx, name)
+	fetcher, err := resolver.Fetcher(ctx, name)
 	if err != nil {
 		return nil, fmt.Errorf("group %s: %w", ref, err)
 	}
@@ -358,11 +354,8 @@ func (c *Composer) Push(ctx context.Context, img *Image, target string) (PushSta
 	if err != nil {
 		return st, fmt.Errorf("push %s: %w", target, err)
 	}
-	resolver := c.Resolver
-	if c.Hosts != nil {
-		resolver = docker.NewResolver(docker.ResolverOptions{Hosts: c.Hosts})
-	}
-	pusher, err := resolver.Pusher(ctx, target)
+	// A pusher per target: see group.Publisher.Hosts.
+	pusher, err := group.NewPusher(ctx, c.Hosts, target)
 	if err != nil {
 		return st, fmt.Errorf("push %s: %w", target, err)
 	}
