@@ -80,38 +80,58 @@ func convert(t testing.TB, tarStream io.Reader, opts ...layerfmt.WriteOption) ([
 type blobSource struct {
 	ra io.ReaderAt
 
-	mu    sync.Mutex
-	reads map[int64]int // chunk blob offset -> ReadChunk calls
-	calls atomic.Int64
+	mu     sync.Mutex
+	reads  map[chunkKey]int // ReadChunk calls per chunk
+	frames map[int64][]byte // decoded frames by blob offset, as a real fetcher caches them
+	calls  atomic.Int64
 
 	// hook, when set, replaces the normal behaviour (for failure tests).
 	hook func(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 }
 
 func newBlobSource(ra io.ReaderAt) *blobSource {
-	return &blobSource{ra: ra, reads: map[int64]int{}}
+	return &blobSource{ra: ra, reads: map[chunkKey]int{}, frames: map[int64][]byte{}}
 }
 
 func (s *blobSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	s.calls.Add(1)
 	s.mu.Lock()
-	s.reads[c.Offset]++
+	s.reads[keyOf(c)]++
+	frame := s.frames[c.Offset]
 	s.mu.Unlock()
 	if s.hook != nil {
 		return s.hook(ctx, c)
 	}
-	compressed := make([]byte, c.CompressedSize)
-	if _, err := s.ra.ReadAt(compressed, c.Offset); err != nil {
-		return nil, err
+	if frame == nil {
+		compressed := make([]byte, c.CompressedSize)
+		if _, err := s.ra.ReadAt(compressed, c.Offset); err != nil {
+			return nil, err
+		}
+		var err error
+		if frame, err = layerfmt.DecodeFrame(c, compressed, nil); err != nil {
+			return nil, err
+		}
+		s.mu.Lock()
+		if len(s.frames) > 64 {
+			clear(s.frames)
+		}
+		s.frames[c.Offset] = frame
+		s.mu.Unlock()
 	}
-	return layerfmt.DecodeChunk(c, compressed, nil)
+	return frame[c.FrameOffset : c.FrameOffset+c.Size], nil
 }
 
-// readOffsets returns the blob offsets of the chunks read so far.
-func (s *blobSource) readOffsets() map[int64]int {
+// chunkKey identifies a chunk: small files share compressed frames, so
+// the blob offset alone does not.
+type chunkKey struct{ frame, off int64 }
+
+func keyOf(c layerfmt.Chunk) chunkKey { return chunkKey{c.Offset, c.FrameOffset} }
+
+// readChunks returns the chunks read so far.
+func (s *blobSource) readChunks() map[chunkKey]int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make(map[int64]int, len(s.reads))
+	out := make(map[chunkKey]int, len(s.reads))
 	for k, v := range s.reads {
 		out[k] = v
 	}
@@ -121,7 +141,7 @@ func (s *blobSource) readOffsets() map[int64]int {
 func (s *blobSource) reset() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.reads = map[int64]int{}
+	s.reads = map[chunkKey]int{}
 	s.calls.Store(0)
 }
 
@@ -152,8 +172,8 @@ func cleanupMount(t testing.TB, mnt string, srv *Server) {
 	go func() { srv.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Errorf("FUSE server for %s still serving 10s after unmount", mnt)
+	case <-time.After(30 * time.Second):
+		t.Errorf("FUSE server for %s still serving 30s after unmount", mnt)
 	}
 }
 

@@ -380,17 +380,17 @@ func TestReadTouchesOnlyCoveringChunks(t *testing.T) {
 			if !bytes.Equal(buf, bigData()[tc.off:tc.off+int64(tc.n)]) {
 				t.Fatal("bytes differ")
 			}
-			want := map[int64]int{}
+			want := map[chunkKey]int{}
 			for _, k := range tc.chunks {
-				want[chunks[k].Offset] = 1
+				want[keyOf(chunks[k])] = 1
 			}
-			got := src.readOffsets()
+			got := src.readChunks()
 			if len(got) != len(want) {
-				t.Fatalf("read chunks at blob offsets %v, want %v", got, want)
+				t.Fatalf("read chunks %v, want %v", got, want)
 			}
-			for off := range want {
-				if got[off] == 0 {
-					t.Fatalf("read chunks at blob offsets %v, want %v", got, want)
+			for k := range want {
+				if got[k] == 0 {
+					t.Fatalf("read chunks %v, want %v", got, want)
 				}
 			}
 		})
