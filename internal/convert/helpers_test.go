@@ -1,0 +1,7 @@
+package convert
+
+import (
+	"io/fs"
+)
+
+func fsReadFile(f fs.FS, name string) ([]byte, error) { return fs.ReadFile(f, name) }
