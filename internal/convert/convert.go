@@ -376,4 +376,3 @@ func (c *converter) writeJSON(ctx context.Context, old ocispec.Descriptor, media
 	}
 	return d, nil
 }
-

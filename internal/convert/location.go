@@ -75,4 +75,3 @@ func hostAndRepo(ref string) (host, repo string, err error) {
 	}
 	return reference.Domain(named), reference.Path(named), nil
 }
-
