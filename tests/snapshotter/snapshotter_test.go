@@ -418,3 +418,29 @@ func TestSharedLayer(t *testing.T) {
 		t.Errorf("mounts left: %v", mps)
 	}
 }
+
+// TestCRIPull: a CRI pull for a pod of the envlet runtime handler (whose
+// snapshotter is envsnap) is served lazily: CRI sends the remote-snapshot
+// labels on its own.
+func TestCRIPull(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap("--fill=false"))
+	img := pushLazyImage(t, env, "lazy/cri:1", []testenv.File{testenv.RandomFile("/data/f.bin", 16<<20, 4)}, "/bin/true")
+	pod := filepath.Join(env.Dir, "pod.json")
+	if err := os.WriteFile(pod, []byte(`{
+  "metadata": {"name": "cri-pull", "namespace": "default", "uid": "cri-pull-uid"},
+  "annotations": {"io.containerd.cri.runtime-handler": "envlet"}
+}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	env.Registry.ResetCounters()
+	if out, err := env.Crictl(t, "pull", "--pod-config", pod, img.Ref); err != nil {
+		t.Fatalf("crictl pull: %v\n%s", err, out)
+	}
+	st := envsnapStatus(t, env)
+	if len(st.Layers) != len(img.Layers) {
+		t.Fatalf("CRI pull mounted %d lazy layers, want %d: %+v", len(st.Layers), len(img.Layers), st.Layers)
+	}
+	if served, total := servedForLayers(env, img), layerBytes(img); served*20 >= total {
+		t.Fatalf("CRI pull fetched %d of %d layer bytes", served, total)
+	}
+}
