@@ -95,57 +95,73 @@ func (b *BlobReader) RangeIgnored() bool { return b.rangeIgnored.Load() }
 // ctx's deadline (or the default timeout). It does not verify content: the
 // caller checks chunk digests.
 func (b *BlobReader) ReadRange(ctx context.Context, off, n int64) ([]byte, error) {
+	data, _, err := b.readRange(ctx, off, n, 0)
+	return data, err
+}
+
+// readRange is ReadRange that, when the registry answers with the whole blob
+// and the blob is at most keepWhole bytes, returns all of it: data then
+// starts at blob offset base 0 instead of off.
+func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64) (data []byte, base int64, err error) {
 	if off < 0 || n <= 0 || off+n > b.desc.Size {
-		return nil, fmt.Errorf("read %s range %d+%d of %d bytes: %w", b.desc.Digest, off, n, b.desc.Size, errdefs.ErrInvalidArgument)
+		return nil, 0, fmt.Errorf("read %s range %d+%d of %d bytes: %w", b.desc.Digest, off, n, b.desc.Size, errdefs.ErrInvalidArgument)
 	}
 	what := fmt.Sprintf("fetch %s range %d-%d", b.desc.Digest, off, off+n-1)
 	hdr := http.Header{}
 	hdr.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+n-1))
-	buf := make([]byte, n)
-	err := b.r.do(ctx, what, "/blobs/"+b.desc.Digest.String(), hdr, func(resp *http.Response) error {
-		return b.readBody(ctx, resp, off, buf)
+	err = b.r.do(ctx, what, "/blobs/"+b.desc.Digest.String(), hdr, func(resp *http.Response) error {
+		var err error
+		data, base, err = b.readBody(ctx, resp, off, n, keepWhole)
+		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	return buf, nil
+	return data, base, nil
 }
 
-func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off int64, buf []byte) error {
-	n := int64(len(buf))
+func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, keepWhole int64) ([]byte, int64, error) {
+	host := resp.Request.URL.Host
 	switch resp.StatusCode {
 	case http.StatusPartialContent:
 		start, _, total, err := parseContentRange(resp.Header.Get("Content-Range"))
 		if err != nil {
-			return permanent(fmt.Errorf("%s: %w", resp.Request.URL.Host, err))
+			return nil, 0, permanent(fmt.Errorf("%s: %w", host, err))
 		}
 		if start != off || (total >= 0 && total != b.desc.Size) {
-			return permanent(fmt.Errorf("%s: asked for bytes %d- of a %d byte blob, got Content-Range %q",
-				resp.Request.URL.Host, off, b.desc.Size, resp.Header.Get("Content-Range")))
+			return nil, 0, permanent(fmt.Errorf("%s: asked for bytes %d- of a %d byte blob, got Content-Range %q",
+				host, off, b.desc.Size, resp.Header.Get("Content-Range")))
 		}
 	case http.StatusOK:
 		// The server (or a proxy in front of it) ignored Range and sends
-		// the whole blob: take our window out of the stream.
+		// the whole blob.
 		if resp.ContentLength >= 0 && resp.ContentLength != b.desc.Size {
-			return permanent(fmt.Errorf("%s: Range ignored and body is %d bytes, blob is %d",
-				resp.Request.URL.Host, resp.ContentLength, b.desc.Size))
+			return nil, 0, permanent(fmt.Errorf("%s: Range ignored and body is %d bytes, blob is %d",
+				host, resp.ContentLength, b.desc.Size))
 		}
 		if !b.rangeIgnored.Swap(true) {
-			log.G(ctx).WithField("host", resp.Request.URL.Host).WithField("digest", b.desc.Digest).
+			log.G(ctx).WithField("host", host).WithField("digest", b.desc.Digest).
 				Warn("registry ignores Range requests; reading windows out of full-blob responses")
 		}
+		if b.desc.Size <= keepWhole {
+			buf := make([]byte, b.desc.Size)
+			if got, err := io.ReadFull(resp.Body, buf); err != nil {
+				return nil, 0, fmt.Errorf("%s: read full-blob response: got %d of %d bytes: %w", host, got, b.desc.Size, unexpectedEOF(err))
+			}
+			return buf, 0, nil
+		}
 		if skipped, err := io.CopyN(io.Discard, resp.Body, off); err != nil {
-			return fmt.Errorf("%s: skip to %d in full-blob response: got %d bytes: %w", resp.Request.URL.Host, off, skipped, unexpectedEOF(err))
+			return nil, 0, fmt.Errorf("%s: skip to %d in full-blob response: got %d bytes: %w", host, off, skipped, unexpectedEOF(err))
 		}
 	default:
-		return permanent(fmt.Errorf("%s: unexpected status %d for a range request", resp.Request.URL.Host, resp.StatusCode))
+		return nil, 0, permanent(fmt.Errorf("%s: unexpected status %d for a range request", host, resp.StatusCode))
 	}
-	got, err := io.ReadFull(resp.Body, buf)
-	if err != nil {
+	buf := make([]byte, n)
+	if got, err := io.ReadFull(resp.Body, buf); err != nil {
 		// A reset or truncated body: transient, the whole range is retried.
-		return fmt.Errorf("%s: read body: got %d of %d bytes: %w", resp.Request.URL.Host, got, n, unexpectedEOF(err))
+		return nil, 0, fmt.Errorf("%s: read body: got %d of %d bytes: %w", host, got, n, unexpectedEOF(err))
 	}
-	return nil
+	return buf, off, nil
 }
 
 func unexpectedEOF(err error) error {

@@ -485,7 +485,7 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 	n := last.Offset + last.CompressedSize - off
 	start := time.Now()
 	ctx = withObserver(ctx, func(err error) { f.lastErr.Store(&err) })
-	data, err := l.blob.ReadRange(ctx, off, n)
+	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax)
 	m := l.o.metrics
 	if m != nil {
 		m.latency.WithLabelValues(kind).Observe(time.Since(start).Seconds())
@@ -497,10 +497,15 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 		return
 	}
 	if m != nil {
-		m.registryBytes.WithLabelValues(l.label).Add(float64(n))
+		m.registryBytes.WithLabelValues(l.label).Add(float64(len(data)))
+	}
+	if base != off {
+		// The registry ignored Range and sent the whole (small) blob:
+		// keep every chunk it carried, not only the ones asked for.
+		defer l.keepWhole(ctx, data, chunks)
 	}
 	for _, c := range chunks {
-		b := data[c.Offset-off : c.Offset-off+c.CompressedSize]
+		b := data[c.Offset-base : c.Offset-base+c.CompressedSize]
 		if got := c.Digest.Algorithm().FromBytes(b); got != c.Digest {
 			// Never cached, never served, never retried into success: a
 			// registry or proxy returning wrong bytes needs a human.
@@ -523,6 +528,38 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 		if j := l.find(c); j >= 0 {
 			l.markCached(j)
 		}
+	}
+}
+
+// keepWhole verifies and caches every chunk of the whole blob in data that
+// is not cached yet, except those of the flight (already handled).
+func (l *Layer) keepWhole(ctx context.Context, data []byte, done []layerfmt.Chunk) {
+	skip := make(map[int64]bool, len(done))
+	for _, c := range done {
+		skip[c.Offset] = true
+	}
+	for j := range l.spans {
+		l.mu.Lock()
+		cached := l.cached[l.canonical(j)]
+		l.mu.Unlock()
+		if cached || skip[l.spans[j].off] || l.canonical(j) != j {
+			continue
+		}
+		c := l.chunk(j)
+		b := data[c.Offset : c.Offset+c.CompressedSize]
+		if c.Digest.Algorithm().FromBytes(b) != c.Digest {
+			log.G(ctx).WithField("digest", c.Digest).WithField("layer", l.label).WithField("offset", c.Offset).
+				Error("chunk digest mismatch in full-blob response; not cached")
+			if m := l.o.metrics; m != nil {
+				m.mismatches.Inc()
+			}
+			continue
+		}
+		if err := l.cache.Put(c.Digest, b); err != nil {
+			l.logPutError(ctx, err)
+			return
+		}
+		l.markCached(j)
 	}
 }
 

@@ -360,23 +360,35 @@ func TestLayerRangeIgnored(t *testing.T) {
 	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0))
 	fx.reg.noRange = true
 	cs, want := fx.allChunks(t)
-	// First miss: the registry sends the whole blob; we take our chunk.
+	// The registry sends the whole blob for the first miss: the small
+	// blob's every chunk is kept from that one response.
 	got, err := fx.layer.ReadChunk(context.Background(), cs[5])
 	if err != nil || !bytes.Equal(got, want[5]) {
 		t.Fatalf("first read: %v", err)
 	}
-	// Second miss: now known to ignore Range, the small blob's every chunk
-	// is kept from that one response.
-	got, err = fx.layer.ReadChunk(context.Background(), cs[0])
-	if err != nil || !bytes.Equal(got, want[0]) {
-		t.Fatalf("second read: %v", err)
-	}
-	if n := fx.reg.requests(); n != 2 {
-		t.Fatalf("%d requests, want 2", n)
+	if cached, total := fx.layer.Progress(); cached != total {
+		t.Fatalf("after a full-blob response %d of %d bytes cached", cached, total)
 	}
 	fx.readAll(t)
-	if n := fx.reg.requests(); n != 2 {
-		t.Fatalf("reads after whole-blob fetch sent %d more requests", n-2)
+	if n := fx.reg.requests(); n != 1 {
+		t.Fatalf("%d requests, want 1", n)
+	}
+}
+
+// TestLayerRangeIgnoredLargeBlob: above the whole-blob limit, windows are
+// read out of full-blob responses and only they are kept.
+func TestLayerRangeIgnoredLargeBlob(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0), func(o *layerOptions) { o.wholeBlobMax = 1000 })
+	fx.reg.noRange = true
+	fx.readAll(t)
+	cs, _ := fx.allChunks(t)
+	frames := map[int64]bool{}
+	for _, c := range cs {
+		frames[c.Offset] = true
+	}
+	if n := fx.reg.requests(); n != len(frames) {
+		t.Fatalf("%d requests for %d frames", n, len(frames))
 	}
 }
 
