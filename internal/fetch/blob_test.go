@@ -263,6 +263,18 @@ func TestTokenAuth(t *testing.T) {
 		t.Fatalf("%d tokens fetched after expiry, want 2", n)
 	}
 
+	// Tokens that expire by time (expires_in) are renewed too.
+	reg.mu.Lock()
+	reg.tokenTTL = 1
+	reg.mu.Unlock()
+	reg.revokeTokens()
+	read(4000) // token 3, valid for 1 s
+	time.Sleep(1100 * time.Millisecond)
+	read(5000) // expired: token 4
+	if n := reg.tokenCount.Load(); n != 4 {
+		t.Fatalf("%d tokens fetched after a timed expiry, want 4", n)
+	}
+
 	// Without an authorizer a protected registry is a permanent error.
 	noauth, err := NewBlobReader(hostsFor(nil, reg), ref, desc, fastRetry)
 	if err != nil {

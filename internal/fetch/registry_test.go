@@ -63,7 +63,8 @@ type fakeRegistry struct {
 
 	// token auth
 	auth       bool
-	tokens     map[string]bool
+	tokenTTL   int                  // seconds; 0: tokens live until revoked
+	tokens     map[string]time.Time // token -> expiry (zero: none)
 	tokenCount atomic.Int64
 	tokenSeq   atomic.Int64
 
@@ -75,7 +76,7 @@ func newFakeRegistry(t testing.TB) *fakeRegistry {
 	r := &fakeRegistry{
 		blobs:     map[digest.Digest][]byte{},
 		manifests: map[digest.Digest][]byte{},
-		tokens:    map[string]bool{},
+		tokens:    map[string]time.Time{},
 	}
 	r.srv = httptest.NewServer(r)
 	t.Cleanup(func() {
@@ -128,7 +129,7 @@ func (r *fakeRegistry) rangeLog() []string {
 // revokeTokens makes every issued token invalid, as an expiry mid-run does.
 func (r *fakeRegistry) revokeTokens() {
 	r.mu.Lock()
-	r.tokens = map[string]bool{}
+	r.tokens = map[string]time.Time{}
 	r.mu.Unlock()
 }
 
@@ -169,7 +170,8 @@ func (r *fakeRegistry) authorized(w http.ResponseWriter, req *http.Request) bool
 	h := req.Header.Get("Authorization")
 	tok, isBearer := strings.CutPrefix(h, "Bearer ")
 	r.mu.Lock()
-	ok := isBearer && r.tokens[tok]
+	exp, known := r.tokens[tok]
+	ok := isBearer && known && (exp.IsZero() || time.Now().Before(exp))
 	r.mu.Unlock()
 	if ok {
 		return true
@@ -190,10 +192,18 @@ func (r *fakeRegistry) serveToken(w http.ResponseWriter, req *http.Request) {
 	}
 	tok := fmt.Sprintf("tok%d", r.tokenSeq.Add(1))
 	r.mu.Lock()
-	r.tokens[tok] = true
+	ttl := r.tokenTTL
+	var exp time.Time
+	if ttl > 0 {
+		exp = time.Now().Add(time.Duration(ttl) * time.Second)
+	}
+	r.tokens[tok] = exp
 	r.mu.Unlock()
 	r.tokenCount.Add(1)
-	json.NewEncoder(w).Encode(map[string]any{"token": tok, "expires_in": 3600})
+	if ttl == 0 {
+		ttl = 3600
+	}
+	json.NewEncoder(w).Encode(map[string]any{"token": tok, "expires_in": ttl})
 }
 
 func (r *fakeRegistry) serveBlob(w http.ResponseWriter, req *http.Request, d digest.Digest) {
