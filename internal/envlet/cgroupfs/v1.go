@@ -323,3 +323,7 @@ func (c *V1) Close() error {
 	}
 	return nil
 }
+
+// RequestStat makes the next Sample read memory.stat, oom_control and
+// failcnt as well.
+func (c *V1) RequestStat() { c.pending.Store(true) }

@@ -289,3 +289,7 @@ func (c *V2) Close() error {
 	}
 	return nil
 }
+
+// RequestStat makes the next Sample read memory.stat and memory.events as
+// well.
+func (c *V2) RequestStat() { c.pending.Store(true) }
