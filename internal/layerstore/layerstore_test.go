@@ -1,0 +1,207 @@
+//go:build linux
+
+package layerstore
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/registry"
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/snapshotter"
+)
+
+// fakeRegistry serves manifests and blobs by digest (with Range).
+type fakeRegistry struct {
+	blobs map[digest.Digest][]byte
+	srv   *httptest.Server
+}
+
+func newFakeRegistry(t *testing.T) *fakeRegistry {
+	r := &fakeRegistry{blobs: map[digest.Digest][]byte{}}
+	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		i := strings.LastIndex(req.URL.Path, "/")
+		b, ok := r.blobs[digest.Digest(req.URL.Path[i+1:])]
+		if !ok {
+			http.NotFound(w, req)
+			return
+		}
+		if strings.Contains(req.URL.Path, "/manifests/") {
+			w.Header().Set("Content-Type", ocispec.MediaTypeImageManifest)
+		}
+		w.Header().Set("Docker-Content-Digest", req.URL.Path[i+1:])
+		http.ServeContent(w, req, "", time.Time{}, bytes.NewReader(b))
+	}))
+	t.Cleanup(r.srv.Close)
+	return r
+}
+
+func (r *fakeRegistry) host() string { return strings.TrimPrefix(r.srv.URL, "http://") }
+
+func (r *fakeRegistry) add(b []byte) digest.Digest {
+	d := digest.FromBytes(b)
+	r.blobs[d] = b
+	return d
+}
+
+func tarOf(t *testing.T, files map[string]string) []byte {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for name, data := range files {
+		if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), Typeflag: tar.TypeReg}); err != nil {
+			t.Fatal(err)
+		}
+		tw.Write([]byte(data))
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// testImage pushes a manifest with one envsnap layer, one layer whose TOC
+// annotation is wrong, and one plain layer, and returns the labels of each.
+func testImage(t *testing.T, r *fakeRegistry) (lazy, badTOC, plain map[string]string) {
+	var blob bytes.Buffer
+	res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"hello.txt": "hello, lazy world\n"})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lazyDesc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
+
+	var blob2 bytes.Buffer
+	res2, err := layerfmt.Convert(t.Context(), &blob2, bytes.NewReader(tarOf(t, map[string]string{"other.txt": "x"})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	badAnn := res2.Annotations()
+	badAnn[layerfmt.AnnotationTOCDigest] = digest.FromString("not the TOC").String()
+	badDesc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob2.Bytes()), Size: res2.Size, Annotations: badAnn}
+
+	plainBytes := tarOf(t, map[string]string{"plain.txt": "plain"})
+	plainDesc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: r.add(plainBytes), Size: int64(len(plainBytes))}
+
+	mb, err := json.Marshal(ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+		Layers:    []ocispec.Descriptor{lazyDesc, badDesc, plainDesc},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mdgst := r.add(mb)
+	labels := func(d digest.Digest) map[string]string {
+		return map[string]string{
+			snapshotter.LabelImageRef:       r.host() + "/test/app:1",
+			snapshotter.LabelManifestDigest: mdgst.String(),
+			snapshotter.LabelLayerDigest:    d.String(),
+		}
+	}
+	return labels(lazyDesc.Digest), labels(badDesc.Digest), labels(plainDesc.Digest)
+}
+
+func newTestStore(t *testing.T) *Store {
+	cache, err := chunkcache.Open(t.TempDir(), 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{
+		Hosts: registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
+		Cache: cache,
+		Fill:  true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestMountTrustChain(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts FUSE: needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	r := newFakeRegistry(t)
+	lazy, badTOC, plain := testImage(t, r)
+	s := newTestStore(t)
+	ctx := t.Context()
+
+	mp := t.TempDir()
+	if err := s.Mount(ctx, mp, lazy); err != nil {
+		t.Fatalf("Mount: %v", err)
+	}
+	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	b, err := os.ReadFile(filepath.Join(mp, "hello.txt"))
+	if err != nil || string(b) != "hello, lazy world\n" {
+		t.Fatalf("read through the mount: %q, %v", b, err)
+	}
+	if err := s.Check(ctx, mp, lazy); err != nil {
+		t.Fatalf("Check of a live mount: %v", err)
+	}
+	if err := s.Mount(ctx, mp, lazy); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("second Mount on the same mountpoint: %v", err)
+	}
+	st := s.Status()[mp]
+	if st.Digest.String() != lazy[snapshotter.LabelLayerDigest] || st.TotalBytes == 0 {
+		t.Fatalf("status %+v", st)
+	}
+	if err := s.Unmount(ctx, mp); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Check(ctx, mp, lazy); err == nil {
+		t.Fatal("Check passed after Unmount")
+	}
+
+	for _, tc := range []struct {
+		name   string
+		labels map[string]string
+		check  func(error) bool
+	}{
+		{"plain layer is not ours", plain, errdefs.IsNotImplemented},
+		{"TOC digest mismatch", badTOC, func(err error) bool { return errors.Is(err, layerfmt.ErrDigestMismatch) }},
+		{"layer not in manifest", map[string]string{
+			snapshotter.LabelImageRef:       lazy[snapshotter.LabelImageRef],
+			snapshotter.LabelManifestDigest: lazy[snapshotter.LabelManifestDigest],
+			snapshotter.LabelLayerDigest:    digest.FromString("elsewhere").String(),
+		}, errdefs.IsNotFound},
+		{"manifest unknown", map[string]string{
+			snapshotter.LabelImageRef:       lazy[snapshotter.LabelImageRef],
+			snapshotter.LabelManifestDigest: digest.FromString("no manifest").String(),
+			snapshotter.LabelLayerDigest:    lazy[snapshotter.LabelLayerDigest],
+		}, func(err error) bool { return err != nil }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mp := t.TempDir()
+			err := s.Mount(ctx, mp, tc.labels)
+			if err == nil {
+				s.Unmount(ctx, mp)
+				t.Fatal("mounted")
+			}
+			if !tc.check(err) {
+				t.Fatalf("unexpected error kind: %v", err)
+			}
+			if len(s.Status()) != 0 {
+				t.Fatalf("failed mount left state: %+v", s.Status())
+			}
+		})
+	}
+}
