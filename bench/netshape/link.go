@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"runtime"
 	"strings"
+	"time"
 
 	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
@@ -322,4 +323,22 @@ func run(ctx context.Context, name string, args ...string) error {
 		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
 	return nil
+}
+
+// Proxy starts a LatencyProxy on loopback in front of port on NSAddr,
+// adding rtt. When the link is not shaped it caps bandwidth in the proxy
+// instead. The returned description says which, for the bench's output.
+func (l *Link) Proxy(ctx context.Context, port int, rtt time.Duration) (*LatencyProxy, string, error) {
+	target := netip.AddrPortFrom(l.NSAddr, uint16(port)).String()
+	opts := []ProxyOpt{WithRTT(rtt)}
+	desc := fmt.Sprintf("%s RTT (in-process proxy), %d Mbit/s (htb on veth %s/%s, netns %s)", rtt, l.Rate/1e6, l.HostIf, l.NSIf, l.Name)
+	if !l.Shaped {
+		opts = append(opts, WithRateLimit(l.Rate))
+		desc = fmt.Sprintf("%s RTT (in-process proxy), %d Mbit/s per connection (token bucket in the proxy: htb unavailable: %v)", rtt, l.Rate/1e6, l.ShapeErr)
+	}
+	p, err := NewLatencyProxy(ctx, "127.0.0.1:0", target, opts...)
+	if err != nil {
+		return nil, "", err
+	}
+	return p, desc, nil
 }

