@@ -1,21 +1,23 @@
-// Package testenv is the end-to-end test harness: it starts a private
-// registry, a private containerd configured for envsnap (proxy snapshotter,
-// remote-snapshot labels, the envlet runtime, CRI) and, on request, the
-// envsnap daemon; builds hermetic test images; and tears all of it down by
-// PID and mountpoint when the test ends, whether it passed or not.
-package testenv
+// Package devenv runs a private envsnap stack on one machine: a registry
+// behind a counting proxy, a containerd configured for envsnap (proxy
+// snapshotter, remote-snapshot labels, the envlet runtime, CRI) and, on
+// request, the envsnap daemon. The end-to-end tests (through tests/testenv),
+// `make demo` and `make bench` all run on it. Close tears everything down by
+// PID and mountpoint and reports mounts the daemons left behind.
+package devenv
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
-	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
@@ -27,9 +29,8 @@ import (
 	"github.com/containerd/containerd/v2/plugins/content/local"
 )
 
-// Env is one isolated set of daemons for a test.
+// Env is one isolated set of daemons.
 type Env struct {
-	t          testing.TB
 	Dir        string
 	Namespace  string
 	HostsDir   string
@@ -47,7 +48,14 @@ type Env struct {
 	// PauseImage is the CRI sandbox image, pushed to the registry.
 	PauseImage   string
 	ContentStore content.Store
-	opts         options
+	// Logf receives teardown notes; default discards them.
+	Logf func(format string, args ...any)
+
+	opts      options
+	mu        sync.Mutex
+	cleanups  []func()
+	processes []*Process
+	leaked    []string
 }
 
 type options struct {
@@ -56,13 +64,14 @@ type options struct {
 	containerEnv []string
 	extraConfig  string
 	imports      []string
+	dirPrefix    string
 }
 
-// Option configures New.
+// Option configures Start.
 type Option func(*options)
 
 // WithEnvsnap starts `bin/containerd-envsnap serve` on SnapshotterSocket
-// (root, hosts dir and socket are set by the harness; args are appended).
+// (root, hosts dir and socket are set by the env; args are appended).
 func WithEnvsnap(args ...string) Option {
 	return func(o *options) { o.envsnap = true; o.envsnapArgs = args }
 }
@@ -81,57 +90,131 @@ func WithConfig(toml string) Option {
 // WithImports lists config files in containerd's top-level `imports`, the
 // way a node's config.toml pulls in /etc/containerd/conf.d/*.toml: they are
 // merged over the generated config (containerd's merge rules, not TOML
-// concatenation, so they can replace harness settings).
+// concatenation, so they can replace generated settings).
 func WithImports(paths ...string) Option {
 	return func(o *options) { o.imports = append(o.imports, paths...) }
 }
 
+// WithDirPrefix names the temporary directory (default "envsnap-e2e-").
+func WithDirPrefix(prefix string) Option {
+	return func(o *options) { o.dirPrefix = prefix }
+}
+
 var envCounter atomic.Int64
 
-// New starts a registry and a containerd for t. It skips t unless the
-// machine can run them (root, /dev/fuse, overlayfs, the tools from
-// `make deps`).
-func New(t testing.TB, opts ...Option) *Env {
-	t.Helper()
-	RequireRoot(t)
-	e := &Env{t: t}
+// CheckMachine reports why this machine cannot run the stack, if it can't:
+// it needs root, /dev/fuse and overlayfs.
+func CheckMachine() error {
+	if os.Geteuid() != 0 {
+		return errors.New("needs root (containerd, FUSE and overlayfs mounts)")
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat("/dev/fuse", &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFCHR {
+		return fmt.Errorf("needs /dev/fuse as a character device (stat: %v)", err)
+	}
+	if !hasFilesystem("overlay") {
+		return errors.New("needs overlayfs (modprobe overlay)")
+	}
+	return nil
+}
+
+// Start brings up a registry and a containerd (and the envsnap daemon with
+// WithEnvsnap). On error, whatever was started is torn down.
+func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
+	if err := CheckMachine(); err != nil {
+		return nil, err
+	}
+	e := &Env{Logf: func(string, ...any) {}, opts: options{dirPrefix: "envsnap-e2e-"}}
 	for _, o := range opts {
 		o(&e.opts)
 	}
 	// Unix socket paths are limited to 108 bytes: keep the directory short
-	// instead of under t.TempDir().
-	dir, err := os.MkdirTemp("", "envsnap-e2e-")
+	// (not under a test's long temp dir).
+	dir, err := os.MkdirTemp("", e.opts.dirPrefix)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	e.Dir = dir
 	e.Namespace = fmt.Sprintf("envsnap-test-%d-%d", os.Getpid(), envCounter.Add(1))
-	t.Cleanup(e.teardownDir)
+	e.onClose(e.teardownDir)
+	defer func() {
+		if retErr != nil {
+			e.Close()
+		}
+	}()
 
 	e.HostsDir = filepath.Join(dir, "certs.d")
-	e.Registry = StartRegistry(t, dir)
-	WriteHostsDir(t, e.HostsDir, e.Registry.Host)
-
-	cs, err := local.NewStore(filepath.Join(dir, "content"))
-	if err != nil {
-		t.Fatal(err)
+	if e.Registry, err = e.startRegistry(); err != nil {
+		return nil, err
 	}
-	e.ContentStore = cs
-
-	pause := e.PushImage(t, "envsnap-test/pause:1", nil,
+	if err := WriteHostsDir(e.HostsDir, e.Registry.Host); err != nil {
+		return nil, err
+	}
+	if e.ContentStore, err = local.NewStore(filepath.Join(dir, "content")); err != nil {
+		return nil, err
+	}
+	pause, err := e.PushImage(e.Context(), "envsnap-test/pause:1", nil,
 		WithEntrypoint("/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done"))
+	if err != nil {
+		return nil, fmt.Errorf("push pause image: %w", err)
+	}
 	e.PauseImage = pause.Ref
 
 	e.SnapshotterSocket = filepath.Join(dir, "envsnap.sock")
 	e.EnvsnapRoot = filepath.Join(dir, "envsnap")
 	if e.opts.envsnap {
-		e.StartEnvsnap(t)
+		if _, err := e.StartEnvsnap(); err != nil {
+			return nil, err
+		}
 	}
-	e.startContainerd(t)
-	return e
+	if err := e.startContainerd(); err != nil {
+		return nil, err
+	}
+	return e, nil
 }
 
-// Context returns a context in the test's containerd namespace.
+// onClose registers f to run at Close, before what was registered earlier.
+func (e *Env) onClose(f func()) {
+	e.mu.Lock()
+	e.cleanups = append(e.cleanups, f)
+	e.mu.Unlock()
+}
+
+// Close stops everything Start started, in reverse order, and returns the
+// mounts that were still present below Dir once the daemons had stopped
+// (Close unmounts them; a non-empty result is a leak to report).
+func (e *Env) Close() (leaked []string) {
+	e.mu.Lock()
+	cleanups := e.cleanups
+	e.cleanups = nil
+	e.mu.Unlock()
+	for i := len(cleanups) - 1; i >= 0; i-- {
+		cleanups[i]()
+	}
+	return e.leaked
+}
+
+// Processes lists the daemons this env started.
+func (e *Env) Processes() []*Process {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]*Process(nil), e.processes...)
+}
+
+// StartProcess starts a daemon that Close stops.
+func (e *Env) StartProcess(name string, env []string, bin string, args ...string) (*Process, error) {
+	p, err := StartProcess(e.Dir, name, env, bin, args...)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	e.processes = append(e.processes, p)
+	e.mu.Unlock()
+	e.onClose(func() { p.Stop(10 * time.Second) })
+	return p, nil
+}
+
+// Context returns a context in the env's containerd namespace.
 func (e *Env) Context() context.Context {
 	return namespaces.WithNamespace(context.Background(), e.Namespace)
 }
@@ -141,47 +224,65 @@ func (e *Env) Hosts() docker.RegistryHosts {
 	return config.ConfigureHosts(context.Background(), config.HostOptions{HostDir: config.HostDirFromRoot(e.HostsDir)})
 }
 
-// Resolver is a registry resolver using the harness hosts dir.
+// Resolver is a registry resolver using the env's hosts dir.
 func (e *Env) Resolver() remotes.Resolver {
 	return docker.NewResolver(docker.ResolverOptions{Hosts: e.Hosts()})
 }
 
 // StartEnvsnap starts the envsnap daemon (again, after a Kill or Stop).
-func (e *Env) StartEnvsnap(t testing.TB) *Process {
-	t.Helper()
+func (e *Env) StartEnvsnap() (*Process, error) {
 	_ = os.Remove(e.SnapshotterSocket)
+	bin, err := Binary("containerd-envsnap")
+	if err != nil {
+		return nil, err
+	}
 	args := append([]string{"serve",
 		"--root", e.EnvsnapRoot,
 		"--address", e.SnapshotterSocket,
 		"--hosts-dir", e.HostsDir,
 		"--log-level", "debug",
 	}, e.opts.envsnapArgs...)
-	e.Envsnap = StartProcess(t, e.Dir, "envsnap", nil, Binary(t, "containerd-envsnap"), args...)
+	p, err := e.StartProcess("envsnap", nil, bin, args...)
+	if err != nil {
+		return nil, err
+	}
+	e.Envsnap = p
 	if err := waitFor(20*time.Second, "envsnap socket", func() error {
-		if exited, err := e.Envsnap.Exited(); exited {
+		if exited, err := p.Exited(); exited {
 			return fmt.Errorf("containerd-envsnap exited: %v", err)
 		}
 		_, err := os.Stat(e.SnapshotterSocket)
 		return err
 	}); err != nil {
-		t.Fatalf("start envsnap: %v\n%s", err, e.Envsnap.LogTail(40))
+		return nil, fmt.Errorf("start envsnap: %w\n%s", err, p.LogTail(40))
 	}
-	return e.Envsnap
+	return p, nil
 }
 
-func (e *Env) startContainerd(t testing.TB) {
-	t.Helper()
+func (e *Env) startContainerd() error {
 	e.Address = filepath.Join(e.Dir, "containerd.sock")
 	cfgPath := filepath.Join(e.Dir, "containerd.toml")
 	if err := os.WriteFile(cfgPath, []byte(e.containerdConfig()), 0o600); err != nil {
-		t.Fatal(err)
+		return err
+	}
+	bin, err := Tool("containerd")
+	if err != nil {
+		return err
+	}
+	binDir, err := BinDir()
+	if err != nil {
+		return err
 	}
 	// containerd finds shims (ours and runc's) and runc on PATH.
-	path := "PATH=" + BinDir(t) + ":" + ToolsDir(t) + ":" + os.Getenv("PATH")
+	path := "PATH=" + binDir + ":" + ToolsDir(binDir) + ":" + os.Getenv("PATH")
 	env := append([]string{path}, e.opts.containerEnv...)
-	e.Containerd = StartProcess(t, e.Dir, "containerd", env, Tool(t, "containerd"), "--config", cfgPath)
+	p, err := e.StartProcess("containerd", env, bin, "--config", cfgPath)
+	if err != nil {
+		return err
+	}
+	e.Containerd = p
 	if err := waitFor(30*time.Second, "containerd to serve", func() error {
-		if exited, err := e.Containerd.Exited(); exited {
+		if exited, err := p.Exited(); exited {
 			return fmt.Errorf("containerd exited: %v", err)
 		}
 		if _, err := os.Stat(e.Address); err != nil {
@@ -200,16 +301,17 @@ func (e *Env) startContainerd(t testing.TB) {
 		e.Client = c
 		return nil
 	}); err != nil {
-		t.Fatalf("start containerd: %v\n%s", err, e.Containerd.LogTail(40))
+		return fmt.Errorf("start containerd: %w\n%s", err, p.LogTail(40))
 	}
-	// Runs before the Process cleanup that stops containerd (cleanups are
-	// LIFO): tasks, containers and images go first, so shims exit and
-	// snapshots are released while containerd can still do it.
-	t.Cleanup(e.removeContainers)
+	// Runs before containerd is stopped: tasks, containers and images go
+	// first, so shims exit and snapshots are released while containerd can
+	// still do it.
+	e.onClose(e.removeContainers)
+	return nil
 }
 
-// containerdConfig is the config every e2e test runs containerd with: the
-// one config.toml.example documents, pointed at this env's directories.
+// containerdConfig is the config the stack runs containerd with: the one
+// config.toml.example documents, pointed at this env's directories.
 func (e *Env) containerdConfig() string {
 	d := e.Dir
 	var imports string
@@ -283,10 +385,13 @@ state = %[2]q
 func (e *Env) CRIEndpoint() string { return "unix://" + e.Address }
 
 // Crictl runs crictl against this containerd and returns its output.
-func (e *Env) Crictl(t testing.TB, args ...string) (string, error) {
-	t.Helper()
+func (e *Env) Crictl(args ...string) (string, error) {
+	bin, err := Tool("crictl")
+	if err != nil {
+		return "", err
+	}
 	full := append([]string{"--runtime-endpoint", e.CRIEndpoint(), "--image-endpoint", e.CRIEndpoint(), "--timeout", "60s"}, args...)
-	cmd := exec.Command(Tool(t, "crictl"), full...)
+	cmd := exec.Command(bin, full...)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -304,18 +409,18 @@ func (e *Env) removeContainers() {
 	defer cancel()
 	// CRI pods first, through CRI, so it releases what it set up around
 	// them (sandbox shm mounts, network namespaces).
-	if _, err := e.Crictl(e.t, "rmp", "--all", "--force"); err != nil {
-		e.t.Logf("teardown: crictl rmp: %v", err)
+	if _, err := e.Crictl("rmp", "--all", "--force"); err != nil {
+		e.Logf("teardown: crictl rmp: %v", err)
 	}
 	nss, err := e.Client.NamespaceService().List(ctx)
 	if err != nil {
-		e.t.Logf("teardown: list namespaces: %v", err)
+		e.Logf("teardown: list namespaces: %v", err)
 	}
 	for _, ns := range nss {
 		nctx := namespaces.WithNamespace(ctx, ns)
 		containers, err := e.Client.Containers(nctx)
 		if err != nil {
-			e.t.Logf("teardown: list containers in %s: %v", ns, err)
+			e.Logf("teardown: list containers in %s: %v", ns, err)
 			continue
 		}
 		for _, c := range containers {
@@ -328,11 +433,11 @@ func (e *Env) removeContainers() {
 					}
 				}
 				if _, err := task.Delete(nctx, client.WithProcessKill); err != nil {
-					e.t.Logf("teardown: delete task %s: %v", c.ID(), err)
+					e.Logf("teardown: delete task %s: %v", c.ID(), err)
 				}
 			}
 			if err := c.Delete(nctx, client.WithSnapshotCleanup); err != nil {
-				e.t.Logf("teardown: delete container %s: %v", c.ID(), err)
+				e.Logf("teardown: delete container %s: %v", c.ID(), err)
 			}
 		}
 		is := e.Client.ImageService()
@@ -348,15 +453,13 @@ func (e *Env) removeContainers() {
 // unmounts whatever is still mounted below Dir, removes cgroups named after
 // the namespace, and deletes Dir.
 func (e *Env) teardownDir() {
-	killShims(e.t, e.Dir)
-	if leaked := unmountBelow(e.Dir); len(leaked) > 0 {
-		e.t.Errorf("teardown: mounts left below %s after the daemons stopped (now unmounted): %s", e.Dir, strings.Join(leaked, ", "))
-	}
-	removeCgroups(e.t, e.Namespace)
+	killShims(e.Logf, e.Dir)
+	e.leaked = unmountBelow(e.Dir)
+	removeCgroups(e.Logf, e.Namespace)
 	// CRI puts pod cgroups under the k8s.io namespace; only empty
-	// directories go, so another harness's live pods are safe.
+	// directories go, so another env's live pods are safe.
 	removeEmptyCgroups("k8s.io")
 	if err := os.RemoveAll(e.Dir); err != nil {
-		e.t.Logf("teardown: remove %s: %v", e.Dir, err)
+		e.Logf("teardown: remove %s: %v", e.Dir, err)
 	}
 }

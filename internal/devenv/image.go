@@ -1,4 +1,4 @@
-package testenv
+package devenv
 
 import (
 	"archive/tar"
@@ -16,7 +16,6 @@ import (
 	"sort"
 	"strings"
 	"sync"
-	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
@@ -197,10 +196,9 @@ func BusyboxFiles() ([]File, error) {
 }
 
 // PushImage builds a two-layer image (busybox userland, then files) and
-// pushes it to the harness registry as name (e.g. "test/hello:1"). It returns
+// pushes it to the env's registry as name (e.g. "test/hello:1"). It returns
 // the full reference and descriptors.
-func (e *Env) PushImage(t testing.TB, name string, files []File, opts ...ImageOption) Image {
-	t.Helper()
+func (e *Env) PushImage(ctx context.Context, name string, files []File, opts ...ImageOption) (Image, error) {
 	var spec imageSpec
 	for _, o := range opts {
 		o(&spec)
@@ -209,26 +207,26 @@ func (e *Env) PushImage(t testing.TB, name string, files []File, opts ...ImageOp
 	if !spec.noBusybox {
 		bb, err := BusyboxFiles()
 		if err != nil {
-			t.Fatal(err)
+			return Image{}, err
 		}
 		tb, err := LayerTar(bb)
 		if err != nil {
-			t.Fatal(err)
+			return Image{}, err
 		}
 		layers = append(layers, tb)
 	}
 	if len(files) > 0 {
 		tb, err := LayerTar(files)
 		if err != nil {
-			t.Fatal(err)
+			return Image{}, err
 		}
 		layers = append(layers, tb)
 	}
-	img, err := e.pushTarLayers(e.Context(), e.Registry.Host+"/"+name, layers, spec)
+	img, err := e.pushTarLayers(ctx, e.Registry.Host+"/"+name, layers, spec)
 	if err != nil {
-		t.Fatalf("push image %s: %v", name, err)
+		return img, fmt.Errorf("push image %s: %w", name, err)
 	}
-	return img
+	return img, nil
 }
 
 func (e *Env) pushTarLayers(ctx context.Context, ref string, tars [][]byte, spec imageSpec) (Image, error) {

@@ -1,20 +1,18 @@
-package testenv
+package devenv
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
-	"testing"
 	"time"
 )
 
-// Process is a daemon started by a test. It is always stopped by PID, never
-// by name, so parallel test runs and the developer's own daemons are safe.
+// Process is a daemon started by the env. It is always stopped by PID,
+// never by name, so parallel runs and the developer's own daemons are safe.
 type Process struct {
 	Name    string
 	LogPath string
@@ -24,25 +22,23 @@ type Process struct {
 }
 
 // StartProcess starts bin with args, logging stdout and stderr to
-// dir/name.log, and registers a cleanup that stops it. On test failure the
-// tail of its log is printed.
-func StartProcess(t testing.TB, dir, name string, env []string, bin string, args ...string) *Process {
-	t.Helper()
+// dir/name.log. The caller stops it (Env.StartProcess registers that).
+func StartProcess(dir, name string, env []string, bin string, args ...string) (*Process, error) {
 	logPath := filepath.Join(dir, name+".log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
-		t.Fatalf("open log for %s: %v", name, err)
+		return nil, fmt.Errorf("open log for %s: %w", name, err)
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.Env = append(os.Environ(), env...)
-	// A process group of its own, so a terminal ^C aimed at `go test` does
-	// not race our orderly shutdown.
+	// A process group of its own, so a terminal ^C aimed at the parent does
+	// not race its orderly shutdown.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
-		t.Fatalf("start %s (%s): %v", name, bin, err)
+		return nil, fmt.Errorf("start %s (%s): %w", name, bin, err)
 	}
 	p := &Process{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
 	go func() {
@@ -50,13 +46,7 @@ func StartProcess(t testing.TB, dir, name string, env []string, bin string, args
 		logf.Close()
 		close(p.done)
 	}()
-	t.Cleanup(func() {
-		p.Stop(10 * time.Second)
-		if t.Failed() {
-			t.Logf("--- tail of %s log (%s) ---\n%s", name, logPath, p.LogTail(60))
-		}
-	})
-	return p
+	return p, nil
 }
 
 // PID returns the process ID.
@@ -129,5 +119,3 @@ func waitFor(timeout time.Duration, what string, cond func() error) error {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
-
-var errNotReady = errors.New("not ready")

@@ -1,4 +1,4 @@
-package testenv
+package devenv
 
 import (
 	"context"
@@ -14,7 +14,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"testing"
 	"time"
 )
 
@@ -41,15 +40,21 @@ type Registry struct {
 	intercept    func(http.ResponseWriter, *http.Request) bool
 }
 
-// StartRegistry starts the registry binary from the tools dir on a free
+// startRegistry starts the registry binary from the tools dir on a free
 // loopback port with the counting proxy in front of it.
-func StartRegistry(t testing.TB, dir string) *Registry {
-	t.Helper()
-	bin := Tool(t, "registry")
-	backendPort := freePort(t)
+func (e *Env) startRegistry() (*Registry, error) {
+	dir := e.Dir
+	bin, err := Tool("registry")
+	if err != nil {
+		return nil, err
+	}
+	backendPort, err := freePort()
+	if err != nil {
+		return nil, err
+	}
 	storage := filepath.Join(dir, "registry")
 	if err := os.MkdirAll(storage, 0o700); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	cfg := fmt.Sprintf(`version: 0.1
 log:
@@ -66,14 +71,16 @@ http:
 `, storage, backendPort)
 	cfgPath := filepath.Join(dir, "registry.yml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	r := &Registry{StorageDir: storage, backend: fmt.Sprintf("127.0.0.1:%d", backendPort), perBlob: map[string]int64{}}
-	r.proc = StartProcess(t, dir, "registry", nil, bin, "serve", cfgPath)
+	if r.proc, err = e.StartProcess("registry", nil, bin, "serve", cfgPath); err != nil {
+		return nil, err
+	}
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	r.Host = ln.Addr().String()
 	target := &url.URL{Scheme: "http", Host: r.backend}
@@ -83,7 +90,7 @@ http:
 	proxy.ErrorLog = log.New(io.Discard, "", 0)
 	r.server = &http.Server{Handler: r.handler(proxy), ReadHeaderTimeout: 10 * time.Second}
 	go r.server.Serve(ln)
-	t.Cleanup(func() {
+	e.onClose(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = r.server.Shutdown(ctx)
@@ -103,9 +110,9 @@ http:
 		}
 		return nil
 	}); err != nil {
-		t.Fatalf("start registry: %v\n%s", err, r.proc.LogTail(30))
+		return nil, fmt.Errorf("start registry: %w\n%s", err, r.proc.LogTail(30))
 	}
-	return r
+	return r, nil
 }
 
 func (r *Registry) handler(next http.Handler) http.Handler {
@@ -219,24 +226,20 @@ func (c *countingWriter) Flush() {
 // WriteHostsDir writes a containerd certs.d tree under dir that makes host
 // reachable over plain HTTP, the same file containerd, our daemon and our
 // CLI all read.
-func WriteHostsDir(t testing.TB, dir, host string) {
-	t.Helper()
+func WriteHostsDir(dir, host string) error {
 	hostDir := filepath.Join(dir, host)
 	if err := os.MkdirAll(hostDir, 0o755); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	toml := fmt.Sprintf("server = \"http://%s\"\n\n[host.\"http://%s\"]\n  capabilities = [\"pull\", \"resolve\", \"push\"]\n", host, host)
-	if err := os.WriteFile(filepath.Join(hostDir, "hosts.toml"), []byte(toml), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	return os.WriteFile(filepath.Join(hostDir, "hosts.toml"), []byte(toml), 0o644)
 }
 
-func freePort(t testing.TB) int {
-	t.Helper()
+func freePort() (int, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		return 0, err
 	}
 	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return ln.Addr().(*net.TCPAddr).Port, nil
 }

@@ -1,4 +1,4 @@
-package testenv
+package devenv
 
 import (
 	"bytes"
@@ -7,7 +7,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
-	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
@@ -19,18 +18,17 @@ import (
 // Pull pulls ref with the Go client path nerdctl uses: client.Pull with
 // unpack and the image-info labels that let a remote snapshotter serve
 // layers lazily.
-func (e *Env) Pull(t testing.TB, ref, snapshotter string) client.Image {
-	t.Helper()
-	img, err := e.Client.Pull(e.Context(), ref,
+func (e *Env) Pull(ctx context.Context, ref, snapshotter string) (client.Image, error) {
+	img, err := e.Client.Pull(ctx, ref,
 		client.WithResolver(e.Resolver()),
 		client.WithPullUnpack,
 		client.WithPullSnapshotter(snapshotter),
 		client.WithImageHandlerWrapper(snapshotters.AppendInfoHandlerWrapper(ref)),
 	)
 	if err != nil {
-		t.Fatalf("pull %s with snapshotter %s: %v", ref, snapshotter, err)
+		return nil, fmt.Errorf("pull %s with snapshotter %s: %w", ref, snapshotter, err)
 	}
-	return img
+	return img, nil
 }
 
 // RunOptions configures RunContainer.
@@ -54,18 +52,8 @@ type RunResult struct {
 
 var containerCounter atomic.Int64
 
-// RunContainer creates, starts and waits for a container from img, then
-// deletes it with its snapshot. A non-zero exit is returned, not fatal.
-func (e *Env) RunContainer(t testing.TB, img client.Image, o RunOptions) RunResult {
-	t.Helper()
-	res, err := e.Run(e.Context(), img, o)
-	if err != nil {
-		t.Fatalf("run container from %s: %v", img.Name(), err)
-	}
-	return res
-}
-
-// Run is RunContainer returning errors instead of failing the test.
+// Run creates, starts and waits for a container from img, then deletes
+// it with its snapshot. A non-zero exit is in the result, not an error.
 func (e *Env) Run(ctx context.Context, img client.Image, o RunOptions) (RunResult, error) {
 	if o.Snapshotter == "" {
 		o.Snapshotter = "overlayfs"

@@ -1,7 +1,8 @@
-package testenv
+package devenv
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,24 +11,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 )
-
-// RequireRoot skips t unless it runs as root on a machine with /dev/fuse
-// and overlayfs, which every end-to-end test needs.
-func RequireRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (containerd, FUSE and overlayfs mounts)")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
-	if !hasFilesystem("overlay") {
-		t.Skip("needs overlayfs (modprobe overlay)")
-	}
-}
 
 func hasFilesystem(name string) bool {
 	b, err := os.ReadFile("/proc/filesystems")
@@ -45,63 +30,74 @@ func hasFilesystem(name string) bool {
 var (
 	rootOnce sync.Once
 	rootDir  string
+	rootErr  error
 )
 
 // RepoRoot is the module root (the directory holding go.mod).
-func RepoRoot(t testing.TB) string {
-	t.Helper()
+func RepoRoot() (string, error) {
 	rootOnce.Do(func() {
 		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err == nil && strings.TrimSpace(string(out)) != "" && strings.TrimSpace(string(out)) != os.DevNull {
-			rootDir = filepath.Dir(strings.TrimSpace(string(out)))
+		gomod := strings.TrimSpace(string(out))
+		if err != nil || gomod == "" || gomod == os.DevNull {
+			rootErr = fmt.Errorf("cannot find the envsnap module root (go env GOMOD: %v)", err)
+			return
 		}
+		rootDir = filepath.Dir(gomod)
 	})
-	if rootDir == "" {
-		t.Fatal("cannot find the module root (go env GOMOD)")
-	}
-	return rootDir
+	return rootDir, rootErr
 }
 
 // BinDir is where `make build` puts our binaries ($ENVSNAP_BIN or bin/).
-func BinDir(t testing.TB) string {
+func BinDir() (string, error) {
 	if d := os.Getenv("ENVSNAP_BIN"); d != "" {
-		return d
+		return d, nil
 	}
-	return filepath.Join(RepoRoot(t), "bin")
+	root, err := RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(root, "bin"), nil
 }
 
-// ToolsDir is where `make deps` puts containerd, runc, registry and crictl.
-func ToolsDir(t testing.TB) string {
+// ToolsDir is where `make deps` puts containerd, runc, registry and crictl
+// ($ENVSNAP_TOOLS or binDir/tools).
+func ToolsDir(binDir string) string {
 	if d := os.Getenv("ENVSNAP_TOOLS"); d != "" {
 		return d
 	}
-	return filepath.Join(BinDir(t), "tools")
+	return filepath.Join(binDir, "tools")
 }
 
 // Tool returns the path of a tool installed by `make deps`.
-func Tool(t testing.TB, name string) string {
-	t.Helper()
-	p := filepath.Join(ToolsDir(t), name)
-	if _, err := os.Stat(p); err != nil {
-		t.Fatalf("%s not installed at %s: run `make deps`", name, p)
+func Tool(name string) (string, error) {
+	bin, err := BinDir()
+	if err != nil {
+		return "", err
 	}
-	return p
+	p := filepath.Join(ToolsDir(bin), name)
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("%s not installed at %s: run `make deps`", name, p)
+	}
+	return p, nil
 }
 
 // Binary returns the path of one of our binaries built by `make build`.
-func Binary(t testing.TB, name string) string {
-	t.Helper()
-	p := filepath.Join(BinDir(t), name)
-	if _, err := os.Stat(p); err != nil {
-		t.Fatalf("%s not built at %s: run `make build`", name, p)
+func Binary(name string) (string, error) {
+	bin, err := BinDir()
+	if err != nil {
+		return "", err
 	}
-	return p
+	p := filepath.Join(bin, name)
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("%s not built at %s: run `make build`", name, p)
+	}
+	return p, nil
 }
 
 // killShims kills shim processes that serve the containerd below dir: they
 // outlive containerd by design, so a test that failed mid-way would leak
 // them. Matched by their -address argument, killed by PID.
-func killShims(t testing.TB, dir string) {
+func killShims(logf func(string, ...any), dir string) {
 	entries, _ := os.ReadDir("/proc")
 	for _, ent := range entries {
 		pid, err := strconv.Atoi(ent.Name())
@@ -117,7 +113,7 @@ func killShims(t testing.TB, dir string) {
 			continue
 		}
 		if strings.Contains(string(cmdline), dir) {
-			t.Logf("teardown: killing leftover shim pid %d", pid)
+			logf("teardown: killing leftover shim pid %d", pid)
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
@@ -190,7 +186,7 @@ func unmountBelow(dir string) []string {
 
 // removeCgroups removes the cgroups runc created under the namespace name
 // in every v1 hierarchy and in the unified one.
-func removeCgroups(t testing.TB, namespace string) {
+func removeCgroups(logf func(string, ...any), namespace string) {
 	roots, _ := filepath.Glob("/sys/fs/cgroup/*")
 	roots = append(roots, "/sys/fs/cgroup")
 	for _, root := range roots {
@@ -209,7 +205,7 @@ func removeCgroups(t testing.TB, namespace string) {
 		sort.Slice(dirs, func(i, j int) bool { return len(dirs[i]) > len(dirs[j]) })
 		for _, d := range dirs {
 			if err := syscall.Rmdir(d); err != nil {
-				t.Logf("teardown: rmdir cgroup %s: %v", d, err)
+				logf("teardown: rmdir cgroup %s: %v", d, err)
 			}
 		}
 	}

@@ -1,0 +1,202 @@
+// Package testenv is the end-to-end test harness: internal/devenv's private
+// registry, containerd and envsnap daemon, tied to a test's life cycle. New
+// skips the test where the machine cannot run them, fails it when they do
+// not start, and tears everything down with t.Cleanup, failing the test if
+// the daemons left mounts behind.
+package testenv
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+
+	"github.com/envsnap/envsnap/internal/devenv"
+)
+
+// The harness's types and options are devenv's.
+type (
+	File        = devenv.File
+	Image       = devenv.Image
+	ImageOption = devenv.ImageOption
+	Option      = devenv.Option
+	Process     = devenv.Process
+	Registry    = devenv.Registry
+	RunOptions  = devenv.RunOptions
+	RunResult   = devenv.RunResult
+)
+
+var (
+	WithEnvsnap       = devenv.WithEnvsnap
+	WithContainerdEnv = devenv.WithContainerdEnv
+	WithConfig        = devenv.WithConfig
+	WithImports       = devenv.WithImports
+	WithEntrypoint    = devenv.WithEntrypoint
+	WithCmd           = devenv.WithCmd
+	WithImageEnv      = devenv.WithImageEnv
+	WithoutBusybox    = devenv.WithoutBusybox
+	RandomFile        = devenv.RandomFile
+	LayerTar          = devenv.LayerTar
+	BusyboxFiles      = devenv.BusyboxFiles
+	MountsBelow       = devenv.MountsBelow
+)
+
+// Env is one isolated stack for a test.
+type Env struct {
+	*devenv.Env
+	t testing.TB
+}
+
+// New starts a registry and a containerd for t (and the envsnap daemon
+// with WithEnvsnap). It skips t unless the machine can run them (root,
+// /dev/fuse, overlayfs) and fails it if they do not start.
+func New(t testing.TB, opts ...Option) *Env {
+	t.Helper()
+	RequireRoot(t)
+	Binary(t, "containerd-envsnap") // a clear message before anything starts
+	de, err := devenv.Start(context.Background(), opts...)
+	if err != nil {
+		t.Fatalf("start test environment: %v", err)
+	}
+	de.Logf = t.Logf
+	t.Cleanup(func() {
+		failed := t.Failed()
+		procs := de.Processes()
+		if leaked := de.Close(); len(leaked) > 0 {
+			t.Errorf("teardown: mounts left below %s after the daemons stopped (now unmounted): %s", de.Dir, strings.Join(leaked, ", "))
+		}
+		if failed {
+			for _, p := range procs {
+				t.Logf("--- tail of %s log (%s) ---\n%s", p.Name, p.LogPath, p.LogTail(60))
+			}
+		}
+	})
+	return &Env{Env: de, t: t}
+}
+
+// PushImage builds a busybox-based image with files and pushes it as name.
+func (e *Env) PushImage(t testing.TB, name string, files []File, opts ...ImageOption) Image {
+	t.Helper()
+	img, err := e.Env.PushImage(e.Context(), name, files, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+// Pull pulls ref the way nerdctl does (client.Pull with the image-info
+// labels that let a remote snapshotter serve layers lazily).
+func (e *Env) Pull(t testing.TB, ref, snapshotter string) client.Image {
+	t.Helper()
+	img, err := e.Env.Pull(e.Context(), ref, snapshotter)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+// RunContainer runs a container from img to completion; a non-zero exit
+// is in the result, not a failure.
+func (e *Env) RunContainer(t testing.TB, img client.Image, o RunOptions) RunResult {
+	t.Helper()
+	res, err := e.Run(e.Context(), img, o)
+	if err != nil {
+		t.Fatalf("run container from %s: %v", img.Name(), err)
+	}
+	return res
+}
+
+// StartEnvsnap starts the envsnap daemon (again, after a Kill or Stop).
+func (e *Env) StartEnvsnap(t testing.TB) *Process {
+	t.Helper()
+	p, err := e.Env.StartEnvsnap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// Crictl runs crictl against this containerd.
+func (e *Env) Crictl(t testing.TB, args ...string) (string, error) {
+	t.Helper()
+	return e.Env.Crictl(args...)
+}
+
+// RequireRoot skips t unless it runs as root on a machine with /dev/fuse
+// and overlayfs, which every end-to-end test needs.
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if err := devenv.CheckMachine(); err != nil {
+		t.Skip(err)
+	}
+}
+
+// RepoRoot is the module root.
+func RepoRoot(t testing.TB) string {
+	t.Helper()
+	root, err := devenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+// BinDir is where `make build` puts our binaries.
+func BinDir(t testing.TB) string {
+	t.Helper()
+	d, err := devenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// ToolsDir is where `make deps` puts the external tools.
+func ToolsDir(t testing.TB) string { return devenv.ToolsDir(BinDir(t)) }
+
+// Tool returns the path of a tool installed by `make deps`.
+func Tool(t testing.TB, name string) string {
+	t.Helper()
+	p, err := devenv.Tool(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// Binary returns the path of one of our binaries built by `make build`.
+func Binary(t testing.TB, name string) string {
+	t.Helper()
+	p, err := devenv.Binary(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// StartProcess starts a daemon for t, stopped by PID at cleanup; on
+// failure the tail of its log is printed.
+func StartProcess(t testing.TB, dir, name string, env []string, bin string, args ...string) *Process {
+	t.Helper()
+	p, err := devenv.StartProcess(dir, name, env, bin, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Stop(10 * time.Second)
+		if t.Failed() {
+			t.Logf("--- tail of %s log (%s) ---\n%s", name, p.LogPath, p.LogTail(60))
+		}
+	})
+	return p
+}
+
+// WriteHostsDir writes a certs.d entry making host reachable over HTTP.
+func WriteHostsDir(t testing.TB, dir, host string) {
+	t.Helper()
+	if err := devenv.WriteHostsDir(dir, host); err != nil {
+		t.Fatal(err)
+	}
+}
