@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"syscall"
 
@@ -147,11 +148,16 @@ func fsOptions(o options) *fs.Options {
 			// nosuid/nodev do not affect containers: overlayfs checks
 			// the flags of its own mount when executing or opening a
 			// device, not those of the lower layers.
-			DirectMountFlags:         syscall.MS_RDONLY | syscall.MS_NOSUID | syscall.MS_NODEV,
-			MaxWrite:                 maxRequest,
-			MaxReadAhead:             maxRequest,
-			MaxBackground:            maxBackground,
-			EnableSymlinkCaching:     true,
+			DirectMountFlags:     syscall.MS_RDONLY | syscall.MS_NOSUID | syscall.MS_NODEV,
+			MaxWrite:             maxRequest,
+			MaxReadAhead:         maxRequest,
+			MaxBackground:        maxBackground,
+			EnableSymlinkCaching: true,
+			// Reads return memory, not file descriptors, so splice
+			// only adds a pipe copy; and a full 1 MiB reply plus its
+			// header exceeds the default pipe size, which go-fuse logs
+			// on every such read.
+			DisableSplice:            true,
 			ExplicitDataCacheControl: true,
 			Debug:                    o.debug,
 		},
@@ -205,6 +211,9 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 		return nil, fmt.Errorf("lazyfs: stat mounted %s: %w", mountpoint, err)
 	}
 	m.dev = st.Dev
+	if err := setReadahead(st.Dev, maxRequest); err != nil {
+		log.G(ctx).WithError(err).Warn("lazyfs: cannot raise readahead; sequential reads will use more FUSE requests")
+	}
 
 	if o.registerer != nil {
 		m.metrics = newCollector(l.stats, o.layerLabel)
@@ -275,6 +284,16 @@ func (m *Server) Wait() { m.srv.Wait() }
 
 // Stats returns the mount's counters.
 func (m *Server) Stats() Stats { return m.layer.stats.snapshot() }
+
+// setReadahead sets the kernel readahead window of the mount's backing
+// device. The kernel offers FUSE at most 128 KiB in INIT (and go-fuse
+// passes that through), so a sequential reader of a 1 MiB chunk would
+// cost eight requests, each waiting for the same chunk; the sysfs knob is
+// the only way to raise it.
+func setReadahead(dev uint64, bytes int) error {
+	p := fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(dev), unix.Minor(dev))
+	return os.WriteFile(p, []byte(strconv.Itoa(bytes>>10)), 0)
+}
 
 // forceUnmount is for tests and error paths: detach even if busy.
 func forceUnmount(mountpoint string) error {

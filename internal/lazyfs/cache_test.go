@@ -1,0 +1,177 @@
+package lazyfs
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// TestPageCacheKeptAcrossOpens: with FOPEN_KEEP_CACHE a second open (as by
+// another container sharing the mount) reads from the page cache, so the
+// chunk source is not asked again. Without it the kernel drops the file's
+// pages on every open.
+func TestPageCacheKeptAcrossOpens(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	mnt, src, _ := f.mount(t)
+	p := filepath.Join(mnt, "data/big")
+	first, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := src.calls.Load()
+	if n == 0 {
+		t.Fatal("first read did not reach the chunk source")
+	}
+	for range 3 {
+		again, err := os.ReadFile(p)
+		if err != nil || !bytes.Equal(again, first) {
+			t.Fatalf("re-read: %v", err)
+		}
+	}
+	if extra := src.calls.Load() - n; extra != 0 {
+		t.Errorf("re-opening a cached file issued %d more ReadChunk calls, want 0", extra)
+	}
+}
+
+// BenchmarkWarmRead compares reads of a file whose pages are cached on the
+// FUSE mount with the same file on a plain directory (both warm), in one
+// run: the ratio is what FUSE costs once data is local.
+func BenchmarkWarmRead(b *testing.B) {
+	requireFUSE(b)
+	const size = 64 << 20
+	data := make([]byte, size)
+	r := rand.New(rand.NewPCG(5, 6))
+	for i := range data {
+		data[i] = byte(r.Uint32())
+	}
+	plainDir := b.TempDir()
+	plain := filepath.Join(plainDir, "file")
+	if err := os.WriteFile(plain, data, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	blob, toc := convert(b, bytes.NewReader(buildTar(b, []tarFile{{hdr: hdr('0', "file", 0o644), data: data}})))
+	mnt, _ := mountLayer(b, toc, newBlobSource(bytes.NewReader(blob)))
+	lazy := filepath.Join(mnt, "file")
+	for _, p := range []string{plain, lazy} {
+		// Warm the page cache.
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, data) {
+			b.Fatalf("warm %s: %v", p, err)
+		}
+	}
+
+	type result struct{ plain, lazy float64 } // MB/s
+	results := map[string]*result{}
+	for _, mode := range []struct {
+		name string
+		read func(f *os.File, buf []byte, i int) error
+		bs   int
+	}{
+		{"seq-1MiB", func(f *os.File, buf []byte, i int) error {
+			_, err := f.ReadAt(buf, int64(i*len(buf))%size)
+			return err
+		}, 1 << 20},
+		{"rand-4KiB", func(f *os.File, buf []byte, i int) error {
+			_, err := f.ReadAt(buf, int64(rand.IntN(size/4096))*4096)
+			return err
+		}, 4096},
+	} {
+		results[mode.name] = &result{}
+		for _, target := range []struct {
+			name string
+			path string
+			out  *float64
+		}{{"plain", plain, &results[mode.name].plain}, {"fuse", lazy, &results[mode.name].lazy}} {
+			b.Run(mode.name+"/"+target.name, func(b *testing.B) {
+				f, err := os.Open(target.path)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer f.Close()
+				buf := make([]byte, mode.bs)
+				b.SetBytes(int64(mode.bs))
+				b.ResetTimer()
+				start := time.Now()
+				for i := 0; b.Loop(); i++ {
+					if err := mode.read(f, buf, i); err != nil {
+						b.Fatal(err)
+					}
+				}
+				*target.out = float64(b.N) * float64(mode.bs) / time.Since(start).Seconds() / 1e6
+			})
+		}
+	}
+	for name, r := range results {
+		if r.plain > 0 && r.lazy > 0 {
+			fmt.Printf("warm %-10s plain %9.0f MB/s  fuse %9.0f MB/s  fuse/plain %.2f\n", name, r.plain, r.lazy, r.lazy/r.plain)
+		}
+	}
+}
+
+// BenchmarkColdSequentialRead reads a file whose pages are not cached, with
+// the kernel's default FUSE readahead (128 KiB) and with the 1 MiB window
+// Mount sets, against a source that costs a round trip per call (the
+// fetcher's cached-frame path still costs a copy and a lookup; a remote
+// chunk costs a network round trip).
+func BenchmarkColdSequentialRead(b *testing.B) {
+	requireFUSE(b)
+	const size = 32 << 20
+	data := make([]byte, size)
+	r := rand.New(rand.NewPCG(7, 8))
+	for i := range data {
+		data[i] = byte(r.Uint32())
+	}
+	blob, toc := convert(b, bytes.NewReader(buildTar(b, []tarFile{{hdr: hdr('0', "file", 0o644), data: data}})))
+	src := newBlobSource(bytes.NewReader(blob))
+	mnt, srv := mountLayer(b, toc, &delayedSource{src, 200 * time.Microsecond})
+	var st unix.Stat_t
+	if err := unix.Stat(mnt, &st); err != nil {
+		b.Fatal(err)
+	}
+	for _, ra := range []int{128 << 10, maxRequest} {
+		b.Run(fmt.Sprintf("readahead-%dKiB", ra>>10), func(b *testing.B) {
+			if err := setReadahead(st.Dev, ra); err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(size)
+			before := srv.Stats().Ops["read"].Count
+			buf := make([]byte, 128<<10)
+			for b.Loop() {
+				f, err := os.Open(filepath.Join(mnt, "file"))
+				if err != nil {
+					b.Fatal(err)
+				}
+				// Drop the cached pages so every iteration is cold.
+				if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+					b.Fatal(err)
+				}
+				for off := int64(0); off < size; off += int64(len(buf)) {
+					if _, err := f.ReadAt(buf, off); err != nil {
+						b.Fatal(err)
+					}
+				}
+				f.Close()
+			}
+			b.ReportMetric(float64(srv.Stats().Ops["read"].Count-before)/float64(b.N), "fuse-reads/op")
+		})
+	}
+}
+
+type delayedSource struct {
+	ChunkSource
+	delay time.Duration
+}
+
+func (d *delayedSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	time.Sleep(d.delay)
+	return d.ChunkSource.ReadChunk(ctx, c)
+}
