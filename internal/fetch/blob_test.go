@@ -275,6 +275,18 @@ func TestTokenAuth(t *testing.T) {
 		t.Fatalf("%d tokens fetched after a timed expiry, want 4", n)
 	}
 
+	// A token endpoint refusing us is permanent: fail now, not at the
+	// deadline.
+	reg.mu.Lock()
+	reg.denyTokens = true
+	reg.mu.Unlock()
+	reg.revokeTokens()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := br.ReadRange(ctx, 0, 10); !errdefs.IsPermissionDenied(err) || ctx.Err() != nil {
+		t.Fatalf("refused token: want permission denied before the deadline, got %v", err)
+	}
+
 	// Without an authorizer a protected registry is a permanent error.
 	noauth, err := NewBlobReader(hostsFor(nil, reg), ref, desc, fastRetry)
 	if err != nil {

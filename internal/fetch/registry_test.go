@@ -65,6 +65,7 @@ type fakeRegistry struct {
 	auth       bool
 	tokenTTL   int                  // seconds; 0: tokens live until revoked
 	tokens     map[string]time.Time // token -> expiry (zero: none)
+	denyTokens bool                 // token endpoint refuses (bad credentials)
 	tokenCount atomic.Int64
 	tokenSeq   atomic.Int64
 
@@ -186,6 +187,13 @@ func (r *fakeRegistry) authorized(w http.ResponseWriter, req *http.Request) bool
 }
 
 func (r *fakeRegistry) serveToken(w http.ResponseWriter, req *http.Request) {
+	r.mu.Lock()
+	deny := r.denyTokens
+	r.mu.Unlock()
+	if deny {
+		http.Error(w, `{"errors":[{"code":"DENIED"}]}`, http.StatusForbidden)
+		return
+	}
 	if req.URL.Query().Get("service") != "fake" || !strings.Contains(req.URL.Query().Get("scope"), ":pull") {
 		http.Error(w, "bad token request "+req.URL.RawQuery, http.StatusBadRequest)
 		return

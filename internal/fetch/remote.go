@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/core/remotes/docker"
+	remoteerrors "github.com/containerd/containerd/v2/core/remotes/errors"
 	"github.com/containerd/containerd/v2/pkg/reference"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
@@ -280,8 +281,13 @@ func (r *remote) try(ctx context.Context, h docker.RegistryHost, path string, he
 		}
 		if h.Authorizer != nil {
 			if err := h.Authorizer.Authorize(ctx, req); err != nil {
-				// The token endpoint may itself be flaky: not permanent.
-				return fmt.Errorf("%s: authorize: %w", h.Host, err)
+				err = fmt.Errorf("%s: authorize: %w", h.Host, err)
+				// A token endpoint refusing our credentials will refuse
+				// them again; one that is down or slow may recover.
+				if se, ok := errors.AsType[remoteerrors.ErrUnexpectedStatus](err); ok && se.StatusCode >= 400 && se.StatusCode < 500 && se.StatusCode != http.StatusTooManyRequests && se.StatusCode != http.StatusRequestTimeout {
+					return permanent(errors.Join(err, errdefs.ErrPermissionDenied))
+				}
+				return err
 			}
 		}
 		resp, err := client.Do(req)
