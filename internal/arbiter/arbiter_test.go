@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/envsnap/envsnap/internal/envlet"
 )
@@ -286,5 +287,51 @@ func TestNumericFields(t *testing.T) {
 	}
 	if NumericFields([]byte("not json")) != nil {
 		t.Error("invalid JSON must yield nothing")
+	}
+}
+
+func TestMetrics(t *testing.T) {
+	ctx := context.Background()
+	s := NewServer(envlet.NewNodeArbiter(envlet.Resources{CPU: 4, Memory: 4 * gib}, 0))
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "a", Base: Resources{CPU: 1, Memory: gib}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "big", Base: Resources{CPU: 1, Memory: 8 * gib}}); err == nil {
+		t.Fatal("admitted beyond the node")
+	}
+	status, _ := json.Marshal(envlet.Status{Env: "a", Throttled: 0.25, CPUGrows: 3, OOMs: 1})
+	if _, err := s.report(ctx, &ReportRequest{Env: "a", Current: Resources{CPU: 2, Memory: gib},
+		Used: Resources{CPU: 1.5, Memory: 512 << 20}, Status: status}); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(s.Collector())
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			v := m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			key := mf.GetName()
+			for _, l := range m.GetLabel() {
+				key += "," + l.GetName() + "=" + l.GetValue()
+			}
+			got[key] = v
+		}
+	}
+	for key, want := range map[string]float64{
+		"envlet_quota_cpu_cores,env=a":                2,
+		"envlet_usage_memory_bytes,env=a":             512 << 20,
+		"envlet_status_throttled,env=a":               0.25,
+		"envlet_status_cpu_grows,env=a":               3,
+		"envlet_status_ooms,env=a":                    1,
+		"envlet_arbiter_envs":                         1,
+		"envlet_arbiter_denials_total,kind=admission": 1,
+	} {
+		if v, ok := got[key]; !ok || v != want {
+			t.Errorf("%s = %v (present %v), want %v", key, v, ok, want)
+		}
 	}
 }

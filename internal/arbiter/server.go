@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -101,9 +102,27 @@ func handler[Req, Resp any](fn func(context.Context, *Req) (*Resp, error)) ttrpc
 	}
 }
 
+// valid rejects amounts no shim can mean; a negative base would mint
+// capacity for everyone else.
+func valid(rs ...Resources) error {
+	for _, r := range rs {
+		if r.CPU < 0 || r.Memory < 0 || math.IsInf(r.CPU, 0) {
+			return fmt.Errorf("invalid resources %+v: %w", r, errdefs.ErrInvalidArgument)
+		}
+	}
+	return nil
+}
+
 func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, error) {
 	if r.Env == "" {
 		return nil, fmt.Errorf("admit: empty env: %w", errdefs.ErrInvalidArgument)
+	}
+	cur := Resources{}
+	if r.Current != nil {
+		cur = *r.Current
+	}
+	if err := valid(r.Base, cur); err != nil {
+		return nil, fmt.Errorf("admit %s: %w", r.Env, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -134,6 +153,9 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 }
 
 func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, error) {
+	if err := valid(r.Want); err != nil {
+		return nil, fmt.Errorf("grow %s: %w", r.Env, err)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.envs[r.Env]
@@ -157,6 +179,9 @@ func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, 
 }
 
 func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesResponse, error) {
+	if err := valid(r.Current, r.Used); err != nil {
+		return nil, fmt.Errorf("report %s: %w", r.Env, err)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.envs[r.Env]
