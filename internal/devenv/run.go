@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -40,6 +41,9 @@ type RunOptions struct {
 	Env         []string
 	Timeout     time.Duration // default 2 minutes
 	SpecOpts    []oci.SpecOpts
+	// Stdout, when set, also receives the container's stdout as it comes
+	// (the result still holds all of it), e.g. to time a readiness line.
+	Stdout io.Writer
 }
 
 // RunResult is what a finished container left.
@@ -94,7 +98,11 @@ func (e *Env) Run(ctx context.Context, img client.Image, o RunOptions) (RunResul
 		_ = c.Delete(dctx, client.WithSnapshotCleanup)
 	}()
 	var stdout, stderr syncBuffer
-	task, err := c.NewTask(ctx, cio.NewCreator(cio.WithStreams(nil, &stdout, &stderr)))
+	var out io.Writer = &stdout
+	if o.Stdout != nil {
+		out = io.MultiWriter(&stdout, o.Stdout)
+	}
+	task, err := c.NewTask(ctx, cio.NewCreator(cio.WithStreams(nil, out, &stderr)))
 	if err != nil {
 		return res, fmt.Errorf("create task: %w", err)
 	}

@@ -1,0 +1,122 @@
+package episode
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"regexp"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/envsnap/envsnap/internal/devenv"
+)
+
+// ReadyMarker is printed once the agent harness answers --version.
+const ReadyMarker = "__ENVSNAP_READY__"
+
+// Script is the episode a container runs: the agent harness starts (ready),
+// then the scripted agent steps and the evaluator.
+func Script(t Task) string {
+	return fmt.Sprintf("agent --version && echo %s && /opt/evaluator/episode.sh %s %s", ReadyMarker, t.Repo, t.FixInRootfs)
+}
+
+// Result is one episode in one system.
+type Result struct {
+	Task    string        `json:"task"`
+	System  string        `json:"system"`
+	Phase   string        `json:"phase"` // cold or warm
+	Ready   time.Duration `json:"ready_ns"`
+	Episode time.Duration `json:"episode_ns"`
+	Reward  int           `json:"reward"`
+	Exit    uint32        `json:"exit"`
+	// RegistryBytes are blob bytes the registry served for this
+	// environment (valid when environments run one at a time).
+	RegistryBytes int64  `json:"registry_bytes"`
+	ImageBytes    int64  `json:"image_bytes"`
+	Error         string `json:"error,omitempty"`
+	Output        string `json:"-"`
+}
+
+// System is a way of starting environments.
+type System struct {
+	Name        string
+	Snapshotter string
+	Runtime     string
+	Annotations map[string]string
+}
+
+// readyClock records when the ready marker first appears on stdout.
+type readyClock struct {
+	mu    sync.Mutex
+	buf   bytes.Buffer
+	ready time.Time
+}
+
+func (r *readyClock) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ready.IsZero() {
+		r.buf.Write(p)
+		if bytes.Contains(r.buf.Bytes(), []byte(ReadyMarker)) {
+			r.ready = time.Now()
+		}
+	}
+	return len(p), nil
+}
+
+func (r *readyClock) at() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.ready
+}
+
+var rewardRE = regexp.MustCompile(`reward=(\d)`)
+
+// Run pulls ref with sys and runs t's episode in it. Ready and Episode are
+// measured from the start of the pull: the whole cost of starting an
+// environment from an image reference.
+func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, timeout time.Duration) Result {
+	res := Result{Task: t.ID, System: sys.Name}
+	before := env.Registry.BlobBytesServed()
+	start := time.Now()
+	img, err := env.Pull(ctx, ref, sys.Snapshotter)
+	if err != nil {
+		res.Error = err.Error()
+		return res
+	}
+	clock := &readyClock{}
+	out, err := env.Run(ctx, img, devenv.RunOptions{
+		Snapshotter: sys.Snapshotter,
+		Runtime:     sys.Runtime,
+		Annotations: sys.Annotations,
+		Args:        []string{"/bin/sh", "-c", Script(t)},
+		Timeout:     timeout,
+		Stdout:      clock,
+	})
+	res.Episode = time.Since(start)
+	res.RegistryBytes = env.Registry.BlobBytesServed() - before
+	if ready := clock.at(); !ready.IsZero() {
+		res.Ready = ready.Sub(start)
+	}
+	if err != nil {
+		res.Error = err.Error()
+		return res
+	}
+	res.Exit, res.Output = out.ExitCode, out.Stdout+out.Stderr
+	if m := rewardRE.FindAllStringSubmatch(out.Stdout, -1); len(m) > 0 {
+		res.Reward = int(m[len(m)-1][1][0] - '0')
+	}
+	if res.Ready == 0 {
+		res.Error = "environment never became ready: " + lastLines(res.Output, 5)
+	}
+	return res
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}
