@@ -8,10 +8,14 @@ import (
 	"encoding/csv"
 	"encoding/json"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/containerd/containerd/v2/pkg/oci"
+	"github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/envsnap/envsnap/internal/envlet"
 )
@@ -200,8 +204,17 @@ func TestIdleShrink(t *testing.T) {
 func TestNodeExhausted(t *testing.T) {
 	s := newSuite(t, node{memory: "4Gi"})
 	events := s.watch(t)
-	c, err := s.run(t, map[string]string{"initial-cpu": "1", "initial-memory": "256Mi", "fail-window": "30s"},
-		"-mode", "respawn", "-from", "100", "-to", "6144", "-step", "64", "-hold", "1s")
+	// A host file bind-mounted at kubelet's default termination message
+	// path, as kubelet does.
+	termLog := filepath.Join(s.dir, "termination-log")
+	if err := os.WriteFile(termLog, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c, err := s.runWith(t, runOpts{
+		ann: map[string]string{"initial-cpu": "1", "initial-memory": "256Mi", "fail-window": "30s"},
+		specOpts: []oci.SpecOpts{oci.WithMounts([]specs.Mount{{
+			Destination: "/dev/termination-log", Source: termLog, Type: "bind", Options: []string{"rbind", "rw"}}})},
+	}, "-mode", "respawn", "-from", "100", "-to", "6144", "-step", "64", "-hold", "1s")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -236,6 +249,9 @@ func TestNodeExhausted(t *testing.T) {
 	}
 	if failure.Requested <= failure.Granted || failure.Granted > 4*envlet.GiB || failure.OOMs < 1 && failure.WorkingSet == 0 {
 		t.Errorf("implausible failure figures: %+v", *failure)
+	}
+	if msg, err := os.ReadFile(termLog); err != nil || !strings.Contains(string(msg), envlet.ReasonNodeExhausted) {
+		t.Errorf("termination message %q (%v), want the reason", msg, err)
 	}
 	list := s.envsnap(t, "envs", "--all")
 	if !strings.Contains(list, c.id) || !strings.Contains(list, envlet.ReasonNodeExhausted) {
