@@ -40,10 +40,22 @@ type Registry struct {
 	intercept    func(http.ResponseWriter, *http.Request) bool
 }
 
-// startRegistry starts the registry binary from the tools dir on a free
-// loopback port with the counting proxy in front of it.
 func (e *Env) startRegistry() (*Registry, error) {
-	dir := e.Dir
+	r, err := StartRegistry(e.Dir)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	e.processes = append(e.processes, r.proc)
+	e.mu.Unlock()
+	e.onClose(r.Close)
+	return r, nil
+}
+
+// StartRegistry starts the registry binary from the tools dir on a free
+// loopback port, storing below dir, with the counting proxy in front of it.
+// Close stops both.
+func StartRegistry(dir string) (_ *Registry, retErr error) {
 	bin, err := Tool("registry")
 	if err != nil {
 		return nil, err
@@ -74,9 +86,14 @@ http:
 		return nil, err
 	}
 	r := &Registry{StorageDir: storage, backend: fmt.Sprintf("127.0.0.1:%d", backendPort), perBlob: map[string]int64{}}
-	if r.proc, err = e.StartProcess("registry", nil, bin, "serve", cfgPath); err != nil {
+	if r.proc, err = StartProcess(dir, "registry", nil, bin, "serve", cfgPath); err != nil {
 		return nil, err
 	}
+	defer func() {
+		if retErr != nil {
+			r.Close()
+		}
+	}()
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -90,11 +107,6 @@ http:
 	proxy.ErrorLog = log.New(io.Discard, "", 0)
 	r.server = &http.Server{Handler: r.handler(proxy), ReadHeaderTimeout: 10 * time.Second}
 	go r.server.Serve(ln)
-	e.onClose(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = r.server.Shutdown(ctx)
-	})
 
 	if err := waitFor(20*time.Second, "registry to answer /v2/", func() error {
 		if exited, err := r.proc.Exited(); exited {
@@ -148,6 +160,16 @@ func (r *Registry) handler(next http.Handler) http.Handler {
 		r.perBlob[dgst] += cw.n
 		r.mu.Unlock()
 	})
+}
+
+// Close stops the proxy and the registry process.
+func (r *Registry) Close() {
+	if r.server != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = r.server.Shutdown(ctx)
+	}
+	r.proc.Stop(10 * time.Second)
 }
 
 // Intercept installs f in front of the registry; when f returns true it has

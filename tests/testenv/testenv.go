@@ -200,3 +200,15 @@ func WriteHostsDir(t testing.TB, dir, host string) {
 		t.Fatal(err)
 	}
 }
+
+// StartRegistry starts a registry (behind the counting proxy) storing below
+// dir, stopped at cleanup: for tests that need a registry but no containerd.
+func StartRegistry(t testing.TB, dir string) *Registry {
+	t.Helper()
+	r, err := devenv.StartRegistry(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.Close)
+	return r
+}
