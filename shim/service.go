@@ -389,6 +389,11 @@ func (s *Service) updateBounds(ctx context.Context, e *env, limits envlet.Resour
 	if s.opts.Node.Memory > 0 {
 		next.Memory = min(next.Memory, s.opts.Node.Memory)
 	}
+	if next == e.cfg.Cap {
+		// kubelet resends unchanged limits with every update (e.g. the
+		// CPU manager's cpuset reconciliation): nothing moves.
+		return nil
+	}
 	if e.ctrl == nil {
 		// Not started yet: the controller will be built with the new cap.
 		e.cfg.Cap = next

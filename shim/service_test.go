@@ -458,3 +458,51 @@ func TestConfigErrorFailsCreate(t *testing.T) {
 		t.Fatalf("runc called: %v", runc.calls)
 	}
 }
+
+// TestUpdateUnchangedLimits: an update that resends the limits the
+// environment was created with (kubelet's cpuset reconciliation) passes
+// even when the controller cannot move its cap.
+func TestUpdateUnchangedLimits(t *testing.T) {
+	runc := newFakeRunc()
+	arb := newFakeArbiter()
+	svc := New(context.Background(), runc, &fakePublisher{}, Options{
+		Policy: envlet.DefaultConfig(), Arbiter: arb,
+		NewController: func(string, string, envlet.Config, envlet.Arbiter) (Controller, func() error, error) {
+			return capless{}, nil, nil
+		},
+	})
+	quota, period, limit := int64(400000), uint64(100000), int64(4*envlet.GiB)
+	res := specs.LinuxResources{CPU: &specs.LinuxCPU{Quota: &quota, Period: &period}, Memory: &specs.LinuxMemory{Limit: &limit}}
+	spec := linuxSpec("x", nil)
+	spec.Linux.Resources = &res
+	ctx := context.Background()
+	if _, err := svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { svc.Delete(ctx, &taskAPI.DeleteRequest{ID: "x"}) })
+	cpus := "0-1"
+	res.CPU.Cpus = cpus
+	b, _ := json.Marshal(&res)
+	if _, err := svc.Update(ctx, &taskAPI.UpdateTaskRequest{ID: "x", Resources: &ptypes.Any{Value: b}}); err != nil {
+		t.Fatalf("unchanged limits: %v", err)
+	}
+	if got := runc.updates[0].CPU.Cpus; got != cpus {
+		t.Fatalf("cpuset not forwarded: %q", got)
+	}
+	limit *= 2
+	b, _ = json.Marshal(&res)
+	_, err := svc.Update(ctx, &taskAPI.UpdateTaskRequest{ID: "x", Resources: &ptypes.Any{Value: b}})
+	if !errdefs.IsNotImplemented(errgrpc.ToNative(err)) {
+		t.Fatalf("moving the cap of a controller without SetCap: %v, want NotImplemented", err)
+	}
+}
+
+// capless is a controller without SetCap.
+type capless struct{}
+
+func (capless) Run(ctx context.Context) error    { <-ctx.Done(); return nil }
+func (capless) Status() envlet.Status            { return envlet.Status{} }
+func (capless) Timeline() []envlet.TimelinePoint { return nil }
