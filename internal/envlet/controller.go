@@ -84,8 +84,11 @@ type Controller struct {
 	havePrev   bool
 	lastReport time.Time
 
-	mu       sync.Mutex // guards status and timeline
-	status   Status
+	wake chan struct{}
+
+	mu         sync.Mutex // guards status, timeline and pendingCap
+	pendingCap *Resources
+	status     Status
 	tl       []TimelinePoint
 	tlCap    int
 	tlNext   int
@@ -101,7 +104,7 @@ func NewController(env string, cg Cgroup, cfg Config, arb Arbiter, opts ...Optio
 	c := &Controller{
 		env: env, cg: cg, cfg: cfg, pol: Policy{Cfg: cfg}, arb: arb,
 		clock: realClock{}, ncpu: runtime.NumCPU(), tlCap: 3000,
-		st: NewState(&cfg),
+		st: NewState(&cfg), wake: make(chan struct{}, 1),
 	}
 	c.status.Env = env
 	for _, o := range opts {
@@ -199,6 +202,8 @@ func (c *Controller) Run(ctx context.Context) error {
 			wake = "tick"
 		case <-c.cg.Events():
 			wake = "event"
+		case <-c.wake:
+			wake = "cap"
 		}
 	}
 }
@@ -229,9 +234,61 @@ func (c *Controller) observe(now time.Time) Observation {
 	return o
 }
 
+// SetCap moves the per-environment cap while the controller runs (kubelet
+// in-place resize arriving as a task Update). It takes effect at the next
+// tick, which it triggers: limits above the new cap are lowered to it (on
+// v1 a memory cap below usage is refused with EBUSY and retried every
+// tick), and the base follows the cap down.
+func (c *Controller) SetCap(r Resources) error {
+	if r.CPU <= 0 || r.Memory <= 0 {
+		return fmt.Errorf("envlet: cap %v must be positive: %w", r, errdefs.ErrInvalidArgument)
+	}
+	c.mu.Lock()
+	c.pendingCap = &r
+	c.mu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// takeCap installs a cap set by SetCap and returns the limits it forces.
+func (c *Controller) takeCap() (Resources, bool) {
+	c.mu.Lock()
+	r := c.pendingCap
+	c.mu.Unlock()
+	if r == nil {
+		if c.st.Limit.CPU > c.cfg.Cap.CPU || c.st.Limit.Memory > c.cfg.Cap.Memory {
+			// A previous lowering was refused (EBUSY): retry.
+			return Resources{CPU: math.Min(c.st.Limit.CPU, c.cfg.Cap.CPU), Memory: min(c.st.Limit.Memory, c.cfg.Cap.Memory)}, true
+		}
+		return c.st.Limit, false
+	}
+	c.mu.Lock()
+	c.pendingCap = nil
+	c.mu.Unlock()
+	c.cfg.Cap = *r
+	c.cfg.Initial = Resources{CPU: math.Min(c.cfg.Initial.CPU, r.CPU), Memory: min(c.cfg.Initial.Memory, r.Memory)}
+	c.pol.Cfg = c.cfg
+	c.st.Base = Resources{CPU: math.Min(c.st.Base.CPU, r.CPU), Memory: min(c.st.Base.Memory, r.Memory)}
+	if mc, ok := c.cg.(memoryCapper); ok {
+		mc.SetMemoryCap(r.Memory)
+	}
+	next := Resources{CPU: math.Min(c.st.Limit.CPU, r.CPU), Memory: min(c.st.Limit.Memory, r.Memory)}
+	return next, next != c.st.Limit
+}
+
 // step is one tick: sample, decide, ask, apply, report.
 func (c *Controller) step(ctx context.Context, wake string) error {
 	now := c.clock.Now()
+	var acts []string
+	if next, ok := c.takeCap(); ok {
+		var err error
+		if acts, err = c.apply(ctx, next, nil, acts); err != nil {
+			return err
+		}
+	}
 	c.prev = c.cur
 	if err := c.cg.Sample(&c.cur); err != nil {
 		if errors.Is(err, ErrVanished) {
@@ -243,7 +300,6 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	}
 	o := c.observe(now)
 	c.prevAt, c.havePrev = now, true
-	var acts []string
 
 	st, d := c.pol.Decide(c.st, o)
 	granted := st.Limit
@@ -299,7 +355,7 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	c.st = st
 	if next != st.Limit {
 		var err error
-		if acts, err = c.apply(ctx, next, d, acts); err != nil {
+		if acts, err = c.apply(ctx, next, &d, acts); err != nil {
 			return err
 		}
 	}
@@ -318,10 +374,10 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	return nil
 }
 
-// apply writes next and records what happened. A v1 EBUSY on a memory
-// shrink leaves memory where it was ("not now"; the next low window
-// retries).
-func (c *Controller) apply(ctx context.Context, next Resources, d Decision, acts []string) ([]string, error) {
+// apply writes next and records what happened: the policy's decision d,
+// or a cap change when d is nil. A v1 EBUSY on a memory shrink leaves
+// memory where it was ("not now"; the next low window retries).
+func (c *Controller) apply(ctx context.Context, next Resources, d *Decision, acts []string) ([]string, error) {
 	old := c.st.Limit
 	err := c.cg.Apply(next)
 	switch {
@@ -339,6 +395,9 @@ func (c *Controller) apply(ctx context.Context, next Resources, d Decision, acts
 		return acts, nil
 	}
 	c.st = c.st.Applied(next)
+	if d == nil {
+		return append(acts, "cap to "+next.String()), nil
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {

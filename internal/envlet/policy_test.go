@@ -282,3 +282,37 @@ func TestAdmissionRejected(t *testing.T) {
 		t.Fatalf("got %v, want ADMISSION_REJECTED wrapping ErrResourceExhausted", err)
 	}
 }
+
+// kubelet lowers the cap of a running environment: limits above it come
+// down at the next tick and growth stops at it; raising it lets growth
+// resume.
+func TestTraceSetCap(t *testing.T) {
+	cfg := testConfig()
+	tr := newTrace(t, cfg, bigNode(), 64)
+	for range 3 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB; tr.cpu(16) })
+	}
+	if err := tr.c.SetCap(Resources{CPU: 2, Memory: 512 * MiB}); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB; tr.cpu(16) })
+	}
+	if got := tr.c.Status().Limit; got != (Resources{CPU: 2, Memory: 512 * MiB}) {
+		t.Fatalf("limits %v after lowering the cap", got)
+	}
+	if err := tr.c.SetCap(Resources{CPU: 0, Memory: GiB}); err == nil {
+		t.Fatal("zero cap accepted")
+	}
+	if err := tr.c.SetCap(Resources{CPU: 8, Memory: GiB}); err != nil {
+		t.Fatal(err)
+	}
+	tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB; tr.cpu(16) })
+	// cpu 1->4->8->16 (throttled 0.94, 0.75, 0.5); mem 78% of 256Mi: x2.
+	// Cap 2/512Mi: cpu 16->2 at tick 4, then held at the cap (no grow
+	// logged). Cap 8: x4 to 8 at tick 7.
+	equalLog(t, tr.log, []string{"1: cpu x4,mem x2", "2: cpu x2", "3: cpu x2", "4: cap to cpu=2 mem=512.0Mi", "7: cpu x4"})
+	if got := tr.c.Status().Limit.CPU; got != 8 {
+		t.Fatalf("cpu %v after raising the cap, want 8", got)
+	}
+}
