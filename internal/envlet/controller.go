@@ -89,10 +89,10 @@ type Controller struct {
 	mu         sync.Mutex // guards status, timeline and pendingCap
 	pendingCap *Resources
 	status     Status
-	tl       []TimelinePoint
-	tlCap    int
-	tlNext   int
-	tlFilled bool
+	tl         []TimelinePoint
+	tlCap      int
+	tlNext     int
+	tlFilled   bool
 }
 
 // NewController validates cfg and prepares a controller; nothing is
