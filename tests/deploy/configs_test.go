@@ -4,6 +4,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/internal/envlet"
 	shimconfig "github.com/envsnap/envsnap/shim/config"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
@@ -128,5 +130,79 @@ func TestSystemdUnitsVerify(t *testing.T) {
 			}
 			t.Errorf("%s: %s", unit, line)
 		}
+	}
+}
+
+// tomlKeys lists the toml keys of a config struct, descending into nested
+// structs (maps are free-form and skipped).
+func tomlKeys(t reflect.Type) []string {
+	var keys []string
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("toml"), ",")
+		if name == "" || name == "-" {
+			continue
+		}
+		ft := f.Type
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		switch ft.Kind() {
+		case reflect.Struct:
+			keys = append(keys, tomlKeys(ft)...)
+		case reflect.Map:
+		default:
+			keys = append(keys, name)
+		}
+	}
+	return keys
+}
+
+// documented reports whether key is set or shown commented out.
+func documented(text, key string) bool {
+	return regexp.MustCompile(`(?m)^#? ?` + regexp.QuoteMeta(key) + ` = `).MatchString(text)
+}
+
+// TestExampleConfigsDocumentEveryKey: the example files are the reference
+// for operators, so every key the loaders accept and every envlet policy
+// knob appears in them, and the policy values shown (set or commented out)
+// are the built-in defaults.
+func TestExampleConfigsDocumentEveryKey(t *testing.T) {
+	daemonText := string(repoFile(t, "deploy/envsnap/config.toml"))
+	for _, k := range tomlKeys(reflect.TypeFor[daemon.Config]()) {
+		if !documented(daemonText, k) {
+			t.Errorf("deploy/envsnap/config.toml does not show key %s", k)
+		}
+	}
+	envletText := string(repoFile(t, "deploy/envsnap/envlet.toml"))
+	for _, k := range tomlKeys(reflect.TypeFor[shimconfig.Config]()) {
+		if !documented(envletText, k) {
+			t.Errorf("deploy/envsnap/envlet.toml does not show key %s", k)
+		}
+	}
+	for _, k := range envlet.AnnotationKeys() {
+		knob := strings.TrimPrefix(k, envlet.AnnotationPrefix)
+		if !documented(envletText, knob) {
+			t.Errorf("deploy/envsnap/envlet.toml [policy] does not show knob %s", knob)
+		}
+	}
+
+	// Uncomment everything and load it: the values shown must be the
+	// defaults, or the comments mislead.
+	uncommented := regexp.MustCompile(`(?m)^# ([a-z0-9_-]+ = )`).ReplaceAllString(envletText, "$1")
+	p := filepath.Join(t.TempDir(), "envlet.toml")
+	if err := os.WriteFile(p, []byte(uncommented), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sc, err := shimconfig.LoadFile(p)
+	if err != nil {
+		t.Fatalf("envlet.toml with every line uncommented: %v", err)
+	}
+	got, err := sc.Envlet()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := envlet.DefaultConfig(); !reflect.DeepEqual(got, want) {
+		t.Errorf("envlet.toml shows a policy other than the defaults:\n got %+v\nwant %+v", got, want)
 	}
 }
