@@ -356,3 +356,37 @@ func TestArbiterRestart(t *testing.T) {
 	}
 	t.Logf("re-registered with %s held\n%s", envlet.FormatBytes(held), s.envsnap(t, "envs"))
 }
+
+// TestNoArbiter: with the arbiter down, containers are still admitted (by
+// the shim, against the configured node size), CPU may burst to twice its
+// initial quota and no further, and memory does not grow (the 200 MiB
+// working set is 78% of the 256 MiB limit: the controller asks to grow).
+func TestNoArbiter(t *testing.T) {
+	s := newSuite(t, node{})
+	s.arbiter.Stop(5 * time.Second)
+	c, err := s.run(t, map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"},
+		"-mode", "burst", "-threads", "4", "-duration", "4s", "-to", "200", "-hold", "100ms")
+	if err != nil {
+		t.Fatalf("not admitted without an arbiter: %v", err)
+	}
+	sp := c.sample(t)
+	if code := c.wait(t, time.Minute); code != 0 {
+		t.Fatalf("exit %d; output:\n%s", code, c.out.String())
+	}
+	sp.Stop()
+	var peakCPU float64
+	var peakMem int64
+	for _, x := range sp.samples() {
+		peakCPU, peakMem = max(peakCPU, x.cpu), max(peakMem, x.mem)
+	}
+	t.Logf("4 busy threads without an arbiter: peak %.2f cores, %s", peakCPU, envlet.FormatBytes(peakMem))
+	if peakCPU > 0.5+1e-3 {
+		t.Errorf("cpu grew to %.2f cores without an arbiter, want at most 2 x 0.25", peakCPU)
+	}
+	if peakMem > 256*envlet.MiB {
+		t.Errorf("memory grew to %s without an arbiter, want it held at 256 MiB", envlet.FormatBytes(peakMem))
+	}
+	if peakCPU <= 0.25 {
+		t.Logf("host saturated (load %s): the CPU never grew, fail-open not observed", loadavg())
+	}
+}
