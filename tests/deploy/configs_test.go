@@ -96,6 +96,12 @@ func TestFilesAgreeOnPaths(t *testing.T) {
 			t.Errorf("containerd-envsnap.service lacks %q", want)
 		}
 	}
+	// RequiredBy=/Requires= would take containerd down with a failing or
+	// restarted snapshotter; BindsTo=/PartOf= would restart the
+	// snapshotter (breaking lazy containers) with every containerd restart.
+	if m := regexp.MustCompile(`(?m)^(RequiredBy|Requires|BindsTo|PartOf)=.*containerd`).FindString(unit); m != "" {
+		t.Errorf("containerd-envsnap.service ties its life and containerd's together: %s", m)
+	}
 	// Any of these gives the service a private mount namespace, hiding the
 	// layer mounts from containerd.
 	privateMounts := regexp.MustCompile(`(?m)^(PrivateMounts|PrivateTmp|ProtectSystem|ProtectHome|ReadOnlyPaths|ReadWritePaths|InaccessiblePaths|TemporaryFileSystem|MountFlags|BindPaths|BindReadOnlyPaths)=`)
