@@ -70,7 +70,22 @@ func OpenCgroup(path string) (Cgroup, error) {
 	return nil, fmt.Errorf("open cgroup %s: no cgroup hierarchy mounted", path)
 }
 
+// limitsReader is implemented by cgroups that know the limits in force.
+type limitsReader interface {
+	Current() Resources
+}
+
 type v1Cgroup struct{ *cgroupfs.V1 }
+
+func (c *v1Cgroup) Current() Resources {
+	l := c.V1.Limits()
+	return Resources{CPU: l.CPU, Memory: l.Memory}
+}
+
+func (c *v2Cgroup) Current() Resources {
+	l := c.V2.Limits()
+	return Resources{CPU: l.CPU, Memory: l.Memory}
+}
 
 func (c *v1Cgroup) Apply(r Resources) error {
 	return c.V1.Apply(cgroupfs.Limits{CPU: r.CPU, Memory: r.Memory})

@@ -177,10 +177,15 @@ func (c *Controller) Run(ctx context.Context) error {
 			return fmt.Errorf("apply initial quota %v to %s: %w", c.cfg.Initial, c.env, err)
 		}
 		// The container already uses more than the initial memory (v1):
-		// start from there; the policy grows or shrinks it.
+		// start from the limit in force; the policy shrinks it later.
 		l.WithError(err).Info("envlet: initial memory below usage, keeping the current limit")
 	}
 	c.st = NewState(&c.cfg)
+	if lr, ok := c.cg.(limitsReader); ok {
+		if cur := lr.Current(); cur.Memory > c.st.Limit.Memory {
+			c.st.Limit.Memory = cur.Memory
+		}
+	}
 	c.lastReport = c.clock.Now()
 	wake := "tick"
 	for {
