@@ -18,12 +18,28 @@ import (
 // the DaemonSet's init container runs it against /host.
 type installer struct {
 	t        *testing.T
+	shell    []string
 	hostRoot string
 	srcDir   string
 }
 
+// shells are the POSIX shells the installer must run under: the image's
+// /bin/sh (dash on Debian) and, where installed, busybox's (what a minimal
+// image would have).
+func shells() [][]string {
+	s := [][]string{{"/bin/sh"}}
+	if bb, err := exec.LookPath("busybox"); err == nil {
+		s = append(s, []string{bb, "sh"})
+	}
+	return s
+}
+
 func newInstaller(t *testing.T) *installer {
-	in := &installer{t: t, hostRoot: t.TempDir(), srcDir: t.TempDir()}
+	return newInstallerWithShell(t, []string{"/bin/sh"})
+}
+
+func newInstallerWithShell(t *testing.T, shell []string) *installer {
+	in := &installer{t: t, shell: shell, hostRoot: t.TempDir(), srcDir: t.TempDir()}
 	in.writeSource("containerd-shim-envlet-v2", []byte("#!/bin/sh\necho shim v1\n"), 0o755)
 	in.writeSource("containerd-envsnap.toml", repoFile(t, "deploy/containerd/envsnap.toml"), 0o644)
 	in.writeSource("envlet.toml", repoFile(t, "deploy/envsnap/envlet.toml"), 0o644)
@@ -43,7 +59,8 @@ func (in *installer) host(p string) string { return filepath.Join(in.hostRoot, p
 // images: no bashisms).
 func (in *installer) run(env ...string) (string, error) {
 	in.t.Helper()
-	cmd := exec.Command("/bin/sh", filepath.Join(testenv.RepoRoot(in.t), "deploy/install-node.sh"))
+	args := append(append([]string(nil), in.shell[1:]...), filepath.Join(testenv.RepoRoot(in.t), "deploy/install-node.sh"))
+	cmd := exec.Command(in.shell[0], args...)
 	cmd.Env = append([]string{
 		"PATH=" + os.Getenv("PATH"),
 		"HOST_ROOT=" + in.hostRoot,
@@ -91,42 +108,47 @@ func TestInstallNodeFreshHost(t *testing.T) {
 		{name: "imports elsewhere", mainConfig: "version = 3\nimports = [\"/etc/containerd/other/*.toml\"]\n", wantWarn: true, wantMain: true},
 		{name: "existing config is never rewritten", mainConfig: "version = 2\n", env: []string{"ENVSNAP_CREATE_MAIN_CONFIG=true"}, wantWarn: true, wantMain: true},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			in := newInstaller(t)
-			if tc.mainConfig != "" {
-				if err := os.MkdirAll(in.host("etc/containerd"), 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(in.host("etc/containerd/config.toml"), []byte(tc.mainConfig), 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			out := in.mustRun(tc.env...)
-			in.requireSame("usr/local/bin/containerd-shim-envlet-v2", "containerd-shim-envlet-v2")
-			in.requireSame("etc/containerd/conf.d/envsnap.toml", "containerd-envsnap.toml")
-			in.requireSame("etc/envsnap/envlet.toml", "envlet.toml")
-			if fi, err := os.Stat(in.host("usr/local/bin/containerd-shim-envlet-v2")); err != nil || fi.Mode().Perm() != 0o755 {
-				t.Errorf("shim mode: %v %v", fi.Mode(), err)
-			}
-			if got := strings.Contains(out, "WARNING"); got != tc.wantWarn {
-				t.Errorf("warning printed = %v, want %v:\n%s", got, tc.wantWarn, out)
-			}
-			if !strings.Contains(out, "containerd must be restarted") {
-				t.Errorf("a first install does not say containerd must be restarted:\n%s", out)
-			}
-			main, err := os.ReadFile(in.host("etc/containerd/config.toml"))
-			if (err == nil) != tc.wantMain {
-				t.Fatalf("main config exists = %v, want %v", err == nil, tc.wantMain)
-			}
-			if tc.mainConfig != "" && string(main) != tc.mainConfig {
-				t.Errorf("existing main config was modified:\n%s", main)
-			}
-			leftovers, _ := filepath.Glob(in.host("*/*/.*envsnap-tmp*"))
-			more, _ := filepath.Glob(in.host("*/*/*/.*envsnap-tmp*"))
-			if len(leftovers)+len(more) > 0 {
-				t.Errorf("temporary files left: %v %v", leftovers, more)
-			}
-		})
+		for _, sh := range shells() {
+			t.Run(filepath.Base(strings.Join(sh, " "))+"/"+tc.name, func(t *testing.T) {
+				testInstallFresh(t, newInstallerWithShell(t, sh), tc.mainConfig, tc.env, tc.wantWarn, tc.wantMain)
+			})
+		}
+	}
+}
+
+func testInstallFresh(t *testing.T, in *installer, mainConfig string, env []string, wantWarn, wantMain bool) {
+	if mainConfig != "" {
+		if err := os.MkdirAll(in.host("etc/containerd"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(in.host("etc/containerd/config.toml"), []byte(mainConfig), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := in.mustRun(env...)
+	in.requireSame("usr/local/bin/containerd-shim-envlet-v2", "containerd-shim-envlet-v2")
+	in.requireSame("etc/containerd/conf.d/envsnap.toml", "containerd-envsnap.toml")
+	in.requireSame("etc/envsnap/envlet.toml", "envlet.toml")
+	if fi, err := os.Stat(in.host("usr/local/bin/containerd-shim-envlet-v2")); err != nil || fi.Mode().Perm() != 0o755 {
+		t.Errorf("shim mode: %v %v", fi.Mode(), err)
+	}
+	if got := strings.Contains(out, "WARNING"); got != wantWarn {
+		t.Errorf("warning printed = %v, want %v:\n%s", got, wantWarn, out)
+	}
+	if !strings.Contains(out, "containerd must be restarted") {
+		t.Errorf("a first install does not say containerd must be restarted:\n%s", out)
+	}
+	main, err := os.ReadFile(in.host("etc/containerd/config.toml"))
+	if (err == nil) != wantMain {
+		t.Fatalf("main config exists = %v, want %v", err == nil, wantMain)
+	}
+	if mainConfig != "" && string(main) != mainConfig {
+		t.Errorf("existing main config was modified:\n%s", main)
+	}
+	leftovers, _ := filepath.Glob(in.host("*/*/.*envsnap-tmp*"))
+	more, _ := filepath.Glob(in.host("*/*/*/.*envsnap-tmp*"))
+	if len(leftovers)+len(more) > 0 {
+		t.Errorf("temporary files left: %v %v", leftovers, more)
 	}
 }
 
