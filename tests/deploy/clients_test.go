@@ -18,12 +18,13 @@ import (
 const labelLayerDigest = "containerd.io/snapshot/cri.layer-digest"
 
 // TestCtrCommandsFromClientsDoc runs the ctr command lines docs/clients.md
-// gives, with the real ctr against the harness containerd (configured like
-// the drop-in), and checks the claims made next to them: which pulls carry
-// the layer labels envsnap needs to serve layers lazily, and that `ctr run`
-// with our runtime and an envlet annotation works.
+// gives, with the real ctr against a containerd that imports the shipped
+// drop-in (its unpack_config, with the arch-less "linux" platform, is the
+// one in force), and checks the claims made next to them: which pulls
+// carry the layer labels envsnap needs to serve layers lazily, and that
+// `ctr run` with our runtime and an envlet annotation works.
 func TestCtrCommandsFromClientsDoc(t *testing.T) {
-	env := testenv.New(t, testenv.WithEnvsnap())
+	env := envWithDropIn(t)
 	ctr := func(t *testing.T, args ...string) string {
 		t.Helper()
 		full := append([]string{"--address", env.Address, "--namespace", env.Namespace}, args...)

@@ -30,23 +30,7 @@ const criNamespace = "k8s.io"
 //     terminationMessagePath reach the container's OCI spec, where the shim
 //     reads them, and other annotations do not.
 func TestCRIEnvletPodWithDropIn(t *testing.T) {
-	testenv.RequireRoot(t)
-	dir := t.TempDir()
-	link := filepath.Join(dir, "envsnap.sock")
-	const shipped = `address = "/run/containerd-envsnap/containerd-envsnap.sock"`
-	src := string(repoFile(t, "deploy/containerd/envsnap.toml"))
-	if strings.Count(src, shipped) != 1 {
-		t.Fatalf("drop-in does not contain %s exactly once", shipped)
-	}
-	dropin := filepath.Join(dir, "envsnap.toml")
-	if err := os.WriteFile(dropin, []byte(strings.Replace(src, shipped, fmt.Sprintf("address = %q", link), 1)), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithImports(dropin))
-	// containerd dials the proxy lazily, so the link may follow the start.
-	if err := os.Symlink(env.SnapshotterSocket, link); err != nil {
-		t.Fatal(err)
-	}
+	env := envWithDropIn(t)
 	img := env.PushImage(t, "deploy/envlet:1", []testenv.File{{Path: "/msg", Data: []byte("envlet\n")}})
 	plain := env.PushImage(t, "deploy/plain:1", []testenv.File{{Path: "/msg", Data: []byte("plain\n")}})
 
@@ -177,6 +161,33 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 	crictl("rm", ctrID)
 	crictl("stopp", podID)
 	crictl("rmp", podID)
+}
+
+// envWithDropIn starts the harness with the shipped drop-in imported over
+// its containerd config, the proxy address pointed at the harness daemon
+// through a symlink (the only change to the file). The drop-in's tables
+// merge over the harness's; its unpack_config list and proxy plugin replace
+// the harness's, so what the tests see is the drop-in's behaviour.
+func envWithDropIn(t *testing.T) *testenv.Env {
+	t.Helper()
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	link := filepath.Join(dir, "envsnap.sock")
+	const shipped = `address = "/run/containerd-envsnap/containerd-envsnap.sock"`
+	src := string(repoFile(t, "deploy/containerd/envsnap.toml"))
+	if strings.Count(src, shipped) != 1 {
+		t.Fatalf("drop-in does not contain %s exactly once", shipped)
+	}
+	dropin := filepath.Join(dir, "envsnap.toml")
+	if err := os.WriteFile(dropin, []byte(strings.Replace(src, shipped, fmt.Sprintf("address = %q", link), 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithImports(dropin))
+	// containerd dials the proxy lazily, so the link may follow the start.
+	if err := os.Symlink(env.SnapshotterSocket, link); err != nil {
+		t.Fatal(err)
+	}
+	return env
 }
 
 func writeJSON(t *testing.T, dir, name string, v any) string {
