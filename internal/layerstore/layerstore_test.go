@@ -33,7 +33,9 @@ type fakeRegistry struct {
 	srv   *httptest.Server
 }
 
-func newFakeRegistry(t *testing.T) *fakeRegistry {
+func newFakeRegistry(t *testing.T) *fakeRegistry { return newFakeRegistryB(t) }
+
+func newFakeRegistryB(t testing.TB) *fakeRegistry {
 	r := &fakeRegistry{blobs: map[digest.Digest][]byte{}}
 	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		i := strings.LastIndex(req.URL.Path, "/")
@@ -58,6 +60,19 @@ func (r *fakeRegistry) add(b []byte) digest.Digest {
 	d := digest.FromBytes(b)
 	r.blobs[d] = b
 	return d
+}
+
+func tarOfB(t testing.TB, name string, data []byte) []byte {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), Typeflag: tar.TypeReg}); err != nil {
+		t.Fatal(err)
+	}
+	tw.Write(data)
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
 }
 
 func tarOf(t *testing.T, files map[string]string) []byte {
@@ -117,7 +132,9 @@ func testImage(t *testing.T, r *fakeRegistry) (lazy, badTOC, plain map[string]st
 	return labels(lazyDesc.Digest), labels(badDesc.Digest), labels(plainDesc.Digest)
 }
 
-func newTestStore(t *testing.T) *Store {
+func newTestStore(t *testing.T) *Store { return newStoreB(t) }
+
+func newStoreB(t testing.TB) *Store {
 	cache, err := chunkcache.Open(t.TempDir(), 64<<20)
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,102 @@
+//go:build linux
+
+package layerstore
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"math/rand"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/opencontainers/go-digest"
+	"github.com/prometheus/client_golang/prometheus"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/snapshotter"
+)
+
+// BenchmarkCachedRead reads a 64 MiB file through a lazy mount whose
+// chunks are all in the node cache, dropping the mount's page cache before
+// each read: the daemon-side cost of a cached sequential read (profile it
+// with -cpuprofile; the FUSE server runs in this process).
+func BenchmarkCachedRead(b *testing.B) {
+	if os.Getuid() != 0 {
+		b.Skip("mounts FUSE: needs root")
+	}
+	const size = 64 << 20
+	data := make([]byte, size)
+	rand.New(rand.NewSource(1)).Read(data)
+	r := newFakeRegistryB(b)
+	var blob bytes.Buffer
+	res, err := layerfmt.Convert(b.Context(), &blob, bytes.NewReader(tarOfB(b, "big.bin", data)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
+	mb, _ := json.Marshal(ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+		Layers:    []ocispec.Descriptor{desc},
+	})
+	labels := map[string]string{
+		snapshotter.LabelImageRef:       r.host() + "/bench/app:1",
+		snapshotter.LabelManifestDigest: r.add(mb).String(),
+		snapshotter.LabelLayerDigest:    desc.Digest.String(),
+	}
+	s := newStoreB(b)
+	reg := prometheus.NewRegistry()
+	s.cfg.Registerer = reg
+	mp := b.TempDir()
+	if err := s.Mount(b.Context(), mp, labels); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Unmount(b.Context(), mp) })
+	p := filepath.Join(mp, "big.bin")
+	read := func() {
+		f, err := os.Open(p)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer f.Close()
+		unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+		h := digest.Canonical.Digester()
+		if _, err := io.CopyBuffer(h.Hash(), struct{ io.Reader }{f}, make([]byte, 1<<20)); err != nil {
+			b.Fatal(err)
+		}
+		if h.Digest() != digest.FromBytes(data) {
+			b.Fatal("content mismatch")
+		}
+	}
+	read() // fetch everything into the cache
+	b.SetBytes(size)
+	b.ResetTimer()
+	for b.Loop() {
+		read()
+	}
+	b.StopTimer()
+	// FUSE read requests per MiB read: the kernel's request size decides
+	// how many round trips through the daemon a sequential read costs.
+	mfs, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "envsnap_lazyfs_ops_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetValue() == "read" {
+					b.ReportMetric(m.GetCounter().GetValue()/float64((b.N+1)*(size>>20)), "fuse-reads/MiB")
+				}
+			}
+		}
+	}
+}
