@@ -12,9 +12,9 @@ import (
 	"testing"
 
 	"github.com/opencontainers/go-digest"
-	"github.com/prometheus/client_golang/prometheus"
 	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/layerfmt"
