@@ -337,7 +337,7 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			// A fetch started by someone with less time (or a cancelled
 			// fill batch) gave up; if we still have time, fetch again.
 			if (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) &&
-				l.ctx.Err() == nil && timeLeft(ctx) > 2*margin(l.o.readTimeout) {
+				ctx.Err() == nil && l.ctx.Err() == nil && timeLeft(ctx) > 2*margin(l.o.readTimeout) {
 				continue
 			}
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
@@ -468,18 +468,27 @@ func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
 }
 
 // run fetches chunks (sorted by offset) in one range request, verifies each
-// against its digest, caches the good ones and completes f.
+// against its digest, caches the good ones and completes f. When the
+// registry sent the whole blob instead, the other chunks in it are kept
+// after f's readers have been released.
 func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) {
-	defer func() {
-		l.mu.Lock()
-		for _, c := range chunks {
-			if l.inflight[c.Digest] == f {
-				delete(l.inflight, c.Digest)
-			}
+	whole := l.fetchFlight(ctx, f, chunks, kind)
+	l.mu.Lock()
+	for _, c := range chunks {
+		if l.inflight[c.Digest] == f {
+			delete(l.inflight, c.Digest)
 		}
-		l.mu.Unlock()
-		close(f.done)
-	}()
+	}
+	l.mu.Unlock()
+	close(f.done)
+	if whole != nil {
+		l.keepWhole(ctx, whole, chunks)
+	}
+}
+
+// fetchFlight fills f's results; it returns the blob when the registry
+// ignored Range and sent all of it.
+func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) (whole []byte) {
 	off := chunks[0].Offset
 	last := chunks[len(chunks)-1]
 	n := last.Offset + last.CompressedSize - off
@@ -494,15 +503,14 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 		for _, c := range chunks {
 			f.errs[c.Digest] = err
 		}
-		return
+		return nil
 	}
 	if m != nil {
 		m.registryBytes.WithLabelValues(l.label).Add(float64(len(data)))
 	}
 	if base != off {
-		// The registry ignored Range and sent the whole (small) blob:
-		// keep every chunk it carried, not only the ones asked for.
-		defer l.keepWhole(ctx, data, chunks)
+		// The registry ignored Range and sent the whole (small) blob.
+		whole = data
 	}
 	for _, c := range chunks {
 		b := data[c.Offset-base : c.Offset-base+c.CompressedSize]
@@ -529,6 +537,7 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 			l.markCached(j)
 		}
 	}
+	return whole
 }
 
 // keepWhole verifies and caches every chunk of the whole blob in data that
