@@ -141,13 +141,34 @@ base_dir=$work/base
 build_base() {
 	rm -rf "$base_dir" "$base_dir.tmp"
 	log "mmdebstrap $SUITE (minbase + $BASE_PACKAGES) from $APT_SOURCES"
+	local slim=()
+	if [[ $variant == small ]]; then
+		# As slim container images do: no manuals, translations or docs
+		# (copyright files stay).
+		slim=(--dpkgopt='path-exclude=/usr/share/man/*'
+			--dpkgopt='path-exclude=/usr/share/locale/*'
+			--dpkgopt='path-include=/usr/share/locale/locale.alias'
+			--dpkgopt='path-exclude=/usr/share/doc/*'
+			--dpkgopt='path-include=/usr/share/doc/*/copyright'
+			--dpkgopt='path-exclude=/usr/share/info/*')
+	fi
 	mmdebstrap --mode=root --variant=minbase --include="$BASE_PACKAGES" \
-		--aptopt='Acquire::Retries "3"' \
+		--aptopt='Acquire::Retries "3"' "${slim[@]}" \
 		"$SUITE" "$base_dir.tmp" "$APT_SOURCES" >&2
 	log "copying Go toolchain into /usr/local/go"
 	mkdir -p "$base_dir.tmp/usr/local"
 	cp -a "$toolchain_dir" "$base_dir.tmp/usr/local/go"
 	chmod -R u+w "$base_dir.tmp/usr/local/go"
+	if [[ $variant == small ]]; then
+		# Building and testing user code needs neither the toolchain's
+		# own sources nor the standard library's tests and test data
+		# (build cache keys of std packages hash only their non-test
+		# files, so the warm cache stays valid).
+		local goroot=$base_dir.tmp/usr/local/go
+		rm -rf "$goroot/src/cmd" "$goroot/pkg/tool/linux_amd64/fix" "$goroot/pkg/tool/linux_amd64/preprofile"
+		find "$goroot/src" -type d -name testdata -prune -exec rm -rf {} +
+		find "$goroot/src" -name '*_test.go' -delete
+	fi
 	# go.env holds the toolchain's defaults; an environment has no network,
 	# so the module proxy is off and the module cache is the only source.
 	cat >>"$base_dir.tmp/usr/local/go/go.env" <<'EOF'
@@ -166,7 +187,7 @@ EOF
 	log "writing base.tar"
 	mktar "$base_dir" "$out/base.tar"
 }
-base_hash=$(hash_of "$SUITE" "$BASE_PACKAGES" "$(cat "$APT_SOURCES")" "$GO_VERSION" "$toolchain_dir" v3)
+base_hash=$(hash_of "$SUITE" "$BASE_PACKAGES" "$(cat "$APT_SOURCES")" "$GO_VERSION" "$toolchain_dir" "$variant" v4)
 if stage_ok base "$base_hash" "$out/base.tar" "$base_dir/usr/local/go/bin/go"; then
 	log "base: cached"
 else
@@ -303,9 +324,18 @@ export HOME=\${HOME:-/root}
 exec /opt/harness/node_modules/$node_name/bin/node $agent_dir/$entry "\$@"
 EOF
 	chmod 0755 "$stage/opt/harness/bin/agent"
+	if [[ $variant == small ]]; then
+		# C headers for native addons and the agent's ripgrep builds for
+		# other platforms are never used in a linux-x64 environment.
+		rm -rf "$stage/opt/harness/node_modules/$node_name/include"
+		local rg
+		for rg in "$stage$agent_dir"/vendor/ripgrep/*/; do
+			[[ $(basename "$rg") == x64-linux ]] || rm -rf "$rg"
+		done
+	fi
 	mktar "$stage" "$out/harness.tar"
 }
-h=$(hash_of "$NODE_PKG" "$AGENT_PKG" v3)
+h=$(hash_of "$NODE_PKG" "$AGENT_PKG" "$variant" v4)
 if stage_ok harness "$h" "$out/harness.tar"; then
 	log "harness: cached"
 else
@@ -362,7 +392,16 @@ verify_group() {
 	set +e
 	in_root "$dir" "$empty" /bin/bash -c "
 		set -e
-		git -C /workspace/$name apply /opt/tasks/$name/$id/bug.diff
+		. /opt/evaluator/env.sh
+		cd /workspace/$name
+		# The shipped build cache must be valid for the shipped toolchain
+		# and paths: the unmodified tests are then cached results.
+		go test ./... >/tmp/warm.log 2>&1
+		if grep '^ok' /tmp/warm.log | grep -v '(cached)'; then
+			echo 'verify: build cache not used by the shipped toolchain' >&2; exit 1
+		fi
+		echo 'verify: unmodified tests are cached results (warm build cache is valid)'
+		git apply /opt/tasks/$name/$id/bug.diff
 		if /opt/evaluator/run.sh /workspace/$name >/tmp/eval.log 2>&1; then
 			echo 'verify: evaluator passed with the bug applied' >&2; exit 1
 		fi
