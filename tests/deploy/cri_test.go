@@ -168,7 +168,7 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 // through a symlink (the only change to the file). The drop-in's tables
 // merge over the harness's; its unpack_config list and proxy plugin replace
 // the harness's, so what the tests see is the drop-in's behaviour.
-func envWithDropIn(t *testing.T) *testenv.Env {
+func envWithDropIn(t *testing.T, envsnapArgs ...string) *testenv.Env {
 	t.Helper()
 	testenv.RequireRoot(t)
 	dir := t.TempDir()
@@ -182,7 +182,7 @@ func envWithDropIn(t *testing.T) *testenv.Env {
 	if err := os.WriteFile(dropin, []byte(strings.Replace(src, shipped, fmt.Sprintf("address = %q", link), 1)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithImports(dropin))
+	env := testenv.New(t, testenv.WithEnvsnap(envsnapArgs...), testenv.WithImports(dropin))
 	// containerd dials the proxy lazily, so the link may follow the start.
 	if err := os.Symlink(env.SnapshotterSocket, link); err != nil {
 		t.Fatal(err)
