@@ -42,6 +42,7 @@ func BenchmarkBurstyTask(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
+			c.prioritize(b)
 			if code := c.wait(b, 5*time.Minute); code != 0 {
 				b.Fatalf("%s: exit %d; output:\n%s", r.name, code, c.out.String())
 			}

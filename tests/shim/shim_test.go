@@ -34,6 +34,7 @@ func TestCPUJump(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	c.prioritize(t)
 	sp := c.sample(t)
 	if code := c.wait(t, time.Minute); code != 0 {
 		t.Fatalf("exit %d; output:\n%s", code, c.out.String())
