@@ -16,8 +16,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"strconv"
 	"sync"
 	"time"
 
@@ -47,13 +45,6 @@ const (
 	manifestCacheEntries = 32
 	// fuseSuperMagic is the f_type statfs reports for FUSE mounts.
 	fuseSuperMagic = 0x65735546
-	// DefaultReadAheadKB replaces the kernel's 128 KiB readahead window of
-	// a FUSE mount: lazyfs accepts 1 MiB reads (one chunk), but the kernel
-	// only sends requests as large as its readahead window.
-	// BenchmarkCachedRead: 8.0 FUSE reads per MiB at 128 KiB, 1.0 at 1 MiB.
-	// (On the shared, heavily loaded 2-core test machine throughput did
-	// not change measurably: it was bound by daemon CPU per byte.)
-	DefaultReadAheadKB = 1024
 	// checkTimeout bounds the liveness probe of a mount.
 	checkTimeout = 5 * time.Second
 )
@@ -72,9 +63,6 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
-	// ReadAheadKB is the kernel readahead window of each mount
-	// (DefaultReadAheadKB when zero; negative keeps the kernel's).
-	ReadAheadKB int
 }
 
 // Store implements snapshotter.FileSystem.
@@ -105,9 +93,7 @@ func New(cfg Config) (*Store, error) {
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = DefaultReadTimeout
 	}
-	if cfg.ReadAheadKB == 0 {
-		cfg.ReadAheadKB = DefaultReadAheadKB
-	}
+
 	return &Store{
 		cfg:       cfg,
 		mounts:    make(map[string]*mounted),
@@ -176,11 +162,6 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	srv, err := lazyfs.Mount(context.WithoutCancel(ctx), mountpoint, toc, layer, opts...)
 	if err != nil {
 		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
-	}
-	if s.cfg.ReadAheadKB > 0 {
-		if err := setReadAhead(mountpoint, s.cfg.ReadAheadKB); err != nil {
-			log.G(ctx).WithError(err).WithField("layer", ldgst).Warn("cannot raise readahead of lazy layer mount")
-		}
 	}
 	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
@@ -311,18 +292,4 @@ func (s *Store) Status() map[string]LayerStatus {
 		out[mp] = ls
 	}
 	return out
-}
-
-// setReadAhead sets the readahead window of the filesystem mounted at
-// mountpoint through its backing device info in sysfs.
-func setReadAhead(mountpoint string, kb int) error {
-	var st unix.Stat_t
-	if err := unix.Stat(mountpoint, &st); err != nil {
-		return fmt.Errorf("stat %s: %w", mountpoint, err)
-	}
-	p := fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(st.Dev), unix.Minor(st.Dev))
-	if err := os.WriteFile(p, []byte(strconv.Itoa(kb)), 0o644); err != nil {
-		return fmt.Errorf("set %s: %w", p, err)
-	}
-	return nil
 }

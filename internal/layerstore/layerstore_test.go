@@ -135,7 +135,7 @@ func testImage(t *testing.T, r *fakeRegistry) (lazy, badTOC, plain map[string]st
 func newTestStore(t *testing.T) *Store { return newStoreB(t) }
 
 func newStoreB(t testing.TB) *Store {
-	cache, err := chunkcache.Open(t.TempDir(), 64<<20)
+	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
