@@ -68,6 +68,7 @@ type layerOptions struct {
 	fillParallel int
 	wholeBlobMax int64
 	frameCache   int64
+	flights      *Flights
 }
 
 // WithReadTimeout bounds one ReadChunk, retries included (default
@@ -117,6 +118,22 @@ func WithFillBatch(size int64, parallel int) LayerOption {
 // DefaultFrameCache; 0 disables it).
 func WithFrameCache(bytes int64) LayerOption { return func(o *layerOptions) { o.frameCache = bytes } }
 
+// Flights lets Layers share fetches: a frame present in several layers
+// (content addressed: same digest, same bytes) that more than one of them
+// misses at the same moment is fetched once. Create one per node with
+// NewFlights and pass it to every Layer with WithFlights; by default each
+// Layer has its own.
+type Flights struct {
+	mu sync.Mutex
+	m  map[digest.Digest]*flight
+}
+
+// NewFlights returns an empty set of shared flights.
+func NewFlights() *Flights { return &Flights{m: map[digest.Digest]*flight{}} }
+
+// WithFlights shares in-progress fetches with the other Layers using f.
+func WithFlights(f *Flights) LayerOption { return func(o *layerOptions) { o.flights = f } }
+
 // span is one chunk's place in the blob; the Chunk itself (with its digest)
 // is read back from the TOC when needed, which keeps a mounted layer's index
 // at 24 bytes per chunk.
@@ -152,10 +169,10 @@ type Layer struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu       sync.Mutex
-	closed   bool
-	cached   []bool // by canonical span index
-	inflight map[digest.Digest]*flight
+	mu      sync.Mutex
+	closed  bool
+	cached  []bool // by canonical span index
+	flights *Flights
 }
 
 var layerSeq atomic.Uint64
@@ -177,17 +194,20 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	for _, opt := range opts {
 		opt(&o)
 	}
+	if o.flights == nil {
+		o.flights = NewFlights()
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Layer{
-		blob:     blob,
-		toc:      toc,
-		cache:    cache,
-		frames:   newFrameCache(o.frameCache),
-		o:        o,
-		label:    blob.Descriptor().Digest.String(),
-		ctx:      ctx,
-		cancel:   cancel,
-		inflight: map[digest.Digest]*flight{},
+		blob:    blob,
+		toc:     toc,
+		cache:   cache,
+		frames:  newFrameCache(o.frameCache),
+		o:       o,
+		label:   blob.Descriptor().Digest.String(),
+		ctx:     ctx,
+		cancel:  cancel,
+		flights: o.flights,
 	}
 	l.owner = fmt.Sprintf("%s#%d", l.label, layerSeq.Add(1))
 
@@ -350,6 +370,10 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			log.G(ctx).WithError(err).Error("lazy read failed")
 			return nil, err
 		}
+		if j := l.find(c); j >= 0 && l.cache.Contains(c.Digest) {
+			// The flight may have been another layer's.
+			l.markCached(j)
+		}
 		return out, nil
 	}
 }
@@ -383,9 +407,12 @@ func margin(budget time.Duration) time.Duration {
 // join returns the flight that will deliver c, starting one if none is in
 // progress.
 func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
+	// Lock order: the layer, then the (possibly node-wide) flights.
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if f, ok := l.inflight[c.Digest]; ok {
+	l.flights.mu.Lock()
+	defer l.flights.mu.Unlock()
+	if f, ok := l.flights.m[c.Digest]; ok {
 		return f
 	}
 	if l.closed {
@@ -412,10 +439,11 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	return f
 }
 
+// registerLocked needs l.mu and l.flights.mu held.
 func (l *Layer) registerLocked(chunks []layerfmt.Chunk) *flight {
 	f := &flight{done: make(chan struct{}), data: map[digest.Digest][]byte{}, errs: map[digest.Digest]error{}}
 	for _, c := range chunks {
-		l.inflight[c.Digest] = f
+		l.flights.m[c.Digest] = f
 	}
 	return f
 }
@@ -437,7 +465,7 @@ func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
 				continue
 			}
 			cj := l.chunk(j)
-			if _, busy := l.inflight[cj.Digest]; busy || cj.Digest == c.Digest {
+			if _, busy := l.flights.m[cj.Digest]; busy || cj.Digest == c.Digest {
 				continue
 			}
 			chunks = append(chunks, cj)
@@ -456,7 +484,7 @@ func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
 			break
 		}
 		cj := l.chunk(j)
-		if _, busy := l.inflight[cj.Digest]; busy {
+		if _, busy := l.flights.m[cj.Digest]; busy {
 			break
 		}
 		if cj.Digest != c.Digest {
@@ -473,13 +501,13 @@ func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
 // after f's readers have been released.
 func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) {
 	whole := l.fetchFlight(ctx, f, chunks, kind)
-	l.mu.Lock()
+	l.flights.mu.Lock()
 	for _, c := range chunks {
-		if l.inflight[c.Digest] == f {
-			delete(l.inflight, c.Digest)
+		if l.flights.m[c.Digest] == f {
+			delete(l.flights.m, c.Digest)
 		}
 	}
-	l.mu.Unlock()
+	l.flights.mu.Unlock()
 	close(f.done)
 	if whole != nil {
 		l.keepWhole(ctx, whole, chunks)
@@ -750,23 +778,27 @@ func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issue
 			}
 		}
 	}
+	l.flights.mu.Lock()
 	var chunks []layerfmt.Chunk
 	for _, j := range idx {
 		if l.cached[j] {
 			continue
 		}
 		c := l.chunk(j)
-		if _, busy := l.inflight[c.Digest]; busy {
+		if _, busy := l.flights.m[c.Digest]; busy {
 			continue
 		}
 		chunks = append(chunks, c)
 	}
-	if len(chunks) == 0 {
-		l.mu.Unlock()
+	var f *flight
+	if len(chunks) > 0 {
+		f = l.registerLocked(chunks)
+	}
+	l.flights.mu.Unlock()
+	l.mu.Unlock()
+	if f == nil {
 		return nil
 	}
-	f := l.registerLocked(chunks)
-	l.mu.Unlock()
 
 	n := chunks[len(chunks)-1].Offset + chunks[len(chunks)-1].CompressedSize - chunks[0].Offset
 	if rate := l.o.fillRate; rate > 0 {

@@ -558,3 +558,59 @@ func TestLayerFillYieldsToForeground(t *testing.T) {
 	fx.reg.setLatency(0)
 	waitFilled(t, fx.layer)
 }
+
+// TestSharedFlights: two layers holding the same file, read at the same
+// moment, fetch its frames once when they share Flights (and twice when they
+// do not: what the option buys).
+func TestSharedFlights(t *testing.T) {
+	r := rand.New(rand.NewPCG(61, 62))
+	shared := testFile{"c.bin", randBytes(r, 150000)}
+	filesA := []testFile{{"a.txt", randBytes(r, 5000)}, shared}
+	filesB := []testFile{{"b.txt", randBytes(r, 7000)}, shared}
+	for _, tt := range []struct {
+		name  string
+		share bool
+		want  int
+	}{{"shared", true, 1}, {"separate", false, 2}} {
+		t.Run(tt.name, func(t *testing.T) {
+			checkGoroutines(t)
+			cache, err := chunkcache.Open(t.TempDir(), 1<<30)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var opts []LayerOption
+			if tt.share {
+				opts = append(opts, WithFlights(NewFlights()))
+			}
+			a := newLayerFixture(t, cache, filesA, opts...)
+			b := newLayerFixture(t, cache, filesB, opts...)
+			a.reg.setLatency(300 * time.Millisecond)
+			b.reg.setLatency(300 * time.Millisecond)
+			ca, cb := a.chunksOf(t, "c.bin")[0], b.chunksOf(t, "c.bin")[0]
+			if ca.Digest != cb.Digest {
+				t.Fatal("identical files produced different frames")
+			}
+			errs := make(chan error, 1)
+			go func() {
+				_, err := a.layer.ReadChunk(context.Background(), ca)
+				errs <- err
+			}()
+			for a.reg.requests() == 0 {
+				time.Sleep(time.Millisecond)
+			}
+			got, err := b.layer.ReadChunk(context.Background(), cb)
+			if err != nil || !bytes.Equal(got, shared.data[cb.FileOffset:cb.FileOffset+cb.Size]) {
+				t.Fatalf("layer b: %v", err)
+			}
+			if err := <-errs; err != nil {
+				t.Fatalf("layer a: %v", err)
+			}
+			if n := a.reg.requests() + b.reg.requests(); n != tt.want {
+				t.Fatalf("%d requests for one frame read by two layers, want %d", n, tt.want)
+			}
+			if cached, _ := b.layer.Progress(); cached == 0 {
+				t.Error("layer b's progress ignores the frame layer a fetched for it")
+			}
+		})
+	}
+}
