@@ -193,23 +193,33 @@ func TestLatencyProxyRateLimit(t *testing.T) {
 	ln := listenLoopback(t)
 	const size = 96 << 20
 	blobServer(t, ln, size)
+	// What this machine moves through the delay line right now without a
+	// limit: on a loaded 2-core machine the proxy itself can be the
+	// bottleneck, and a rate it cannot reach says nothing about the limiter.
+	capacity := func() float64 {
+		p := startProxy(t, ln.Addr().String(), WithRTT(20*time.Millisecond))
+		_, rate := download(t, p.Addr())
+		return rate
+	}()
+	t.Logf("unlimited delay line, 20ms RTT: %.0f Mbit/s", capacity/1e6)
 	for _, tc := range []struct {
 		name string
 		bits int64
-		rtt  time.Duration
 	}{
-		{"1gbit-20ms", 1_000_000_000, 20 * time.Millisecond},
-		{"400mbit-20ms", 400_000_000, 20 * time.Millisecond},
+		{"1gbit", 1_000_000_000},
+		{"200mbit", 200_000_000},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p := startProxy(t, ln.Addr().String(), WithRTT(tc.rtt), WithRateLimit(tc.bits))
+			p := startProxy(t, ln.Addr().String(), WithRTT(20*time.Millisecond), WithRateLimit(tc.bits))
 			n, rate := download(t, p.Addr())
 			if n != size {
 				t.Fatalf("read %d bytes, want %d", n, size)
 			}
 			ratio := rate / float64(tc.bits)
-			t.Logf("%d MiB at %d Mbit/s, %v RTT: %.0f Mbit/s = %.3f of the configured rate", size>>20, tc.bits/1e6, tc.rtt, rate/1e6, ratio)
-			if ratio < 0.9 {
+			t.Logf("%d MiB at %d Mbit/s, 20ms RTT: %.0f Mbit/s = %.3f of the configured rate", size>>20, tc.bits/1e6, rate/1e6, ratio)
+			if capacity < 2*float64(tc.bits) {
+				t.Logf("not checking >= 0.9: the unlimited proxy managed only %.0f Mbit/s on this machine now", capacity/1e6)
+			} else if ratio < 0.9 {
 				t.Errorf("throughput %.3f of the configured rate, want >= 0.9", ratio)
 			}
 			// The cap must hold: over 96 MiB a limiter cannot run ahead
