@@ -70,6 +70,12 @@ func OpenCgroup(path string) (Cgroup, error) {
 	return nil, fmt.Errorf("open cgroup %s: no cgroup hierarchy mounted", path)
 }
 
+// oomPauser is implemented by cgroups that can pause tasks at the memory
+// limit instead of OOM-killing them (v1 oom_kill_disable).
+type oomPauser interface {
+	SetPauseOnOOM(bool) error
+}
+
 // limitsReader is implemented by cgroups that know the limits in force.
 type limitsReader interface {
 	Current() Resources

@@ -59,6 +59,13 @@ type Config struct {
 	MemShrinkAfter                     time.Duration
 	MemShrinkFloor, MemMinHeadroom     float64
 
+	// PauseOnOOM (v1) sets oom_kill_disable while the controller runs, so
+	// a task at its memory limit sleeps instead of being OOM-killed until
+	// the controller grows the limit or fails the environment with its
+	// reason (without it, a single-process task is killed by the kernel
+	// before the failure can be reported). Reset when Run returns.
+	PauseOnOOM bool
+
 	// ArbiterTimeout bounds each arbiter call; on timeout CPU fails open up
 	// to 2 x Initial and memory fails closed. ReportPeriod is how often
 	// usage is reported (and admission reclaim picked up).
@@ -93,6 +100,7 @@ func DefaultConfig() Config {
 		MemShrinkAfter:    60 * time.Second,
 		MemShrinkFloor:    1.5,
 		MemMinHeadroom:    1.25,
+		PauseOnOOM:        true,
 		ArbiterTimeout:    100 * time.Millisecond,
 		ReportPeriod:      time.Second,
 		FailOOMs:          2,
@@ -198,6 +206,7 @@ var knobs = []knob{
 	{"mem-shrink-after", durKnob(func(c *Config) *time.Duration { return &c.MemShrinkAfter })},
 	{"mem-shrink-floor", fracKnob(func(c *Config) *float64 { return &c.MemShrinkFloor })},
 	{"mem-min-headroom", fracKnob(func(c *Config) *float64 { return &c.MemMinHeadroom })},
+	{"pause-on-oom", func(c *Config, v string) (err error) { c.PauseOnOOM, err = strconv.ParseBool(v); return err }},
 	{"arbiter-timeout", durKnob(func(c *Config) *time.Duration { return &c.ArbiterTimeout })},
 	{"report-period", durKnob(func(c *Config) *time.Duration { return &c.ReportPeriod })},
 	{"fail-ooms", func(c *Config, v string) (err error) { c.FailOOMs, err = strconv.Atoi(v); return err }},

@@ -169,6 +169,21 @@ func (c *Controller) Run(ctx context.Context) error {
 			l.WithError(err).Warn("envlet: release arbiter lease")
 		}
 	}()
+	if op, ok := c.cg.(oomPauser); ok && c.cfg.PauseOnOOM {
+		if err := op.SetPauseOnOOM(true); err != nil {
+			if errors.Is(err, ErrVanished) {
+				return nil
+			}
+			l.WithError(err).Warn("envlet: cannot pause tasks at the memory limit; the kernel will OOM-kill instead")
+		} else {
+			// Never leave tasks sleeping at the limit without a controller.
+			defer func() {
+				if err := op.SetPauseOnOOM(false); err != nil && !errors.Is(err, ErrVanished) {
+					l.WithError(err).Warn("envlet: re-enable the OOM killer")
+				}
+			}()
+		}
+	}
 	if err := c.cg.Apply(c.cfg.Initial); err != nil {
 		if errors.Is(err, ErrVanished) {
 			return nil

@@ -77,7 +77,7 @@ func OpenV1(m V1Mounts, path string) (_ *V1, retErr error) {
 	open(&c.acctUsage, acct, "cpuacct.usage", unix.O_RDONLY, false)
 	open(&c.memUsage, mem, "memory.usage_in_bytes", unix.O_RDONLY, false)
 	open(&c.memStat, mem, "memory.stat", unix.O_RDONLY, false)
-	open(&c.oomCtl, mem, "memory.oom_control", unix.O_RDONLY, false)
+	open(&c.oomCtl, mem, "memory.oom_control", unix.O_RDWR, false)
 	open(&c.failcnt, mem, "memory.failcnt", unix.O_RDONLY, false)
 	open(&c.memLimit, mem, "memory.limit_in_bytes", unix.O_RDWR, false)
 	open(&c.memsw, mem, "memory.memsw.limit_in_bytes", unix.O_RDWR, true)
@@ -327,3 +327,19 @@ func (c *V1) Close() error {
 // RequestStat makes the next Sample read memory.stat, oom_control and
 // failcnt as well.
 func (c *V1) RequestStat() { c.pending.Store(true) }
+
+// SetPauseOnOOM sets memory.oom_control oom_kill_disable: with it, tasks
+// that hit the limit sleep (under_oom) instead of being OOM-killed until
+// the limit is raised or they are killed, which turns an OOM into a
+// decision of the controller: grow, or fail the environment with its
+// reason. Kernels 6.x log once that this interface is deprecated.
+func (c *V1) SetPauseOnOOM(on bool) error {
+	v := []byte("0")
+	if on {
+		v = []byte("1")
+	}
+	if err := c.oomCtl.write(v); err != nil {
+		return fmt.Errorf("set oom_kill_disable=%s: %w", v, err)
+	}
+	return nil
+}
