@@ -376,6 +376,10 @@ state = %[2]q
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.envlet]
         runtime_type = "io.containerd.envlet.v2"
         snapshotter = "envsnap"
+        # CRI copies only these pod/container annotations into the OCI
+        # spec, where the shim reads its per-environment overrides.
+        pod_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*"]
+        container_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.kubernetes.container.terminationMessagePath"]
 %[10]s
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), e.Address, e.Address+".ttrpc",
 		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports)
