@@ -335,3 +335,18 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 }
+
+func TestServeRefusesLiveSocket(t *testing.T) {
+	sock := socketPath(t)
+	startArbiter(t, sock, envlet.Resources{CPU: 1, Memory: gib})
+	err := Serve(context.Background(), sock, envlet.NewNodeArbiter(envlet.Resources{CPU: 1, Memory: gib}, 0))
+	if !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("second arbiter on a live socket: %v", err)
+	}
+	// The first one still serves.
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	if _, err := c.List(context.Background(), false); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -278,8 +278,8 @@ func WithMetricsAddress(addr string) ServeOpt {
 }
 
 // Serve runs the arbiter for arb on a unix socket at socketPath until ctx
-// is cancelled. A stale socket file is replaced: only one arbiter may run
-// per socket, and a dead one leaves its file behind.
+// is cancelled. A socket file nobody serves (a dead arbiter's) is replaced;
+// a live one is an error: two arbiters would each hand out the whole node.
 func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts ...ServeOpt) error {
 	var cfg serveConfig
 	for _, o := range opts {
@@ -287,6 +287,10 @@ func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts
 	}
 	if err := os.MkdirAll(filepath.Dir(socketPath), 0o700); err != nil {
 		return fmt.Errorf("arbiter socket dir: %w", err)
+	}
+	if c, err := net.DialTimeout("unix", socketPath, time.Second); err == nil {
+		c.Close()
+		return fmt.Errorf("arbiter socket %s: another arbiter is serving it: %w", socketPath, errdefs.ErrAlreadyExists)
 	}
 	if err := os.Remove(socketPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove stale arbiter socket: %w", err)
