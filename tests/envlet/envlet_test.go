@@ -189,6 +189,15 @@ func TestMemoryGrowthNoOOM(t *testing.T) {
 	if n := e.cg.OOMKills(t); n != 0 {
 		t.Fatalf("%d OOM kills", n)
 	}
+	events := 0
+	for _, p := range e.ctl.Timeline() {
+		if p.Wake == "event" && strings.Contains(p.Actions, "mem x") {
+			events++
+		}
+	}
+	if events == 0 {
+		t.Errorf("no memory grow was woken by a threshold event")
+	}
 	if st.Limit.Memory < 6*GiB+GiB/2 {
 		t.Fatalf("limit %s below the 6 GiB working set plus headroom", envlet.FormatBytes(st.Limit.Memory))
 	}
