@@ -283,6 +283,16 @@ func TestCreateAdmission(t *testing.T) {
 			wantCap:  envlet.Resources{CPU: 1.5, Memory: 4 * envlet.GiB},
 		},
 		{
+			name: "annotations cannot raise the spec limits",
+			spec: &specs.Spec{Annotations: map[string]string{"io.envsnap.envlet.cap-memory": "1Ti", "io.envsnap.envlet.initial-memory": "512Mi"},
+				Linux: &specs.Linux{CgroupsPath: "/test/f", Resources: &specs.LinuxResources{
+					Memory: &specs.LinuxMemory{Limit: i64(2 * envlet.GiB)},
+				}}},
+			admitted: true,
+			wantBase: envlet.Resources{CPU: 2, Memory: 512 * envlet.MiB},
+			wantCap:  envlet.Resources{CPU: 8, Memory: 2 * envlet.GiB},
+		},
+		{
 			name:      "bad annotation",
 			spec:      linuxSpec("e", map[string]string{"io.envsnap.envlet.initial-cpu": "lots"}),
 			wantError: errdefs.IsInvalidArgument,

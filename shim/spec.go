@@ -88,20 +88,22 @@ func specLimits(r *specs.LinuxResources) envlet.Resources {
 }
 
 // envConfig is the controller configuration of one container: the node's
-// policy, capped by the container's own limits (Kubernetes limits, `ctr
-// run --memory-limit`) and by the node, then the container's annotations.
+// policy and the container's annotations, capped by the container's own
+// limits (Kubernetes limits, `ctr run --memory-limit`) and by the node.
+// Annotations come from the workload's owner and can only lower what the
+// limits allow, never raise it.
 func envConfig(policy envlet.Config, node envlet.Resources, s *specs.Spec) (envlet.Config, error) {
 	cfg := policy
+	if err := cfg.ApplyAnnotations(s.Annotations); err != nil {
+		return cfg, err
+	}
 	var limits envlet.Resources
 	if s.Linux != nil {
 		limits = specLimits(s.Linux.Resources)
 	}
 	capTo(&cfg, limits)
 	capTo(&cfg, node)
-	if err := cfg.ApplyAnnotations(s.Annotations); err != nil {
-		return cfg, err
-	}
-	return cfg, nil
+	return cfg, cfg.Validate()
 }
 
 // capTo lowers the cap (and the initial quota with it) to the non-zero
