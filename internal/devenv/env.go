@@ -65,6 +65,7 @@ type options struct {
 	extraConfig  string
 	imports      []string
 	dirPrefix    string
+	registryNet  RegistryNetwork
 }
 
 // Option configures Start.

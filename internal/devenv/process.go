@@ -24,12 +24,18 @@ type Process struct {
 // StartProcess starts bin with args, logging stdout and stderr to
 // dir/name.log. The caller stops it (Env.StartProcess registers that).
 func StartProcess(dir, name string, env []string, bin string, args ...string) (*Process, error) {
+	return StartCommand(dir, name, env, exec.Command(bin, args...))
+}
+
+// StartCommand is StartProcess for a prepared command (e.g. one that runs
+// inside a network namespace).
+func StartCommand(dir, name string, env []string, cmd *exec.Cmd) (*Process, error) {
+	bin := cmd.Path
 	logPath := filepath.Join(dir, name+".log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open log for %s: %w", name, err)
 	}
-	cmd := exec.Command(bin, args...)
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.Env = append(os.Environ(), env...)

@@ -10,6 +10,7 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -38,10 +39,29 @@ type Registry struct {
 	uploaded     []string
 	mounted      []string
 	intercept    func(http.ResponseWriter, *http.Request) bool
+	front        io.Closer
+}
+
+// RegistryNetwork places the registry behind a network of its own, e.g. a
+// shaped link: the benchmark runs the registry in a network namespace
+// behind a latency proxy. The counting proxy stays in front of it all.
+type RegistryNetwork interface {
+	// Command returns how to run the registry binary with args.
+	Command(bin string, args ...string) *exec.Cmd
+	// ListenAddr is the host:port the registry listens on.
+	ListenAddr() string
+	// Front returns the address clients' traffic is forwarded to in order
+	// to reach listenAddr, and a closer for whatever it started.
+	Front(listenAddr string) (string, io.Closer, error)
+}
+
+// WithRegistryNetwork runs the registry behind n.
+func WithRegistryNetwork(n RegistryNetwork) Option {
+	return func(o *options) { o.registryNet = n }
 }
 
 func (e *Env) startRegistry() (*Registry, error) {
-	r, err := StartRegistry(e.Dir)
+	r, err := StartRegistryOn(e.Dir, e.opts.registryNet)
 	if err != nil {
 		return nil, err
 	}
@@ -55,14 +75,23 @@ func (e *Env) startRegistry() (*Registry, error) {
 // StartRegistry starts the registry binary from the tools dir on a free
 // loopback port, storing below dir, with the counting proxy in front of it.
 // Close stops both.
-func StartRegistry(dir string) (_ *Registry, retErr error) {
+func StartRegistry(dir string) (*Registry, error) { return StartRegistryOn(dir, nil) }
+
+// StartRegistryOn is StartRegistry behind network n (nil: plain loopback).
+func StartRegistryOn(dir string, n RegistryNetwork) (_ *Registry, retErr error) {
 	bin, err := Tool("registry")
 	if err != nil {
 		return nil, err
 	}
-	backendPort, err := freePort()
-	if err != nil {
-		return nil, err
+	listen := ""
+	if n != nil {
+		listen = n.ListenAddr()
+	} else {
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		listen = fmt.Sprintf("127.0.0.1:%d", port)
 	}
 	storage := filepath.Join(dir, "registry")
 	if err := os.MkdirAll(storage, 0o700); err != nil {
@@ -79,14 +108,18 @@ storage:
   delete:
     enabled: true
 http:
-  addr: 127.0.0.1:%d
-`, storage, backendPort)
+  addr: %s
+`, storage, listen)
 	cfgPath := filepath.Join(dir, "registry.yml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return nil, err
 	}
-	r := &Registry{StorageDir: storage, backend: fmt.Sprintf("127.0.0.1:%d", backendPort), perBlob: map[string]int64{}}
-	if r.proc, err = StartProcess(dir, "registry", nil, bin, "serve", cfgPath); err != nil {
+	r := &Registry{StorageDir: storage, backend: listen, perBlob: map[string]int64{}}
+	cmd := exec.Command(bin, "serve", cfgPath)
+	if n != nil {
+		cmd = n.Command(bin, "serve", cfgPath)
+	}
+	if r.proc, err = StartCommand(dir, "registry", nil, cmd); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -94,6 +127,13 @@ http:
 			r.Close()
 		}
 	}()
+	if n != nil {
+		front, closer, err := n.Front(listen)
+		if err != nil {
+			return nil, fmt.Errorf("registry network: %w", err)
+		}
+		r.backend, r.front = front, closer
+	}
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -168,6 +208,9 @@ func (r *Registry) Close() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = r.server.Shutdown(ctx)
+	}
+	if r.front != nil {
+		r.front.Close()
 	}
 	r.proc.Stop(10 * time.Second)
 }
