@@ -560,3 +560,62 @@ func TestRestoreFailure(t *testing.T) {
 	}
 	checkMountedFiles(t, mounts, []digest.Digest{l})
 }
+
+// TestRestoreDetachesStaleMount: a mount left at a layer's mountpoint by a
+// previous daemon (it could not unmount a layer a container still used) is
+// detached before the layer is mounted again, not stacked on.
+func TestRestoreDetachesStaleMount(t *testing.T) {
+	if !isRoot() {
+		t.Skip("mounts: needs root")
+	}
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	l := layerDigest(1)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prepareLazy(t, s, "c1", "", l)
+	mp := s.layerMountpoint(l)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// What the previous daemon left behind.
+	if err := os.MkdirAll(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", mp, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for unix.Unmount(mp, unix.MNT_DETACH) == nil {
+		}
+	})
+
+	s, err = New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if n := mountsAt(t, mp); n != 1 {
+		t.Fatalf("%d mounts stacked at %s, want 1", n, mp)
+	}
+	if ls := s.Layers(); len(ls) != 1 || !ls[0].Mounted {
+		t.Fatalf("layers %+v", ls)
+	}
+}
+
+func mountsAt(t *testing.T, p string) int {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && f[4] == p {
+			n++
+		}
+	}
+	return n
+}

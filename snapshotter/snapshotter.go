@@ -38,6 +38,7 @@ import (
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 )
 
 // restoreParallel bounds the layers remounted at once on startup.
@@ -262,6 +263,17 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 		}
 		log.G(ctx).WithError(err).WithField("layer", l.dgst).Warn("lazy layer mount failed its check; remounting")
 		s.unmountLocked(ctx, l)
+	}
+	if stale(l.mountpoint) {
+		// Left by a previous daemon that could not unmount it because a
+		// container still used it; its FUSE connection died with that
+		// daemon. Detach it: those containers keep their (broken) view,
+		// new ones get the new mount.
+		log.G(ctx).WithField("layer", l.dgst).Warn("detaching stale layer mount left by a previous daemon")
+		if err := unix.Unmount(l.mountpoint, unix.MNT_DETACH); err != nil {
+			l.lastErr = err
+			return fmt.Errorf("detach stale mount %s: %w", l.mountpoint, err)
+		}
 	}
 	if err := os.MkdirAll(l.mountpoint, 0o755); err != nil {
 		l.lastErr = err
@@ -557,4 +569,18 @@ func (s *Snapshotter) Close() error {
 		l.mu.Unlock()
 	}
 	return s.Snapshotter.Close()
+}
+
+// stale reports whether something is mounted at p that this process did not
+// mount: a dead FUSE mount answers stat with ENOTCONN; a live one has
+// another device than its parent directory.
+func stale(p string) bool {
+	var st, parent unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return errors.Is(err, unix.ENOTCONN)
+	}
+	if err := unix.Stat(filepath.Dir(p), &parent); err != nil {
+		return false
+	}
+	return st.Dev != parent.Dev
 }

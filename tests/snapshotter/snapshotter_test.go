@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -23,6 +24,8 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 	timage "github.com/containerd/containerd/v2/core/transfer/image"
 	tregistry "github.com/containerd/containerd/v2/core/transfer/registry"
+	"github.com/containerd/containerd/v2/pkg/cio"
+	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/platforms"
 	"github.com/opencontainers/go-digest"
 	specs "github.com/opencontainers/image-spec/specs-go"
@@ -442,5 +445,53 @@ func TestCRIPull(t *testing.T) {
 	}
 	if served, total := servedForLayers(env, img), layerBytes(img); served*20 >= total {
 		t.Fatalf("CRI pull fetched %d of %d layer bytes", served, total)
+	}
+}
+
+// TestCrashRestart: a daemon killed while a container runs on its layers
+// leaves dead FUSE mounts (ENOTCONN); the restarted daemon detaches them,
+// remounts the layers and serves new containers. (The running container
+// itself loses uncached reads: keeping it alive is the fd handoff, not done
+// yet.)
+func TestCrashRestart(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap())
+	f := testenv.RandomFile("/data/f.bin", 4<<20, 6)
+	img := pushLazyImage(t, env, "lazy/busy:1", []testenv.File{f}, "/bin/true")
+	image := env.Pull(t, img.Ref, "envsnap")
+	ctx := env.Context()
+
+	id := fmt.Sprintf("busy-%d", time.Now().UnixNano())
+	c, err := env.Client.NewContainer(ctx, id,
+		client.WithSnapshotter("envsnap"),
+		client.WithNewSnapshot(id+"-snap", image),
+		client.WithNewSpec(oci.WithImageConfig(image), oci.WithProcessArgs("sleep", "300")),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Delete(context.WithoutCancel(ctx), client.WithSnapshotCleanup) })
+	task, err := c.NewTask(ctx, cio.NullIO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { task.Delete(context.WithoutCancel(ctx), client.WithProcessKill) })
+	if err := task.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	env.Envsnap.Kill()
+	env.StartEnvsnap(t)
+	// One live mount per layer, none stacked on a dead one.
+	if mps := testenv.MountsBelow(filepath.Join(env.EnvsnapRoot, "layers")); len(mps) != len(img.Layers) {
+		t.Errorf("mounts after restart %v, want one per layer (%d)", mps, len(img.Layers))
+	}
+	for _, l := range envsnapStatus(t, env).Layers {
+		if !l.Mounted {
+			t.Errorf("layer %s not remounted: %s", l.Digest, l.Error)
+		}
+	}
+	res := env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", f.Path}})
+	if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, f.Digest().Encoded()) {
+		t.Fatalf("new container after restart: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
 	}
 }
