@@ -282,7 +282,7 @@ build_task() {
 
 for name in "${task_names[@]}"; do
 	mv=module_$name vv=version_$name
-	h=$(hash_of "$base_hash" "${!mv}" "${!vv}" "$(hash_files "$here/mutations/$name.tsv" "$here/chroot/build-task.sh")")
+	h=$(hash_of "$base_hash" "${!mv}" "${!vv}" "$(hash_files "$here/mutations/$name.tsv" "$here/chroot/build-task.sh" "$here/evaluator/env.sh")")
 	if stage_ok "task-$name" "$h" "$out/task-$name.tar"; then
 		log "task $name: cached"
 	else
