@@ -157,7 +157,7 @@ func (c *Controller) Admit(ctx context.Context) error {
 // cancelled (nil), the cgroup vanishes (nil: the task is gone), or the
 // environment must die (*FailureError: the caller kills the task and
 // reports the failure). It releases the arbiter lease on return.
-func (c *Controller) Run(ctx context.Context) error {
+func (c *Controller) Run(ctx context.Context) (retErr error) {
 	l := c.logger(ctx)
 	if err := c.Admit(ctx); err != nil {
 		return err
@@ -176,8 +176,15 @@ func (c *Controller) Run(ctx context.Context) error {
 			}
 			l.WithError(err).Warn("envlet: cannot pause tasks at the memory limit; the kernel will OOM-kill instead")
 		} else {
-			// Never leave tasks sleeping at the limit without a controller.
+			// Never leave tasks sleeping at the limit without a controller,
+			// except after a failure: the caller kills the task then, and
+			// re-enabling the OOM killer first would race it with a kernel
+			// kill of the paused task.
 			defer func() {
+				var fe *FailureError
+				if errors.As(retErr, &fe) {
+					return
+				}
 				if err := op.SetPauseOnOOM(false); err != nil && !errors.Is(err, ErrVanished) {
 					l.WithError(err).Warn("envlet: re-enable the OOM killer")
 				}
