@@ -230,6 +230,12 @@ func (e *Env) Resolver() remotes.Resolver {
 	return docker.NewResolver(docker.ResolverOptions{Hosts: e.Hosts()})
 }
 
+// SetEnvsnapArgs replaces the extra arguments the next StartEnvsnap passes
+// to the daemon (e.g. to restart it in another mode).
+func (e *Env) SetEnvsnapArgs(args ...string) {
+	e.opts.envsnapArgs = args
+}
+
 // StartEnvsnap starts the envsnap daemon (again, after a Kill or Stop).
 func (e *Env) StartEnvsnap() (*Process, error) {
 	_ = os.Remove(e.SnapshotterSocket)

@@ -1,0 +1,95 @@
+// Command envsnap-bench is the headline benchmark of `make bench`: see
+// package bench/headline. It writes the raw JSON, regenerates
+// docs/benchmarks.md and the plots under docs/img.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/envsnap/envsnap/bench/headline"
+	"github.com/envsnap/envsnap/internal/devenv"
+)
+
+func main() {
+	var cfg headline.Config
+	var systems, variant string
+	flag.StringVar(&cfg.Tasks, "tasks", "", "workload task list (default: build and use the workload variant)")
+	flag.StringVar(&variant, "variant", "full", "workload variant to build when -tasks is not given: full or small")
+	flag.IntVar(&cfg.Envs, "envs", 16, "environments per system and phase")
+	flag.IntVar(&cfg.Concurrent, "concurrent", 8, "environments started at once")
+	flag.DurationVar(&cfg.RTT, "rtt", 20*time.Millisecond, "registry round trip")
+	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
+	flag.StringVar(&systems, "systems", strings.Join(headline.AllSystems, ","), "systems to measure")
+	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
+	out := flag.String("out", "", "raw JSON (default bench/out/headline.json)")
+	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
+	flag.Parse()
+	cfg.Systems = strings.Split(systems, ",")
+	cfg.Log = os.Stdout
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg, variant, *out, *doc); err != nil {
+		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string) error {
+	if err := devenv.CheckMachine(); err != nil {
+		return err
+	}
+	root, err := devenv.RepoRoot()
+	if err != nil {
+		return err
+	}
+	if cfg.Tasks == "" {
+		cfg.Tasks = filepath.Join(root, ".cache/bench/workload", variant, "tasks.jsonl")
+		if _, err := os.Stat(cfg.Tasks); err != nil {
+			fmt.Printf("==> building the %s workload (cached in .cache/bench)\n", variant)
+			args := []string{}
+			if variant == "small" {
+				args = append(args, "--small")
+			}
+			cmd := exec.CommandContext(ctx, filepath.Join(root, "bench/workload/build.sh"), args...)
+			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+			if err := cmd.Run(); err != nil {
+				return fmt.Errorf("build workload: %w", err)
+			}
+		}
+	}
+	if out == "" {
+		out = filepath.Join(root, "bench/out/headline.json")
+	}
+	if doc == "" {
+		doc = filepath.Join(root, "docs/benchmarks.md")
+	}
+	rep, err := headline.Measure(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	if err := rep.WriteJSON(out); err != nil {
+		return err
+	}
+	plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+	if err != nil {
+		return err
+	}
+	rel, _ := filepath.Rel(root, out)
+	if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
+		return err
+	}
+	h := rep.Headline
+	fmt.Printf("\nheadline (cold, median): init %.3fx overlayfs, episode %.3fx overlayfs, registry bytes %.2fx bytes read\nwrote %s, %s, %s\n",
+		h.InitRatio, h.EpisodeRatio, h.PulledPerRead, out, doc, strings.Join(plots, ", "))
+	return nil
+}

@@ -1,0 +1,448 @@
+// Package headline is `make bench`'s main measurement: agentic-RL
+// environments started from composed layer groups through a registry link
+// shaped like a datacenter uplink (1 Gbit/s, 20 ms round trip), on envsnap
+// and on the usual full pull with overlayfs, cold and warm, one at a time
+// and several at once, all in one run on one machine and one registry.
+package headline
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
+
+	"github.com/envsnap/envsnap/bench/episode"
+	"github.com/envsnap/envsnap/bench/netshape"
+	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/internal/plan"
+)
+
+// Config is what one benchmark run measures.
+type Config struct {
+	Tasks      string        // workload task list
+	Envs       int           // environments per system and phase
+	Concurrent int           // environments started at once
+	RTT        time.Duration // registry round trip added by the proxy
+	Rate       int64         // registry link rate, bits/s
+	Systems    []string      // subset of AllSystems
+	Timeout    time.Duration // per episode
+	Log        io.Writer
+}
+
+// System names.
+const (
+	Envsnap       = "envsnap"        // lazy, background fill on
+	EnvsnapNoFill = "envsnap-nofill" // lazy, nothing fetched but what is read
+	EnvsnapEager  = "envsnap-eager"  // on-demand off: whole layers fetched before the mount is used
+	Overlayfs     = "overlayfs"      // containerd's default: full pull and unpack
+)
+
+// AllSystems in the order they run.
+var AllSystems = []string{Envsnap, Overlayfs, EnvsnapNoFill, EnvsnapEager}
+
+// daemonArgs are the envsnap daemon flags for each envsnap system.
+var daemonArgs = map[string][]string{
+	Envsnap:       {"--fill=true"},
+	EnvsnapNoFill: {"--fill=false"},
+	EnvsnapEager:  {"--fill=true", "--eager"},
+}
+
+// Run is one measured environment.
+type Run struct {
+	episode.Result
+	Concurrent bool             `json:"concurrent"`
+	GroupBytes map[string]int64 `json:"group_bytes"` // registry bytes per group kind
+	ReadBytes  int64            `json:"read_bytes"`  // file bytes the episode read through FUSE
+}
+
+// Report is everything a run produced.
+type Report struct {
+	Started   time.Time                     `json:"started"`
+	Duration  time.Duration                 `json:"duration_ns"`
+	Machine   string                        `json:"machine"`
+	Link      string                        `json:"link"`
+	Workload  string                        `json:"workload"`
+	Images    map[string]int64              `json:"image_bytes"`  // env -> image size
+	GroupSize map[string]int64              `json:"group_bytes"`  // kind -> layer bytes (one env)
+	Runs      []Run                         `json:"runs"`
+	Summary   map[string]map[string]Summary `json:"summary"` // system/phase -> measure -> summary
+	Headline  Headline                      `json:"headline"`
+	Notes     []string                      `json:"notes"`
+}
+
+// Headline ratios (median, cold).
+type Headline struct {
+	InitRatio      float64 `json:"init_ratio"`       // envsnap ready / overlayfs ready
+	EpisodeRatio   float64 `json:"episode_ratio"`    // envsnap episode / overlayfs episode
+	PulledPerRead  float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
+	FillPulledFrac float64 `json:"fill_pulled_frac"` // envsnap registry bytes / image bytes
+}
+
+type env struct {
+	task  episode.Task
+	name  string
+	ref   string
+	image *plan.Image
+}
+
+// shapedNet runs the registry in the link's namespace behind a latency proxy.
+type shapedNet struct {
+	ctx  context.Context
+	link *netshape.Link
+	rtt  time.Duration
+	desc string
+}
+
+const registryPort = 5000
+
+func (n *shapedNet) Command(bin string, args ...string) *exec.Cmd {
+	return n.link.Command(n.ctx, bin, args...)
+}
+func (n *shapedNet) ListenAddr() string { return fmt.Sprintf("%s:%d", n.link.NSAddr, registryPort) }
+func (n *shapedNet) Front(string) (string, io.Closer, error) {
+	p, desc, err := n.link.Proxy(n.ctx, registryPort, n.rtt)
+	if err != nil {
+		return "", nil, err
+	}
+	n.desc = desc
+	return p.Addr(), p, nil
+}
+
+func (c *Config) logf(format string, args ...any) {
+	if c.Log != nil {
+		fmt.Fprintf(c.Log, format+"\n", args...)
+	}
+}
+
+// Measure runs the benchmark.
+func Measure(ctx context.Context, cfg Config) (*Report, error) {
+	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{}}
+	rep.Machine = machine()
+	w, err := episode.LoadWorkload(cfg.Tasks)
+	if err != nil {
+		return nil, err
+	}
+	rep.Workload = cfg.Tasks
+
+	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(cfg.Rate))
+	if err != nil {
+		return nil, fmt.Errorf("shaped link: %w", err)
+	}
+	defer link.Close(context.Background())
+	net := &shapedNet{ctx: ctx, link: link, rtt: cfg.RTT}
+	metricsAddr := "127.0.0.1:19166"
+	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
+		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"))
+	if err != nil {
+		return nil, err
+	}
+	defer denv.Close()
+	rep.Link = net.desc
+	cfg.logf("link: %s", rep.Link)
+
+	cfg.logf("publishing groups through the shaped link")
+	tasks := w.Tasks
+	pub, err := episode.PublishGroups(ctx, denv.Hosts(), denv.Registry.Host, &episode.Workload{Tasks: tasks})
+	if err != nil {
+		return nil, err
+	}
+	cfg.logf("published %d groups in %s", len(pub.Refs), pub.Duration.Round(time.Second))
+	envs, err := composeEnvs(ctx, denv.Hosts(), denv.Registry.Host, pub, tasks, cfg.Envs)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range envs {
+		rep.Images[e.name] = episode.ImageSize(e.image)
+	}
+	for i, l := range envs[0].image.Manifest.Layers {
+		rep.GroupSize[kindOf(envs[0].image, i)] += l.Size
+	}
+
+	systems := cfg.Systems
+	if len(systems) == 0 {
+		systems = AllSystems
+	}
+	b := &bench{cfg: cfg, env: denv, metrics: "http://" + metricsAddr + "/metrics"}
+	for _, sys := range systems {
+		if err := b.useSystem(sys); err != nil {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))
+			cfg.logf("%s skipped: %v", sys, err)
+			continue
+		}
+		for i, e := range envs {
+			for _, phase := range []string{"cold", "warm"} {
+				if phase == "cold" {
+					if err := b.reset(); err != nil {
+						return nil, fmt.Errorf("reset before %s %s: %w", sys, e.name, err)
+					}
+				}
+				r := b.run(ctx, e, sys, phase)
+				rep.Runs = append(rep.Runs, r)
+				cfg.logf("%-15s %-5s %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d registry %s read %s %s",
+					sys, phase, i+1, len(envs), e.name, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, mib(r.RegistryBytes), mib(r.ReadBytes), r.Error)
+			}
+		}
+		if sys == Envsnap || sys == Overlayfs {
+			if err := b.reset(); err != nil {
+				return nil, err
+			}
+			rs := b.runConcurrent(ctx, envs, sys, cfg.Concurrent)
+			rep.Runs = append(rep.Runs, rs...)
+			for _, r := range rs {
+				cfg.logf("%-15s x%d   %-28s ready %6.2fs episode %6.2fs reward %d %s", sys, cfg.Concurrent, r.Task, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, r.Error)
+			}
+		}
+	}
+	rep.summarize()
+	rep.Duration = time.Since(rep.Started)
+	return rep, nil
+}
+
+func composeEnvs(ctx context.Context, hosts docker.RegistryHosts, registry string, pub *episode.Published, tasks []episode.Task, n int) ([]env, error) {
+	c := &plan.Composer{Hosts: hosts, OpenLayer: plan.RemoteLayerOpener(hosts)}
+	var envs []env
+	for i := 0; i < n; i++ {
+		t := tasks[i%len(tasks)]
+		name := fmt.Sprintf("%s-%02d", t.ID, i)
+		p := pub.Plan(t)
+		p.Name = name
+		// A label per environment makes every image distinct, as every
+		// task's image would be, so no run finds another's snapshots.
+		p.Labels = map[string]string{"io.envsnap.bench.env": name}
+		img, err := c.Compose(ctx, p)
+		if err != nil {
+			return nil, err
+		}
+		ref := fmt.Sprintf("%s/envsnap/env/%s:1", registry, name)
+		if _, err := c.Push(ctx, img, ref); err != nil {
+			return nil, err
+		}
+		envs = append(envs, env{task: t, name: name, ref: ref, image: img})
+	}
+	return envs, nil
+}
+
+func kindOf(img *plan.Image, layer int) string {
+	if gi := img.LayerGroup[layer]; gi >= 0 {
+		return img.Groups[gi].Kind
+	}
+	return "mutation"
+}
+
+type bench struct {
+	cfg     Config
+	env     *devenv.Env
+	sys     string
+	metrics string
+}
+
+// useSystem restarts the envsnap daemon in the system's mode.
+func (b *bench) useSystem(sys string) error {
+	b.sys = sys
+	args, ok := daemonArgs[sys]
+	if !ok {
+		return nil
+	}
+	if b.env.Envsnap != nil {
+		b.env.Envsnap.Stop(30 * time.Second)
+	}
+	b.env.SetEnvsnapArgs(append([]string{"--metrics-address", strings.TrimSuffix(strings.TrimPrefix(b.metrics, "http://"), "/metrics")}, args...)...)
+	_, err := b.env.StartEnvsnap()
+	return err
+}
+
+// reset makes the node cold: no image, container, snapshot or cached chunk
+// from earlier runs, and an empty page cache.
+func (b *bench) reset() error {
+	ctx := b.env.Context()
+	is := b.env.Client.ImageService()
+	imgs, err := is.List(ctx)
+	if err != nil {
+		return err
+	}
+	for i, img := range imgs {
+		var opts []images.DeleteOpt
+		if i == len(imgs)-1 {
+			opts = append(opts, images.SynchronousDelete())
+		}
+		if err := is.Delete(ctx, img.Name, opts...); err != nil {
+			return fmt.Errorf("delete image %s: %w", img.Name, err)
+		}
+	}
+	if _, ok := daemonArgs[b.sys]; ok {
+		// The chunk cache survives daemon restarts by design; a cold node
+		// has none.
+		b.env.Envsnap.Stop(30 * time.Second)
+		if err := os.RemoveAll(filepath.Join(b.env.EnvsnapRoot, "cache")); err != nil {
+			return err
+		}
+		if _, err := b.env.StartEnvsnap(); err != nil {
+			return err
+		}
+	}
+	return dropPageCache()
+}
+
+func dropPageCache() error {
+	syscall.Sync()
+	return os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0o200)
+}
+
+func (b *bench) system(sys string) episode.System {
+	sn := "envsnap"
+	if sys == Overlayfs {
+		sn = "overlayfs"
+	}
+	return episode.System{Name: sys, Snapshotter: sn, Runtime: "io.containerd.runc.v2"}
+}
+
+func (b *bench) run(ctx context.Context, e env, sys, phase string) Run {
+	b.env.Registry.ResetCounters()
+	readBefore := b.readBytes()
+	res := episode.Run(ctx, b.env, e.ref, e.task, b.system(sys), b.cfg.Timeout)
+	res.Phase, res.ImageBytes = phase, episode.ImageSize(e.image)
+	r := Run{Result: res, GroupBytes: map[string]int64{}}
+	for i, l := range e.image.Manifest.Layers {
+		r.GroupBytes[kindOf(e.image, i)] += b.env.Registry.BlobBytesServedFor(l.Digest.String())
+	}
+	if sys != Overlayfs {
+		r.ReadBytes = b.readBytes() - readBefore
+	}
+	return r
+}
+
+func (b *bench) runConcurrent(ctx context.Context, envs []env, sys string, n int) []Run {
+	n = min(n, len(envs))
+	out := make([]Run, n)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			e := envs[i]
+			res := episode.Run(ctx, b.env, e.ref, e.task, b.system(sys), b.cfg.Timeout)
+			res.Phase, res.ImageBytes = "cold", episode.ImageSize(e.image)
+			// Registry bytes cannot be told apart per environment here.
+			res.RegistryBytes = 0
+			out[i] = Run{Result: res, Concurrent: true}
+		}()
+	}
+	wg.Wait()
+	return out
+}
+
+// readBytes sums envsnap_lazyfs_read_bytes_total over the daemon's mounts.
+func (b *bench) readBytes() int64 {
+	resp, err := http.Get(b.metrics)
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	var total float64
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "envsnap_lazyfs_read_bytes_total") {
+			continue
+		}
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err == nil {
+			total += v
+		}
+	}
+	return int64(total)
+}
+
+func (rep *Report) summarize() {
+	groups := map[string][]Run{}
+	for _, r := range rep.Runs {
+		key := r.System + "/" + r.Phase
+		if r.Concurrent {
+			key = r.System + "/concurrent"
+		}
+		if r.Error == "" {
+			groups[key] = append(groups[key], r)
+		}
+	}
+	for key, rs := range groups {
+		var ready, ep []time.Duration
+		var bytes, read []float64
+		for _, r := range rs {
+			ready, ep = append(ready, r.Ready), append(ep, r.Episode)
+			bytes = append(bytes, float64(r.RegistryBytes))
+			read = append(read, float64(r.ReadBytes))
+		}
+		rep.Summary[key] = map[string]Summary{
+			"ready_s": summarize(seconds(ready)), "episode_s": summarize(seconds(ep)),
+			"registry_bytes": summarize(bytes), "read_bytes": summarize(read),
+		}
+	}
+	med := func(key, m string) float64 { return rep.Summary[key][m].Median }
+	if o := med(Overlayfs+"/cold", "ready_s"); o > 0 {
+		rep.Headline.InitRatio = med(Envsnap+"/cold", "ready_s") / o
+		rep.Headline.EpisodeRatio = med(Envsnap+"/cold", "episode_s") / med(Overlayfs+"/cold", "episode_s")
+	}
+	if rd := med(EnvsnapNoFill+"/cold", "read_bytes"); rd > 0 {
+		rep.Headline.PulledPerRead = med(EnvsnapNoFill+"/cold", "registry_bytes") / rd
+	}
+	var img float64
+	for _, v := range rep.Images {
+		img = float64(v)
+		break
+	}
+	if img > 0 {
+		rep.Headline.FillPulledFrac = med(Envsnap+"/cold", "registry_bytes") / img
+	}
+}
+
+func mib(n int64) string { return fmt.Sprintf("%.1fMiB", float64(n)/(1<<20)) }
+
+// machine describes where the run happened.
+func machine() string {
+	var parts []string
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		n := 0
+		model := ""
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(line, "processor") {
+				n++
+			}
+			if model == "" && strings.HasPrefix(line, "model name") {
+				model = strings.TrimSpace(strings.SplitN(line, ":", 2)[1])
+			}
+		}
+		parts = append(parts, fmt.Sprintf("%d x %s", n, model))
+	}
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		f := strings.Fields(strings.SplitN(string(b), "\n", 2)[0])
+		if len(f) >= 2 {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			parts = append(parts, fmt.Sprintf("%.0f GiB RAM", float64(kb)/(1<<20)))
+		}
+	}
+	var u syscall.Utsname
+	if syscall.Uname(&u) == nil {
+		rel := make([]byte, 0, len(u.Release))
+		for _, c := range u.Release {
+			if c == 0 {
+				break
+			}
+			rel = append(rel, byte(c))
+		}
+		parts = append(parts, "Linux "+string(rel))
+	}
+	return strings.Join(parts, ", ")
+}
