@@ -74,8 +74,8 @@ type Report struct {
 	Machine   string                        `json:"machine"`
 	Link      string                        `json:"link"`
 	Workload  string                        `json:"workload"`
-	Images    map[string]int64              `json:"image_bytes"`  // env -> image size
-	GroupSize map[string]int64              `json:"group_bytes"`  // kind -> layer bytes (one env)
+	Images    map[string]int64              `json:"image_bytes"` // env -> image size
+	GroupSize map[string]int64              `json:"group_bytes"` // kind -> layer bytes (one env)
 	Runs      []Run                         `json:"runs"`
 	Summary   map[string]map[string]Summary `json:"summary"` // system/phase -> measure -> summary
 	Headline  Headline                      `json:"headline"`
