@@ -59,7 +59,7 @@ func TestV1ApplySample(t *testing.T) {
 
 	p := envlettest.Start(t)
 	cg.Add(t, p.Pid())
-	if _, err := p.Do("threads 2 100"); err != nil {
+	if _, err := p.Do("threads 8 100"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := p.Do("alloc 64"); err != nil {
@@ -74,13 +74,23 @@ func TestV1ApplySample(t *testing.T) {
 		t.Fatal(err)
 	}
 	used := float64(s1.CPUUsageNs-s0.CPUUsageNs) / 0.5e9
-	throttled := float64(s1.ThrottledNs-s0.ThrottledNs) / 0.5e9
-	t.Logf("2 busy threads at 0.25 cores: used %.2f cores, throttled_time rate %.2f, ws %d MiB", used, throttled, s1.WorkingSet()>>20)
-	// The host may be saturated by others, so only the ceiling is
-	// asserted; two threads against a 0.25-core quota must have been
-	// throttled at some point since they started.
-	if used > 0.35 || s1.Periods == 0 || s1.ThrottledNs == 0 || s1.ThrottledPeriods == 0 {
-		t.Fatalf("quota not enforced or throttling not seen: %+v -> %+v", s0, s1)
+	t.Logf("8 busy threads at 0.25 cores: used %.2f cores, throttled_time rate %.2f, ws %d MiB",
+		used, float64(s1.ThrottledNs-s0.ThrottledNs)/0.5e9, s1.WorkingSet()>>20)
+	// Quota 0.25 plus at most one burst (25 ms) over the 0.5 s window.
+	if used > 0.35 {
+		t.Fatalf("quota not enforced: %.2f cores used", used)
+	}
+	// The host may be saturated by others, so throttling is awaited rather
+	// than expected in a fixed window.
+	deadline := time.Now().Add(10 * time.Second)
+	for s1.ThrottledNs == 0 || s1.ThrottledPeriods == 0 || s1.Periods == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no throttling seen with 8 threads at 0.25 cores: %+v", s1)
+		}
+		time.Sleep(100 * time.Millisecond)
+		if err := c.Sample(&s1); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if s1.MemUsage < 64<<20 {
 		t.Fatalf("memory usage %d below the 64 MiB allocated", s1.MemUsage)
