@@ -47,6 +47,14 @@ const (
 	fuseSuperMagic = 0x65735546
 	// checkTimeout bounds the liveness probe of a mount.
 	checkTimeout = 5 * time.Second
+	// tocPrefetchParallel, tocPrefetchTimeout and tocPrefetchTTL shape the
+	// TOC prefetch: containerd prepares an image's layers one after
+	// another, each Mount paying a TOC round trip or two; reading every
+	// lazy layer's TOC as soon as the manifest is known overlaps them.
+	// Unclaimed results are dropped after the TTL.
+	tocPrefetchParallel = 8
+	tocPrefetchTimeout  = 30 * time.Second
+	tocPrefetchTTL      = 2 * time.Minute
 )
 
 // Config configures a Store.
@@ -73,6 +81,17 @@ type Store struct {
 	mounts    map[string]*mounted // by mountpoint
 	manifests map[digest.Digest]*ocispec.Manifest
 	mfOrder   []digest.Digest
+	tocs      map[digest.Digest]*tocFetch // prefetched, by layer digest
+	tocSem    chan struct{}
+}
+
+// tocFetch is one layer's TOC being read ahead of its Mount.
+type tocFetch struct {
+	done    chan struct{}
+	started time.Time
+	blob    *fetch.BlobReader
+	toc     *layerfmt.TOC
+	err     error
 }
 
 type mounted struct {
@@ -98,6 +117,8 @@ func New(cfg Config) (*Store, error) {
 		cfg:       cfg,
 		mounts:    make(map[string]*mounted),
 		manifests: make(map[digest.Digest]*ocispec.Manifest),
+		tocs:      make(map[digest.Digest]*tocFetch),
+		tocSem:    make(chan struct{}, tocPrefetchParallel),
 	}, nil
 }
 
@@ -133,13 +154,14 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 		return fmt.Errorf("layer %s has no valid %s annotation: %w: %w", ldgst, layerfmt.AnnotationTOCDigest, layerfmt.ErrNotLayer, errdefs.ErrNotImplemented)
 	}
 
-	blob, err := fetch.NewBlobReader(s.cfg.Hosts, ref, desc, fetch.WithRequestMetrics(s.cfg.FetchMetrics))
-	if err != nil {
-		return fmt.Errorf("open blob %s of %s: %w", ldgst, ref, err)
-	}
-	toc, err := layerfmt.ReadTOC(ctx, blob.ReaderAt(ctx), desc.Size, tocDigest)
-	if err != nil {
-		return fmt.Errorf("read TOC of layer %s: %w", ldgst, err)
+	blob, toc, err := s.claimTOC(ctx, ldgst)
+	if err != nil || toc == nil {
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("layer", ldgst).Debug("prefetched TOC failed; reading it again")
+		}
+		if blob, toc, err = s.readTOC(ctx, ref, desc, tocDigest); err != nil {
+			return err
+		}
 	}
 	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
 		fetch.WithFill(s.cfg.Fill),
@@ -193,6 +215,7 @@ func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*
 	if !images.IsManifestType(mf.MediaType) && mf.MediaType != "" {
 		return nil, fmt.Errorf("%s of %s is a %s, not an image manifest: %w", dgst, ref, mf.MediaType, errdefs.ErrNotImplemented)
 	}
+	s.prefetchTOCs(ctx, ref, mf)
 	s.mu.Lock()
 	if _, ok := s.manifests[dgst]; !ok {
 		s.manifests[dgst] = mf
@@ -204,6 +227,70 @@ func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*
 	}
 	s.mu.Unlock()
 	return mf, nil
+}
+
+// readTOC reads and verifies the TOC of desc from the registry.
+func (s *Store) readTOC(ctx context.Context, ref string, desc ocispec.Descriptor, tocDigest digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, error) {
+	blob, err := fetch.NewBlobReader(s.cfg.Hosts, ref, desc, fetch.WithRequestMetrics(s.cfg.FetchMetrics))
+	if err != nil {
+		return nil, nil, fmt.Errorf("open blob %s of %s: %w", desc.Digest, ref, err)
+	}
+	toc, err := layerfmt.ReadTOC(ctx, blob.ReaderAt(ctx), desc.Size, tocDigest)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read TOC of layer %s: %w", desc.Digest, err)
+	}
+	return blob, toc, nil
+}
+
+// prefetchTOCs starts reading the TOC of every lazy layer of mf that is not
+// mounted or being read already, and drops stale unclaimed results.
+func (s *Store) prefetchTOCs(ctx context.Context, ref string, mf *ocispec.Manifest) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := time.Now()
+	for d, f := range s.tocs {
+		if now.Sub(f.started) > tocPrefetchTTL {
+			delete(s.tocs, d)
+		}
+	}
+	mountedDigests := make(map[digest.Digest]bool, len(s.mounts))
+	for _, m := range s.mounts {
+		mountedDigests[m.desc.Digest] = true
+	}
+	for _, desc := range mf.Layers {
+		tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
+		if err != nil || mountedDigests[desc.Digest] || s.tocs[desc.Digest] != nil {
+			continue
+		}
+		f := &tocFetch{done: make(chan struct{}), started: now}
+		s.tocs[desc.Digest] = f
+		go func() {
+			defer close(f.done)
+			s.tocSem <- struct{}{}
+			defer func() { <-s.tocSem }()
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), tocPrefetchTimeout)
+			defer cancel()
+			f.blob, f.toc, f.err = s.readTOC(fctx, ref, desc, tocDigest)
+		}()
+	}
+}
+
+// claimTOC returns (and forgets) the prefetched TOC of layer d: nil, nil,
+// nil when none was prefetched.
+func (s *Store) claimTOC(ctx context.Context, d digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, error) {
+	s.mu.Lock()
+	f := s.tocs[d]
+	delete(s.tocs, d)
+	s.mu.Unlock()
+	if f == nil {
+		return nil, nil, nil
+	}
+	select {
+	case <-f.done:
+		return f.blob, f.toc, f.err
+	case <-ctx.Done():
+		return nil, nil, ctx.Err()
+	}
 }
 
 func findLayer(mf *ocispec.Manifest, d digest.Digest) (ocispec.Descriptor, bool) {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,14 +32,26 @@ import (
 type fakeRegistry struct {
 	blobs map[digest.Digest][]byte
 	srv   *httptest.Server
+
+	mu       sync.Mutex
+	requests map[digest.Digest]int
+}
+
+func (r *fakeRegistry) requestsFor(d digest.Digest) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.requests[d]
 }
 
 func newFakeRegistry(t *testing.T) *fakeRegistry { return newFakeRegistryB(t) }
 
 func newFakeRegistryB(t testing.TB) *fakeRegistry {
-	r := &fakeRegistry{blobs: map[digest.Digest][]byte{}}
+	r := &fakeRegistry{blobs: map[digest.Digest][]byte{}, requests: map[digest.Digest]int{}}
 	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		i := strings.LastIndex(req.URL.Path, "/")
+		r.mu.Lock()
+		r.requests[digest.Digest(req.URL.Path[i+1:])]++
+		r.mu.Unlock()
 		b, ok := r.blobs[digest.Digest(req.URL.Path[i+1:])]
 		if !ok {
 			http.NotFound(w, req)
@@ -220,5 +233,73 @@ func TestMountTrustChain(t *testing.T) {
 				t.Fatalf("failed mount left state: %+v", s.Status())
 			}
 		})
+	}
+}
+
+// TestTOCPrefetch: the first Mount of an image reads the TOCs of all its
+// lazy layers at once, and later Mounts use them without a registry trip.
+func TestTOCPrefetch(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts FUSE: needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	r := newFakeRegistry(t)
+	var layers []ocispec.Descriptor
+	for i := range 3 {
+		var blob bytes.Buffer
+		res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"f": strings.Repeat("x", i+1)})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		layers = append(layers, ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()})
+	}
+	mb, err := json.Marshal(ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+		Layers:    layers,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mdgst := r.add(mb)
+	s := newTestStore(t)
+	s.cfg.Fill = false
+	ctx := t.Context()
+	mount := func(d digest.Digest) {
+		mp := t.TempDir()
+		if err := s.Mount(ctx, mp, map[string]string{
+			snapshotter.LabelImageRef:       r.host() + "/test/app:1",
+			snapshotter.LabelManifestDigest: mdgst.String(),
+			snapshotter.LabelLayerDigest:    d.String(),
+		}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	}
+
+	mount(layers[0].Digest)
+	deadline := time.Now().Add(10 * time.Second)
+	for r.requestsFor(layers[1].Digest) == 0 || r.requestsFor(layers[2].Digest) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the other layers' TOCs were not prefetched")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, l := range layers[1:] {
+		s.mu.Lock()
+		f := s.tocs[l.Digest]
+		s.mu.Unlock()
+		<-f.done
+		before := r.requestsFor(l.Digest)
+		mount(l.Digest)
+		if after := r.requestsFor(l.Digest); after != before {
+			t.Errorf("Mount of %s sent %d requests despite the prefetched TOC", l.Digest, after-before)
+		}
+	}
+	if len(s.tocs) != 0 {
+		t.Errorf("unclaimed prefetches left: %d", len(s.tocs))
 	}
 }
