@@ -15,6 +15,7 @@ import (
 	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
 	"github.com/containerd/containerd/v2/core/events"
 	"github.com/containerd/containerd/v2/core/runtime"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	ptypes "github.com/containerd/containerd/v2/pkg/protobuf/types"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
@@ -78,6 +79,7 @@ type Service struct {
 	taskAPI.TTRPCTaskService // runc's, for everything not overridden
 
 	ctx       context.Context
+	ns        string
 	publisher events.Publisher
 	opts      Options
 
@@ -87,7 +89,8 @@ type Service struct {
 
 // env is one managed container.
 type env struct {
-	id      string
+	id      string // container id
+	key     string // the environment's name at the arbiter: namespace/id
 	cfg     envlet.Config
 	cgroup  string
 	termMsg string
@@ -109,13 +112,24 @@ func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.P
 	if opts.NewController == nil {
 		opts.NewController = newController
 	}
+	ns, _ := namespaces.Namespace(ctx)
 	return &Service{
 		TTRPCTaskService: inner,
 		ctx:              ctx,
+		ns:               ns,
 		publisher:        publisher,
 		opts:             opts,
 		envs:             make(map[string]*env),
 	}
+}
+
+// envKey names a container at the arbiter. Container ids are unique per
+// containerd namespace only, and one arbiter serves every namespace.
+func (s *Service) envKey(id string) string {
+	if s.ns == "" {
+		return id
+	}
+	return s.ns + "/" + id
 }
 
 func newController(id, cgroupsPath string, cfg envlet.Config, arb envlet.Arbiter) (Controller, func() error, error) {
@@ -160,11 +174,11 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet configuration of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
 	}
-	e := &env{id: r.ID, cfg: cfg, cgroup: cgroupsPath(spec), termMsg: terminationMessageFile(spec), done: make(chan struct{})}
+	e := &env{id: r.ID, key: s.envKey(r.ID), cfg: cfg, cgroup: cgroupsPath(spec), termMsg: terminationMessageFile(spec), done: make(chan struct{})}
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
-	if err := s.opts.Arbiter.Admit(ctx, r.ID, cfg.Initial); err != nil {
+	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial); err != nil {
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
 				Env: r.ID, Reason: ReasonAdmissionRejected,
@@ -178,7 +192,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	}
 	resp, err := s.TTRPCTaskService.Create(ctx, r)
 	if err != nil {
-		if rerr := s.opts.Arbiter.ReleaseReason(ctx, r.ID, "create failed"); rerr != nil {
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
 		return nil, err
@@ -201,12 +215,12 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 		e.mu.Unlock()
 		return s.TTRPCTaskService.Start(ctx, r)
 	}
-	ctrl, closeCg, err := s.opts.NewController(e.id, e.cgroup, e.cfg, s.opts.Arbiter)
+	ctrl, closeCg, err := s.opts.NewController(e.key, e.cgroup, e.cfg, s.opts.Arbiter)
 	if err != nil {
 		e.mu.Unlock()
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
 	}
-	s.opts.Arbiter.Track(e.id, ctrl)
+	s.opts.Arbiter.Track(e.key, ctrl)
 	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
 	e.mu.Unlock()
@@ -237,7 +251,7 @@ func (s *Service) runController(ctx context.Context, e *env, ctrl Controller) {
 	case err != nil && ctx.Err() == nil:
 		// The controller stopped on its own (the cgroup vanished with the
 		// task, typically); the task runs on at its last limits.
-		log.G(ctx).WithError(err).Warn("envlet: controller stopped")
+		log.G(ctx).WithError(err).Error("envlet: controller stopped")
 	}
 }
 
@@ -258,7 +272,7 @@ func (s *Service) finish(e *env, reason string) {
 			reason = e.reason
 		}
 		ctx := context.WithoutCancel(s.ctx)
-		if err := s.opts.Arbiter.ReleaseReason(ctx, e.id, reason); err != nil {
+		if err := s.opts.Arbiter.ReleaseReason(ctx, e.key, reason); err != nil {
 			log.G(ctx).WithError(err).WithField("id", e.id).Warn("envlet: release")
 		}
 	})

@@ -17,6 +17,7 @@ import (
 	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
 	"github.com/containerd/containerd/v2/core/events"
 	"github.com/containerd/containerd/v2/core/runtime"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	ptypes "github.com/containerd/containerd/v2/pkg/protobuf/types"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
@@ -516,3 +517,32 @@ type capless struct{}
 func (capless) Run(ctx context.Context) error    { <-ctx.Done(); return nil }
 func (capless) Status() envlet.Status            { return envlet.Status{} }
 func (capless) Timeline() []envlet.TimelinePoint { return nil }
+
+// TestEnvKeyNamespaced: ids are unique per containerd namespace only, so
+// the arbiter knows environments as namespace/id; events keep the id.
+func TestEnvKeyNamespaced(t *testing.T) {
+	runc, pub, arb := newFakeRunc(), &fakePublisher{}, newFakeArbiter()
+	arb.admit = func(env string, _ envlet.Resources) error {
+		if env == "team-b/x" {
+			return errdefs.ErrResourceExhausted
+		}
+		return nil
+	}
+	for _, ns := range []string{"team-a", "team-b"} {
+		svc := New(namespaces.WithNamespace(context.Background(), ns), runc, pub, Options{Policy: envlet.DefaultConfig(), Arbiter: arb})
+		_, err := svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, linuxSpec("x", nil))})
+		if ns == "team-a" && err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, ok := arb.admitted["team-a/x"]; !ok || len(arb.admitted) != 1 {
+		t.Fatalf("admitted %v, want team-a/x", arb.admitted)
+	}
+	ev, ok := pub.evs[0].event.(*structpb.Struct)
+	if !ok {
+		t.Fatalf("event %T", pub.evs[0].event)
+	}
+	if f, _ := ParseFailureEvent(ev); f.Env != "x" {
+		t.Fatalf("failure event id %q, want the container id", f.Env)
+	}
+}

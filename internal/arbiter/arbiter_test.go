@@ -350,3 +350,33 @@ func TestServeRefusesLiveSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestTimelineByContainerID(t *testing.T) {
+	ctx := context.Background()
+	s := NewServer(envlet.NewNodeArbiter(envlet.Resources{CPU: 4, Memory: 4 * gib}, 0))
+	for _, env := range []string{"default/abc", "k8s.io/xyz"} {
+		if _, err := s.admit(ctx, &AdmitRequest{Env: env, Base: Resources{CPU: 1, Memory: gib}}); err != nil {
+			t.Fatal(err)
+		}
+		pt, _ := json.Marshal(envlet.TimelinePoint{Wake: env})
+		if _, err := s.report(ctx, &ReportRequest{Env: env, Timeline: []json.RawMessage{pt}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.release(ctx, &ReleaseRequest{Env: "k8s.io/xyz"}); err != nil {
+		t.Fatal(err)
+	}
+	for q, want := range map[string]string{"default/abc": "default/abc", "abc": "default/abc", "xyz": "k8s.io/xyz"} {
+		resp, err := s.timelineOf(ctx, &TimelineRequest{Env: q})
+		if err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+		var p envlet.TimelinePoint
+		if len(resp.Points) != 1 || json.Unmarshal(resp.Points[0], &p) != nil || p.Wake != want {
+			t.Errorf("timeline of %s: %s", q, resp.Points)
+		}
+	}
+	if _, err := s.timelineOf(ctx, &TimelineRequest{Env: "bc"}); !errdefs.IsNotFound(err) {
+		t.Errorf("a partial id matched: %v", err)
+	}
+}

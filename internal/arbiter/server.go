@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -248,17 +249,29 @@ func (s *Server) list(_ context.Context, r *ListRequest) (*ListResponse, error) 
 func (s *Server) timelineOf(_ context.Context, r *TimelineRequest) (*TimelineResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	rec, ok := s.envs[r.Env]
-	if !ok {
-		// The most recent ended environment of that name.
-		for i := len(s.ended) - 1; i >= 0; i-- {
-			if s.ended[i].info.Env == r.Env {
-				rec, ok = s.ended[i], true
+	// An exact name first, then a bare container id (shims name
+	// environments namespace/id); live before the most recent ended one.
+	var rec *record
+	for _, match := range []func(string) bool{
+		func(n string) bool { return n == r.Env },
+		func(n string) bool { return strings.HasSuffix(n, "/"+r.Env) },
+	} {
+		if rec != nil {
+			break
+		}
+		for name, l := range s.envs {
+			if match(name) {
+				rec = l
 				break
 			}
 		}
+		for i := len(s.ended) - 1; rec == nil && i >= 0; i-- {
+			if match(s.ended[i].info.Env) {
+				rec = s.ended[i]
+			}
+		}
 	}
-	if !ok {
+	if rec == nil {
 		return nil, fmt.Errorf("timeline of %s: %w", r.Env, errdefs.ErrNotFound)
 	}
 	return &TimelineResponse{Boot: s.boot, Points: append([]json.RawMessage(nil), rec.timeline...)}, nil

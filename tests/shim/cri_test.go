@@ -73,7 +73,8 @@ func TestCRIPod(t *testing.T) {
 	if err := json.Unmarshal([]byte(s.envsnap(t, "envs", "--json")), &envs); err != nil {
 		t.Fatal(err)
 	}
-	if len(envs) != 1 || envs[0].Env != ctrID {
+	// CRI runs pods in containerd's k8s.io namespace.
+	if len(envs) != 1 || envs[0].Env != "k8s.io/"+ctrID {
 		t.Fatalf("environments %+v, want only the application container %s (not the sandbox %s)", envs, ctrID, podID)
 	}
 	if envs[0].Base.CPU != 0.5 || envs[0].Base.Memory != 384<<20 {

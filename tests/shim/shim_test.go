@@ -351,7 +351,7 @@ func TestArbiterRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, e := range envs {
-		if e.Env == c.id && e.Current.Memory != held {
+		if e.Env == c.ns+"/"+c.id && e.Current.Memory != held {
 			t.Errorf("re-registered with %s, the container holds %s", envlet.FormatBytes(e.Current.Memory), envlet.FormatBytes(held))
 		}
 	}
