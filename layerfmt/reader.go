@@ -133,7 +133,7 @@ func DecodeFrame(c Chunk, compressed []byte, dst []byte) ([]byte, error) {
 		return nil, fmt.Errorf("chunk at %d: %w", c.Offset, err)
 	}
 	var h zstd.Header
-	if err := h.Decode(compressed); err != nil || h.Skippable || !h.HasFCS || h.FrameContentSize != uint64(c.FrameSize) {
+	if err := h.Decode(compressed); err != nil || h.Skippable || !h.HasFCS || h.DictionaryID != 0 || h.FrameContentSize != uint64(c.FrameSize) {
 		return nil, fmt.Errorf("chunk at %d: frame header does not declare %d bytes: %w", c.Offset, c.FrameSize, ErrBadTOC)
 	}
 	if int64(cap(dst)) < c.FrameSize {
