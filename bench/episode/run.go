@@ -31,8 +31,10 @@ type Result struct {
 	Reward  int           `json:"reward"`
 	Exit    uint32        `json:"exit"`
 	// RegistryBytes are blob bytes the registry served for this
-	// environment (valid when environments run one at a time).
-	RegistryBytes int64  `json:"registry_bytes"`
+	// environment (valid when environments run one at a time);
+	// ReadyRegistryBytes the part served by the time it was ready.
+	RegistryBytes      int64 `json:"registry_bytes"`
+	ReadyRegistryBytes int64 `json:"ready_registry_bytes"`
 	ImageBytes    int64  `json:"image_bytes"`
 	Error         string `json:"error,omitempty"`
 	Output        string `json:"-"`
@@ -46,11 +48,13 @@ type System struct {
 	Annotations map[string]string
 }
 
-// readyClock records when the ready marker first appears on stdout.
+// readyClock records when the ready marker first appears on stdout, and
+// calls onReady then.
 type readyClock struct {
-	mu    sync.Mutex
-	buf   bytes.Buffer
-	ready time.Time
+	mu      sync.Mutex
+	buf     bytes.Buffer
+	ready   time.Time
+	onReady func()
 }
 
 func (r *readyClock) Write(p []byte) (int, error) {
@@ -60,6 +64,9 @@ func (r *readyClock) Write(p []byte) (int, error) {
 		r.buf.Write(p)
 		if bytes.Contains(r.buf.Bytes(), []byte(ReadyMarker)) {
 			r.ready = time.Now()
+			if r.onReady != nil {
+				r.onReady()
+			}
 		}
 	}
 	return len(p), nil
@@ -85,7 +92,7 @@ func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, t
 		res.Error = err.Error()
 		return res
 	}
-	clock := &readyClock{}
+	clock := &readyClock{onReady: func() { res.ReadyRegistryBytes = env.Registry.BlobBytesServed() - before }}
 	out, err := env.Run(ctx, img, devenv.RunOptions{
 		Snapshotter: sys.Snapshotter,
 		Runtime:     sys.Runtime,

@@ -17,6 +17,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/containerd/log"
+
 	"github.com/envsnap/envsnap/bench/episode"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/plan"
@@ -39,6 +41,8 @@ func step(format string, args ...any) {
 }
 
 func run(ctx context.Context, tasksPath string, n int) error {
+	// Library progress goes to the report, not to the log.
+	_ = log.SetLevel("error")
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -133,10 +137,10 @@ func run(ctx context.Context, tasksPath string, n int) error {
 
 	fmt.Println()
 	tw = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "environment\tsystem\tready\tepisode\treward\tfetched / image")
+	fmt.Fprintln(tw, "environment\tsystem\tready\tepisode\treward\tfetched when ready\tfetched by the end\timage")
 	for _, r := range append(results, base) {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s / %s (%.1f%%)\n", r.Task, r.System, dur(r.Ready), dur(r.Episode), reward(r),
-			mib(r.RegistryBytes), mib(r.ImageBytes), 100*float64(r.RegistryBytes)/float64(max(r.ImageBytes, 1)))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%.1f%%)\t%s\t%s\n", r.Task, r.System, dur(r.Ready), dur(r.Episode), reward(r),
+			mib(r.ReadyRegistryBytes), 100*float64(r.ReadyRegistryBytes)/float64(max(r.ImageBytes, 1)), mib(r.RegistryBytes), mib(r.ImageBytes))
 	}
 	tw.Flush()
 	if first := results[0]; first.Error == "" && base.Error == "" {
