@@ -33,11 +33,11 @@ type Result struct {
 	// RegistryBytes are blob bytes the registry served for this
 	// environment (valid when environments run one at a time);
 	// ReadyRegistryBytes the part served by the time it was ready.
-	RegistryBytes      int64 `json:"registry_bytes"`
-	ReadyRegistryBytes int64 `json:"ready_registry_bytes"`
-	ImageBytes    int64  `json:"image_bytes"`
-	Error         string `json:"error,omitempty"`
-	Output        string `json:"-"`
+	RegistryBytes      int64  `json:"registry_bytes"`
+	ReadyRegistryBytes int64  `json:"ready_registry_bytes"`
+	ImageBytes         int64  `json:"image_bytes"`
+	Error              string `json:"error,omitempty"`
+	Output             string `json:"-"`
 }
 
 // System is a way of starting environments.
