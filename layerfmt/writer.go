@@ -189,6 +189,9 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 	if err != nil {
 		return nil, err
 	}
+	if len(rawTOC) > MaxTOCRawSize {
+		return nil, fmt.Errorf("TOC of %d entries is %d bytes, over the %d limit readers enforce", entries, len(rawTOC), MaxTOCRawSize)
+	}
 	toc := enc.EncodeAll(rawTOC, nil)
 	if len(toc) > MaxTOCSize {
 		return nil, fmt.Errorf("TOC of %d entries encodes to %d bytes, over the %d limit", entries, len(toc), MaxTOCSize)

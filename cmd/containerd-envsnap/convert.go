@@ -17,12 +17,14 @@ import (
 var convertCommand = &cli.Command{
 	Name:      "convert",
 	Usage:     "convert an image's layers to the envsnap lazy layer format",
-	ArgsUsage: "SRC DST (each oci-layout:DIR, oci-archive:FILE.tar or a registry reference)",
+	ArgsUsage: "SRC DST (each oci-layout:DIR, oci-archive:FILE.tar or a registry reference; SRC may also be containerd:IMAGE)",
 	Flags: append(registryFlags(),
 		&cli.StringSliceFlag{Name: "platform", Usage: "platforms to keep from a multi-platform image (default: all)"},
 		&cli.IntFlag{Name: "chunk-size", Value: layerfmt.DefaultChunkSize, Usage: "uncompressed frame size in bytes"},
 		&cli.IntFlag{Name: "level", Value: layerfmt.DefaultCompressionLevel, Usage: "zstd compression level"},
 		&cli.IntFlag{Name: "parallel", Value: 2, Usage: "layers converted at once"},
+		&cli.StringFlag{Name: "address", Value: "/run/containerd/containerd.sock", Usage: "containerd socket, for containerd:IMAGE sources"},
+		&cli.StringFlag{Name: "namespace", Value: "default", Usage: "containerd namespace, for containerd:IMAGE sources"},
 	),
 	Action: runConvert,
 }
@@ -48,7 +50,9 @@ func runConvert(ctx context.Context, c *cli.Command) error {
 			layerfmt.WithChunkSize(int(c.Int("chunk-size"))),
 			layerfmt.WithCompressionLevel(int(c.Int("level"))),
 		},
-		Parallel: int(c.Int("parallel")),
+		Parallel:            int(c.Int("parallel")),
+		ContainerdAddress:   c.String("address"),
+		ContainerdNamespace: c.String("namespace"),
 	}
 	if isTerminal(os.Stderr) {
 		opts.Progress = func(e convert.LayerEvent) {

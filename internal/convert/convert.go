@@ -52,6 +52,9 @@ type Options struct {
 	TempDir string
 	// Parallel bounds concurrent layer conversions (default 2).
 	Parallel int
+	// ContainerdAddress and ContainerdNamespace locate a containerd
+	// source (defaults /run/containerd/containerd.sock and "default").
+	ContainerdAddress, ContainerdNamespace string
 }
 
 // LayerEvent reports one finished layer.
@@ -80,6 +83,9 @@ type Summary struct {
 // Run converts the image at src and writes it to dst.
 func Run(ctx context.Context, src, dst Location, o Options) (*Summary, error) {
 	start := time.Now()
+	if dst.Kind == Containerd {
+		return nil, errors.New("a containerd image store can only be a source")
+	}
 	if o.Parallel <= 0 {
 		o.Parallel = 2
 	}
@@ -102,7 +108,7 @@ func Run(ctx context.Context, src, dst Location, o Options) (*Summary, error) {
 	}
 	c := &converter{store: store, opts: o, matcher: matcher, layers: map[digest.Digest]*layerResult{}}
 
-	root, srcInfo, err := load(ctx, store, src, o.Registry, matcher)
+	root, srcInfo, err := load(ctx, store, src, o, matcher)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", src, err)
 	}
@@ -174,6 +180,14 @@ func (c *converter) convertIndex(ctx context.Context, desc ocispec.Descriptor) (
 	}
 	var kept []ocispec.Descriptor
 	for _, m := range idx.Manifests {
+		// Entries not staged were left out on purpose (other platforms,
+		// attestations, platforms a containerd source never pulled).
+		if _, err := c.store.Info(ctx, m.Digest); err != nil {
+			c.mu.Lock()
+			c.dropped++
+			c.mu.Unlock()
+			continue
+		}
 		if m.Annotations["vnd.docker.reference.type"] == "attestation-manifest" ||
 			c.matcher != nil && m.Platform != nil && !c.matcher.Match(*m.Platform) {
 			c.mu.Lock()

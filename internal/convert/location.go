@@ -19,6 +19,9 @@ const (
 	// buildctl --output type=oci and ctr images export (which adds Docker's
 	// manifest.json; both are read).
 	Archive
+	// Containerd is an image in a containerd's image and content stores
+	// (source only): Ref is the image name as `ctr images ls` shows it.
+	Containerd
 )
 
 // Location names an image source or destination.
@@ -37,15 +40,23 @@ func (l Location) String() string {
 		return "oci-layout:" + l.Path
 	case Archive:
 		return "oci-archive:" + l.Path
+	case Containerd:
+		return "containerd:" + l.Ref
 	}
 	return l.Ref
 }
 
-// ParseLocation parses "oci-layout:DIR", "oci-archive:FILE.tar" or a
-// registry reference (normalised as containerd does: "alpine" means
-// docker.io/library/alpine:latest).
+// ParseLocation parses "oci-layout:DIR", "oci-archive:FILE.tar",
+// "containerd:NAME" or a registry reference (normalised as containerd does:
+// "alpine" means docker.io/library/alpine:latest).
 func ParseLocation(s string) (Location, error) {
 	switch {
+	case strings.HasPrefix(s, "containerd:"):
+		n := strings.TrimPrefix(s, "containerd:")
+		if n == "" {
+			return Location{}, fmt.Errorf("%q: empty image name", s)
+		}
+		return Location{Kind: Containerd, Ref: n}, nil
 	case strings.HasPrefix(s, "oci-layout:"):
 		p := strings.TrimPrefix(s, "oci-layout:")
 		if p == "" {

@@ -5,13 +5,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 
+	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/images/archive"
 	"github.com/containerd/containerd/v2/core/remotes"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/platforms"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -51,8 +54,51 @@ func children(store content.Provider, matcher platforms.MatchComparer) images.Ha
 }
 
 // load stages the image at src in store and returns its root descriptor.
-func load(ctx context.Context, store content.Store, src Location, ro registry.Options, matcher platforms.MatchComparer) (ocispec.Descriptor, sourceInfo, error) {
+func load(ctx context.Context, store content.Store, src Location, o Options, matcher platforms.MatchComparer) (ocispec.Descriptor, sourceInfo, error) {
+	ro := o.Registry
 	switch src.Kind {
+	case Containerd:
+		addr, ns := o.ContainerdAddress, o.ContainerdNamespace
+		if addr == "" {
+			addr = "/run/containerd/containerd.sock"
+		}
+		if ns == "" {
+			ns = namespaces.Default
+		}
+		cl, err := client.New(addr)
+		if err != nil {
+			return ocispec.Descriptor{}, sourceInfo{}, fmt.Errorf("connect to containerd at %s: %w", addr, err)
+		}
+		defer cl.Close()
+		ctx := namespaces.WithNamespace(ctx, ns)
+		img, err := cl.ImageService().Get(ctx, src.Ref)
+		if err != nil {
+			return ocispec.Descriptor{}, sourceInfo{}, fmt.Errorf("image %s in namespace %s: %w", src.Ref, ns, err)
+		}
+		provider := cl.ContentStore()
+		copyIn := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+			return nil, copyFromProvider(ctx, store, provider, desc)
+		})
+		// containerd usually holds one platform of an index: skip entries
+		// whose manifests it does not have.
+		present := func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+			descs, err := children(store, matcher)(ctx, desc)
+			if err != nil || !images.IsIndexType(desc.MediaType) {
+				return descs, err
+			}
+			var out []ocispec.Descriptor
+			for _, d := range descs {
+				if _, err := provider.Info(ctx, d.Digest); err == nil {
+					out = append(out, d)
+				}
+			}
+			return out, nil
+		}
+		h := images.Handlers(copyIn, images.HandlerFunc(present))
+		if err := images.Dispatch(ctx, h, nil, img.Target); err != nil {
+			return ocispec.Descriptor{}, sourceInfo{}, err
+		}
+		return img.Target, sourceInfo{}, nil
 	case Registry:
 		resolver, err := registry.NewResolver(ctx, ro)
 		if err != nil {
@@ -129,6 +175,21 @@ func blobPath(dir string, desc ocispec.Descriptor) (string, error) {
 		return "", err
 	}
 	return filepath.Join(dir, ocispec.ImageBlobsDir, desc.Digest.Algorithm().String(), desc.Digest.Encoded()), nil
+}
+
+func copyFromProvider(ctx context.Context, store content.Store, p content.Provider, desc ocispec.Descriptor) error {
+	if _, err := store.Info(ctx, desc.Digest); err == nil {
+		return nil
+	}
+	ra, err := p.ReaderAt(ctx, desc)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", desc.Digest, err)
+	}
+	defer ra.Close()
+	if err := content.WriteBlob(ctx, store, "import-"+desc.Digest.Encoded(), io.NewSectionReader(ra, 0, desc.Size), desc); err != nil && !errdefs.IsAlreadyExists(err) {
+		return fmt.Errorf("import %s: %w", desc.Digest, err)
+	}
+	return nil
 }
 
 func copyFromLayout(ctx context.Context, store content.Store, dir string, desc ocispec.Descriptor) error {

@@ -7,7 +7,9 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -72,6 +74,23 @@ func TestConvertedImageRunsOnPlainContainerd(t *testing.T) {
 	ref := env.RunContainer(t, srcImg, testenv.RunOptions{Args: script})
 	if !strings.HasPrefix(res.Stdout, "hello from a converted layer\nhello.txt\n750 ") || res.Stdout != ref.Stdout {
 		t.Errorf("converted image prints %q, source image %q", res.Stdout, ref.Stdout)
+	}
+
+	// containerd's own stores as the source: the image pulled above.
+	layout := t.TempDir()
+	cmd = exec.Command(testenv.Binary(t, "containerd-envsnap"), "convert", "--address", env.Address, "--namespace", env.Namespace,
+		"containerd:"+srcImg.Name(), "oci-layout:"+layout)
+	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "2 layers (2 converted)") {
+		t.Fatalf("convert from containerd: %v\n%s", err, out)
+	}
+	var top ocispec.Index
+	b, err := os.ReadFile(filepath.Join(layout, "index.json"))
+	if err != nil || json.Unmarshal(b, &top) != nil || len(top.Manifests) != 1 {
+		t.Fatalf("layout index: %v %s", err, b)
+	}
+	// Converting is deterministic: the same manifest as pushed above.
+	if top.Manifests[0].Digest != desc.Digest {
+		t.Errorf("converted from containerd to %s, from the registry to %s", top.Manifests[0].Digest, desc.Digest)
 	}
 }
 
