@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -45,6 +46,10 @@ type Env struct {
 	Envsnap *Process
 	// EnvsnapRoot is the daemon's state directory.
 	EnvsnapRoot string
+	// EnvletConfig is the shim's config file and Arbiter the node arbiter,
+	// with WithEnvlet.
+	EnvletConfig string
+	Arbiter      *Process
 	// PauseImage is the CRI sandbox image, pushed to the registry.
 	PauseImage   string
 	ContentStore content.Store
@@ -66,6 +71,7 @@ type options struct {
 	imports      []string
 	dirPrefix    string
 	registryNet  RegistryNetwork
+	envlet       *EnvletConfig
 }
 
 // Option configures Start.
@@ -94,6 +100,22 @@ func WithConfig(toml string) Option {
 // concatenation, so they can replace generated settings).
 func WithImports(paths ...string) Option {
 	return func(o *options) { o.imports = append(o.imports, paths...) }
+}
+
+// EnvletConfig configures the envlet shim and the node arbiter.
+type EnvletConfig struct {
+	// NodeCPU and NodeMemory size the node for the arbiter (e.g. "2",
+	// "4Gi"); empty means the machine's.
+	NodeCPU, NodeMemory string
+	// Policy holds [policy] keys of envlet.toml (docs/shim.md), e.g.
+	// "initial-cpu": "0.5".
+	Policy map[string]string
+}
+
+// WithEnvlet writes an envlet.toml for the shim (containerd passes
+// ENVLET_CONFIG to it) and runs `containerd-envsnap arbiter` with it.
+func WithEnvlet(c EnvletConfig) Option {
+	return func(o *options) { o.envlet = &c }
 }
 
 // WithDirPrefix names the temporary directory (default "envsnap-e2e-").
@@ -168,10 +190,77 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 			return nil, err
 		}
 	}
+	if e.opts.envlet != nil {
+		if err := e.startArbiter(*e.opts.envlet); err != nil {
+			return nil, err
+		}
+	}
 	if err := e.startContainerd(); err != nil {
 		return nil, err
 	}
 	return e, nil
+}
+
+func (e *Env) startArbiter(c EnvletConfig) error {
+	socket := filepath.Join(e.Dir, "arbiter.sock")
+	// Timeouts are generous: a loaded test machine must not read as an
+	// arbiter outage (memory would then fail closed).
+	cfg := "[policy]\narbiter-timeout = \"1s\"\n"
+	keys := make([]string, 0, len(c.Policy))
+	for k := range c.Policy {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		cfg += fmt.Sprintf("%s = %q\n", k, c.Policy[k])
+	}
+	cfg += "[node]\n"
+	if c.NodeCPU != "" {
+		cfg += fmt.Sprintf("cpu = %q\n", c.NodeCPU)
+	}
+	if c.NodeMemory != "" {
+		cfg += fmt.Sprintf("memory = %q\n", c.NodeMemory)
+	}
+	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", socket)
+	e.EnvletConfig = filepath.Join(e.Dir, "envlet.toml")
+	if err := os.WriteFile(e.EnvletConfig, []byte(cfg), 0o600); err != nil {
+		return err
+	}
+	e.opts.containerEnv = append(e.opts.containerEnv, "ENVLET_CONFIG="+e.EnvletConfig)
+	bin, err := Binary("containerd-envsnap")
+	if err != nil {
+		return err
+	}
+	p, err := e.StartProcess("arbiter", nil, bin, "arbiter", "--config", e.EnvletConfig)
+	if err != nil {
+		return err
+	}
+	e.Arbiter = p
+	return waitFor(20*time.Second, "arbiter socket", func() error {
+		if exited, err := p.Exited(); exited {
+			return fmt.Errorf("arbiter exited: %v\n%s", err, p.LogTail(20))
+		}
+		_, err := os.Stat(socket)
+		return err
+	})
+}
+
+// EnvsnapCLI runs containerd-envsnap with the env's envlet config (e.g.
+// "envs", "--json") and returns its standard output.
+func (e *Env) EnvsnapCLI(args ...string) (string, error) {
+	bin, err := Binary("containerd-envsnap")
+	if err != nil {
+		return "", err
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), "ENVLET_CONFIG="+e.EnvletConfig)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return string(out), fmt.Errorf("containerd-envsnap %s: %w: %s", strings.Join(args, " "), err, stderr.String())
+	}
+	return string(out), nil
 }
 
 // onClose registers f to run at Close, before what was registered earlier.

@@ -18,18 +18,20 @@ import (
 
 // The harness's types and options are devenv's.
 type (
-	File        = devenv.File
-	Image       = devenv.Image
-	ImageOption = devenv.ImageOption
-	Option      = devenv.Option
-	Process     = devenv.Process
-	Registry    = devenv.Registry
-	RunOptions  = devenv.RunOptions
-	RunResult   = devenv.RunResult
+	EnvletConfig = devenv.EnvletConfig
+	File         = devenv.File
+	Image        = devenv.Image
+	ImageOption  = devenv.ImageOption
+	Option       = devenv.Option
+	Process      = devenv.Process
+	Registry     = devenv.Registry
+	RunOptions   = devenv.RunOptions
+	RunResult    = devenv.RunResult
 )
 
 var (
 	WithEnvsnap       = devenv.WithEnvsnap
+	WithEnvlet        = devenv.WithEnvlet
 	WithContainerdEnv = devenv.WithContainerdEnv
 	WithConfig        = devenv.WithConfig
 	WithImports       = devenv.WithImports
@@ -62,15 +64,14 @@ func New(t testing.TB, opts ...Option) *Env {
 	}
 	de.Logf = t.Logf
 	t.Cleanup(func() {
-		failed := t.Failed()
-		procs := de.Processes()
-		if leaked := de.Close(); len(leaked) > 0 {
-			t.Errorf("teardown: mounts left below %s after the daemons stopped (now unmounted): %s", de.Dir, strings.Join(leaked, ", "))
-		}
-		if failed {
-			for _, p := range procs {
+		// Logs live in the env's directory, which Close removes.
+		if t.Failed() {
+			for _, p := range de.Processes() {
 				t.Logf("--- tail of %s log (%s) ---\n%s", p.Name, p.LogPath, p.LogTail(60))
 			}
+		}
+		if leaked := de.Close(); len(leaked) > 0 {
+			t.Errorf("teardown: mounts left below %s after the daemons stopped (now unmounted): %s", de.Dir, strings.Join(leaked, ", "))
 		}
 	})
 	return &Env{Env: de, t: t}
