@@ -135,6 +135,9 @@ func TestCPUBurst(t *testing.T) {
 		t.Errorf("quota grew to %.2f before the jump under a 0.15-core load", before)
 	}
 	if reached <= time.Second {
+		if thr > 0.10 {
+			t.Errorf("%.0f%% throttled from 1 s after the jump, want <= 10%%", thr*100)
+		}
 		return
 	}
 	// On a saturated host (other builds on the 2 cores) the 8 threads
