@@ -316,3 +316,38 @@ func TestTraceSetCap(t *testing.T) {
 		t.Fatalf("cpu %v after raising the cap, want 8", got)
 	}
 }
+
+// An arbiter that lost its state (restart) answers Report with NotFound:
+// the controller re-admits its base and re-grows to the limits it holds.
+func TestTraceArbiterRestart(t *testing.T) {
+	arb := bigNode()
+	tr := newTrace(t, testConfig(), arb, 8)
+	for range 3 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB; tr.cpu(8) })
+	}
+	held := tr.c.Status().Limit
+	arb.Release(context.Background(), "env")
+	for range 6 { // past the 1 s report period
+		tr.mustStep(func(s *Sample) { s.MemUsage = 200 * MiB; tr.cpu(0.1) })
+	}
+	l, ok := arb.Leases()["env"]
+	if !ok || l.Grant != held || l.Base != testConfig().Initial {
+		t.Fatalf("lease after re-registration %+v (ok %v), want grant %v", l, ok, held)
+	}
+}
+
+// An environment idle for IdleAfter is marked idle (sampled every
+// IdlePeriod) and wakes up on the first busy tick.
+func TestTraceIdle(t *testing.T) {
+	tr := newTrace(t, testConfig(), bigNode(), 2)
+	for i := range 26 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 10 * MiB; tr.cpu(0.01) })
+		if idle := tr.c.Status().Idle; idle != (i >= 25) {
+			t.Fatalf("tick %d: idle %v", i+1, idle)
+		}
+	}
+	tr.mustStep(func(s *Sample) { s.MemUsage = 10 * MiB; tr.cpu(0.5) })
+	if tr.c.Status().Idle {
+		t.Fatal("still idle after a busy tick")
+	}
+}
