@@ -34,6 +34,12 @@ func readFull(ra io.ReaderAt, p []byte, off int64) error {
 	return fmt.Errorf("read %d bytes at %d: %w", len(p), off, err)
 }
 
+// TailSize is how many bytes at the end of a blob hold the footer and the
+// TOC frame, given the encoded TOC size (AnnotationTOCSize). A reader that
+// has the descriptor fetches exactly this range and calls DecodeTail: one
+// request for all metadata.
+func TailSize(tocSize int64) int64 { return tocSize + skippableHeaderSize + FooterSize }
+
 // ReadTOC reads and decodes the TOC of a blob of blobSize bytes with at
 // most two ReadAt calls: the tail (footer and, usually, the TOC) and, when
 // the TOC is larger than the tail read, the TOC itself. When expect is not
@@ -56,17 +62,32 @@ func ReadTOC(ctx context.Context, ra io.ReaderAt, blobSize int64, expect digest.
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	// The TOC with its skippable frame header.
-	frameOff := f.tocOffset - skippableHeaderSize
-	var frame []byte
-	if frameOff >= tailOff {
-		frame = tail[frameOff-tailOff : len(tail)-FooterSize]
-	} else {
-		frame = make([]byte, skippableHeaderSize+f.tocSize)
-		if err := readFull(ra, frame, frameOff); err != nil {
+	if need := TailSize(f.tocSize); need > int64(len(tail)) {
+		tail = make([]byte, need)
+		if err := readFull(ra, tail, blobSize-need); err != nil {
 			return nil, fmt.Errorf("read layer TOC: %w", err)
 		}
 	}
+	return DecodeTail(tail, blobSize, expect)
+}
+
+// DecodeTail decodes the footer and TOC from the last bytes of a blob of
+// blobSize bytes (tail must hold at least TailSize of the TOC; more is
+// fine). expect is as for ReadTOC.
+func DecodeTail(tail []byte, blobSize int64, expect digest.Digest) (*TOC, error) {
+	if int64(len(tail)) > blobSize || len(tail) < FooterSize {
+		return nil, fmt.Errorf("tail of %d bytes for a blob of %d: %w", len(tail), blobSize, ErrTruncated)
+	}
+	f, err := parseFooter(tail[len(tail)-FooterSize:], blobSize)
+	if err != nil {
+		return nil, err
+	}
+	need := TailSize(f.tocSize)
+	if need > int64(len(tail)) {
+		return nil, fmt.Errorf("tail of %d bytes does not hold the %d-byte TOC: %w", len(tail), f.tocSize, ErrTruncated)
+	}
+	frame := tail[int64(len(tail))-need : len(tail)-FooterSize]
+	frameOff := f.tocOffset - skippableHeaderSize
 	if binary.LittleEndian.Uint32(frame[0:]) != skippableTOCMagic || int64(binary.LittleEndian.Uint32(frame[4:])) != f.tocSize {
 		return nil, fmt.Errorf("TOC skippable frame header: %w", ErrBadTOC)
 	}

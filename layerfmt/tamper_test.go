@@ -139,3 +139,41 @@ func equalContents(a, b map[string][]byte) bool {
 }
 
 var _ fs.FS = (*Reader)(nil)
+
+// countingReaderAt counts ReadAt calls.
+type countingReaderAt struct {
+	r     *bytes.Reader
+	calls int
+}
+
+func (c *countingReaderAt) ReadAt(p []byte, off int64) (int, error) {
+	c.calls++
+	return c.r.ReadAt(p, off)
+}
+
+func TestMetadataReads(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		in        []byte
+		wantCalls int
+	}{
+		{"small TOC", smallTar(t), 1},
+		{"large TOC", manyFilesTar(t, 30000), 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			blob, res := convert(t, tc.in)
+			c := &countingReaderAt{r: bytes.NewReader(blob)}
+			if _, err := NewReader(c, int64(len(blob)), res.TOCDigest); err != nil || c.calls != tc.wantCalls {
+				t.Errorf("NewReader: %v after %d ReadAt calls, want %d", err, c.calls, tc.wantCalls)
+			}
+			// With the size annotation, one exact read suffices.
+			n := TailSize(res.TOCSize)
+			if _, err := DecodeTail(blob[int64(len(blob))-n:], int64(len(blob)), res.TOCDigest); err != nil {
+				t.Errorf("DecodeTail: %v", err)
+			}
+			if _, err := DecodeTail(blob[int64(len(blob))-n+1:], int64(len(blob)), res.TOCDigest); !errors.Is(err, ErrTruncated) {
+				t.Errorf("DecodeTail of a short tail: %v", err)
+			}
+		})
+	}
+}
