@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/images"
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -317,5 +318,47 @@ func TestParseLocation(t *testing.T) {
 		if _, err := ParseLocation(bad); err == nil {
 			t.Errorf("ParseLocation(%q) accepted", bad)
 		}
+	}
+}
+
+// TestConvertDockerMediaTypes converts a Docker schema 2 image (what
+// `docker save`-era tooling and some registries still serve): the result
+// is an OCI manifest and config with the converted layer.
+func TestConvertDockerMediaTypes(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	l := layoutWriter{t, dir}
+	lt := layerTar(t, "docker")
+	layer := l.blob(images.MediaTypeDockerSchema2LayerGzip, gz(lt))
+	cfg := map[string]any{"architecture": "amd64", "os": "linux",
+		"rootfs": ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(lt)}}}
+	m := map[string]any{"schemaVersion": 2, "mediaType": images.MediaTypeDockerSchema2Manifest,
+		"config": l.json(images.MediaTypeDockerSchema2Config, cfg), "layers": []ocispec.Descriptor{layer}}
+	md := l.json(images.MediaTypeDockerSchema2Manifest, m)
+	top := ocispec.Index{Manifests: []ocispec.Descriptor{md}}
+	top.SchemaVersion = 2
+	b, _ := json.Marshal(top)
+	os.WriteFile(filepath.Join(dir, "index.json"), b, 0o644)
+
+	out := t.TempDir()
+	s, err := Run(ctx, Location{Kind: Layout, Path: dir}, Location{Kind: Layout, Path: out}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Root.MediaType != ocispec.MediaTypeImageManifest || s.Converted != 1 {
+		t.Fatalf("summary %+v", s)
+	}
+	var om ocispec.Manifest
+	readLayoutBlob(t, out, s.Root, &om)
+	var oc ocispec.Image
+	readLayoutBlob(t, out, om.Config, &oc)
+	blob := readLayoutBlob(t, out, om.Layers[0], nil)
+	plain, err := zstd.DecodeTo(nil, blob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if om.Config.MediaType != ocispec.MediaTypeImageConfig || om.Layers[0].MediaType != layerfmt.MediaTypeLayer ||
+		oc.RootFS.DiffIDs[0] != digest.FromBytes(plain) || oc.Architecture != "amd64" {
+		t.Errorf("manifest %+v config %+v", om, oc)
 	}
 }
