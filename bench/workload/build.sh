@@ -68,7 +68,6 @@ if [[ $(id -u) != 0 ]]; then
 fi
 
 t_start=$(date +%s)
-: >"$out/build-times.txt"
 log() { printf '[workload %s %s] %s\n' "$variant" "$(date +%H:%M:%S)" "$*" >&2; }
 
 # stage_ok NAME HASH: true when NAME was built from inputs hashing to HASH
@@ -88,7 +87,9 @@ timed() {
 	t0=$(date +%s)
 	"$@"
 	t1=$(date +%s)
-	echo "$name $((t1 - t0))s" >>"$out/build-times.txt"
+	# Kept per stage, so the report after a cached run still shows what
+	# each stage cost when it was last built.
+	echo "$name $((t1 - t0))s (built $(date -u +%FT%TZ))" >"$work/.time-$name"
 }
 hash_of() { printf '%s\n' "$@" | sha256sum | cut -c1-16; }
 hash_files() { cat "$@" | sha256sum | cut -c1-16; }
@@ -432,7 +433,11 @@ fi
 		printf '%s\t%s\t%s\n' "$(basename "$f" .tar)" "$(stat -c %s "$f")" "$(tar -tf "$f" | wc -l)"
 	done
 } >"$out/sizes.txt"
-echo "total $(($(date +%s) - t_start))s" >>"$out/build-times.txt"
+{
+	cat "$work"/.time-* 2>/dev/null
+	echo "this-run $(($(date +%s) - t_start))s"
+} >"$out/build-times.txt"
 log "sizes ($out):"
 awk -F'\t' 'NR>1 {printf "  %-14s %8.1f MiB %7d entries\n", $1, $2/1048576, $3; t+=$2} END {printf "  %-14s %8.1f MiB\n", "total", t/1048576}' "$out/sizes.txt" >&2
-log "build times: $(tr '\n' ' ' <"$out/build-times.txt")"
+log "build times (last build of each stage):"
+sed 's/^/  /' "$out/build-times.txt" >&2
