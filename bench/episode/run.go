@@ -38,6 +38,8 @@ type Result struct {
 	ImageBytes         int64  `json:"image_bytes"`
 	Error              string `json:"error,omitempty"`
 	Output             string `json:"-"`
+	// Container is the container's ID in the env's namespace.
+	Container string `json:"container"`
 }
 
 // System is a way of starting environments.
@@ -110,7 +112,7 @@ func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, t
 		res.Error = err.Error()
 		return res
 	}
-	res.Exit, res.Output = out.ExitCode, out.Stdout+out.Stderr
+	res.Exit, res.Output, res.Container = out.ExitCode, out.Stdout+out.Stderr, out.ID
 	if m := rewardRE.FindAllStringSubmatch(out.Stdout, -1); len(m) > 0 {
 		res.Reward = int(m[len(m)-1][1][0] - '0')
 	}

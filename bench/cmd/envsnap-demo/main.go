@@ -7,12 +7,15 @@ package main
 
 import (
 	"context"
+	"encoding/csv"
 	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -70,7 +73,12 @@ func run(ctx context.Context, tasksPath string, n int) error {
 	}
 
 	step("starting a private registry, containerd and the envsnap daemon")
-	env, err := devenv.Start(ctx, devenv.WithEnvsnap(), devenv.WithDirPrefix("envsnap-demo-"))
+	// Environments start small and grow with their demand (the envlet
+	// shim, with the node arbiter); the report shows the quota changes.
+	// Background fill is off so "fetched" is what each environment needed
+	// (with fill on, the rest of the image follows within seconds).
+	env, err := devenv.Start(ctx, devenv.WithEnvsnap("--fill=false"), devenv.WithDirPrefix("envsnap-demo-"),
+		devenv.WithEnvlet(devenv.EnvletConfig{Policy: map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"}}))
 	if err != nil {
 		return err
 	}
@@ -120,9 +128,11 @@ func run(ctx context.Context, tasksPath string, n int) error {
 	}
 
 	lazy := episode.System{Name: "envsnap", Snapshotter: "envsnap", Runtime: "io.containerd.envlet.v2"}
-	full := episode.System{Name: "overlayfs", Snapshotter: "overlayfs", Runtime: "io.containerd.runc.v2"}
-	step("running %d agent episodes lazily (envsnap snapshotter, envlet shim)", n)
+	// Same runtime and quota policy: only the snapshotter differs.
+	full := episode.System{Name: "overlayfs", Snapshotter: "overlayfs", Runtime: "io.containerd.envlet.v2"}
+	step("running %d agent episodes lazily (envsnap snapshotter, envlet shim starting at 0.25 cores / 256 MiB)", n)
 	var results []episode.Result
+	quotas := map[string]string{}
 	for i, t := range w.Tasks[:n] {
 		r := episode.Run(ctx, env, refs[i], t, lazy, 10*time.Minute)
 		r.ImageBytes = sizes[i]
@@ -130,17 +140,23 @@ func run(ctx context.Context, tasksPath string, n int) error {
 		if r.Error != "" {
 			fmt.Printf("    %s: FAILED: %s\n", t.ID, r.Error)
 		}
+		quotas[t.ID] = quotaChanges(env, r.Container)
 	}
-	step("the same first environment the usual way (full pull + unpack on overlayfs, runc)")
+	step("the same first environment the usual way (full pull + unpack on overlayfs)")
 	base := episode.Run(ctx, env, refs[0], w.Tasks[0], full, 10*time.Minute)
 	base.ImageBytes = sizes[0]
+	baseQuota := quotaChanges(env, base.Container)
 
 	fmt.Println()
 	tw = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "environment\tsystem\tready\tepisode\treward\tfetched when ready\tfetched by the end\timage")
+	fmt.Fprintln(tw, "environment\tsystem\tready\tepisode\treward\tfetched when ready\tfetched by the end\timage\tquota")
 	for _, r := range append(results, base) {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%.1f%%)\t%s\t%s\n", r.Task, r.System, dur(r.Ready), dur(r.Episode), reward(r),
-			mib(r.ReadyRegistryBytes), 100*float64(r.ReadyRegistryBytes)/float64(max(r.ImageBytes, 1)), mib(r.RegistryBytes), mib(r.ImageBytes))
+		q := quotas[r.Task]
+		if r.System != lazy.Name {
+			q = baseQuota
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%.1f%%)\t%s\t%s\t%s\n", r.Task, r.System, dur(r.Ready), dur(r.Episode), reward(r),
+			mib(r.ReadyRegistryBytes), 100*float64(r.ReadyRegistryBytes)/float64(max(r.ImageBytes, 1)), mib(r.RegistryBytes), mib(r.ImageBytes), q)
 	}
 	tw.Flush()
 	if first := results[0]; first.Error == "" && base.Error == "" {
@@ -165,4 +181,35 @@ func reward(r episode.Result) string {
 		return "error"
 	}
 	return fmt.Sprint(r.Reward)
+}
+
+// quotaChanges summarises an environment's quota timeline from the node
+// arbiter: start and peak CPU and memory, and how many changes.
+func quotaChanges(env *devenv.Env, container string) string {
+	out, err := env.EnvsnapCLI("envs", "--timeline", env.Namespace+"/"+container)
+	if err != nil {
+		return "unknown (" + err.Error() + ")"
+	}
+	rows, err := csv.NewReader(strings.NewReader(out)).ReadAll()
+	if err != nil || len(rows) < 2 {
+		return "no timeline"
+	}
+	var cpu0, cpuMax float64
+	var mem0, memMax int64
+	changes := 0
+	for i, row := range rows[1:] {
+		if len(row) < 10 {
+			continue
+		}
+		cpu, _ := strconv.ParseFloat(row[2], 64)
+		mem, _ := strconv.ParseInt(row[3], 10, 64)
+		if i == 0 {
+			cpu0, mem0 = cpu, mem
+		}
+		cpuMax, memMax = max(cpuMax, cpu), max(memMax, mem)
+		if row[9] != "" {
+			changes++
+		}
+	}
+	return fmt.Sprintf("%.2g->%.2g cores, %s->%s (%d changes)", cpu0, cpuMax, mib(mem0), mib(memMax), changes)
 }
