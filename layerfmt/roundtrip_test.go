@@ -265,7 +265,6 @@ func TestRoundTripGoRoot(t *testing.T) {
 	blob, res := roundTrip(t, in)
 	t.Logf("GOROOT: tar %d bytes -> blob %d bytes, %d entries, TOC %d bytes", len(in), len(blob), res.Entries, res.TOCSize)
 
-
 	// The zstd command line tool reads the blob as a tar.zst too.
 	if _, err := exec.LookPath("zstd"); err != nil {
 		t.Log("zstd command not installed; skipping its check")
