@@ -2,6 +2,8 @@
 # external tools (containerd, runc, registry, crictl) depends on `deps`,
 # which installs them idempotently into bin/tools.
 
+SHELL   := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
 GO      ?= go
 BIN     := $(CURDIR)/bin
 TOOLS   := $(BIN)/tools
@@ -44,8 +46,17 @@ test: deps build vet unit e2e fuzz
 demo: deps build
 	$(GO) run ./bench/cmd/envsnap-demo
 
+# Micro-benchmarks (format, fetcher, FUSE, sampler), then the end-to-end
+# benchmarks gated by ENVSNAP_BENCH=1, then the headline benchmark, which
+# regenerates docs/benchmarks.md and its plots. Raw output in bench/out.
+MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/
+BENCH_ARGS ?=
+
 bench: deps build
-	$(GO) run ./bench/cmd/envsnap-bench
+	@mkdir -p bench/out
+	$(GO) run ./bench/cmd/envsnap-bench $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
+	$(GO) test -count=1 -run '^$$' -bench . -benchmem $(MICRO_BENCH_PKGS) 2>&1 | tee bench/out/micro.txt
+	ENVSNAP_BENCH=1 $(GO) test -count=1 -p 1 -timeout 90m -v -run '^TestBench' -bench . -benchtime 1x ./tests/... 2>&1 | tee bench/out/e2e.txt
 
 clean:
 	rm -rf $(BIN)
