@@ -78,6 +78,15 @@ func TestLinkShapesBandwidth(t *testing.T) {
 			if ratio > 1.1 {
 				t.Errorf("throughput %.3f of the htb rate: not shaped", ratio)
 			}
+			// Side by side: the same veth without the qdiscs, to tell the
+			// cap from what the CPU allows right now.
+			for _, dev := range [][]string{{"qdisc", "del", "dev", l.HostIf, "root"}, {"-n", l.Name, "qdisc", "del", "dev", l.NSIf, "root"}} {
+				if out, err := exec.Command("tc", dev...).CombinedOutput(); err != nil {
+					t.Fatalf("tc %v: %v: %s", dev, err, out)
+				}
+			}
+			_, raw := download(t, ln.Addr().String())
+			t.Logf("same veth without htb: %.0f Mbit/s (shaped/unshaped %.3f)", raw/1e6, rate/raw)
 		})
 	}
 }
