@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -173,7 +174,19 @@ func cleanupMount(t testing.TB, mnt string, srv *Server) {
 	select {
 	case <-done:
 	case <-time.After(30 * time.Second):
-		t.Errorf("FUSE server for %s still serving 30s after unmount", mnt)
+		t.Errorf("FUSE server for %s still serving 30s after unmount; aborting the connection", mnt)
+		abortConnection(t, srv.dev)
+	}
+}
+
+// abortConnection fails every request of a FUSE connection, so that a
+// failed test leaves no process stuck in the kernel. It needs fusectl
+// mounted at /sys/fs/fuse/connections.
+func abortConnection(t testing.TB, dev uint64) {
+	t.Helper()
+	p := fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", unix.Minor(dev))
+	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+		t.Logf("abort FUSE connection: %v (mount fusectl to let failed tests clean up)", err)
 	}
 }
 

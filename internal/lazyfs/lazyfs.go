@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"syscall"
@@ -114,8 +115,12 @@ type Server struct {
 	dev        uint64 // st_dev of the mounted root: tells our mount from whatever is there later
 	srv        *fuse.Server
 	layer      *layer
-	devFD      bool
 	metrics    *collector
+	// fd is our own descriptor of the FUSE connection (-1 when
+	// fusermount3 made the mount): what Handover duplicates.
+	fd int
+	// viaHelper is set when go-fuse mounted through fusermount3.
+	viaHelper bool
 
 	unmountMu sync.Mutex
 	unmounted bool
@@ -178,36 +183,52 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 		return nil, err
 	}
 	fsOpts := fsOptions(o)
-	raw := fs.NewNodeFS(l.root(), fsOpts)
+	var raw fuse.RawFileSystem = fs.NewNodeFS(l.root(), fsOpts)
+	mo := &fsOpts.MountOptions
 
-	target := mountpoint
-	if o.devFD >= 0 {
-		var st unix.Stat_t
-		if err := unix.Fstat(o.devFD, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR {
-			return nil, fmt.Errorf("lazyfs: fd %d is not an open /dev/fuse (%v)", o.devFD, err)
+	m := &Server{mountpoint: mountpoint, layer: l, fd: -1}
+	switch {
+	case o.takeover != nil:
+		m.fd = o.takeover.FD
+		m.srv, err = takeOver(newTakeoverFS(raw), *o.takeover, mo)
+	case o.devFD >= 0:
+		m.fd = o.devFD
+		m.srv, err = serveFD(raw, o.devFD, mo)
+	default:
+		if os.Geteuid() == 0 {
+			if m.fd, err = mountFUSE(mountpoint, o.fsName); err == nil {
+				if m.srv, err = serveFD(raw, m.fd, mo); err != nil {
+					_ = unix.Unmount(mountpoint, unix.MNT_DETACH)
+				}
+				break
+			}
+			log.G(ctx).WithError(err).Warn("lazyfs: mount(2) failed, trying fusermount3")
 		}
-		target = fmt.Sprintf("/dev/fd/%d", o.devFD)
-		// go-fuse tries DirectMount before it recognises "/dev/fd/N":
-		// left on, it would mount a new filesystem over the path the
-		// magic name resolves to, which is /dev/fuse itself.
-		fsOpts.MountOptions.DirectMount = false
+		m.fd = -1
+		m.viaHelper = true
+		m.srv, err = fuse.NewServer(raw, mountpoint, mo)
 	}
-	srv, err := fuse.NewServer(raw, target, &fsOpts.MountOptions)
 	if err != nil {
+		if m.fd >= 0 {
+			unix.Close(m.fd)
+		}
 		return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
 	}
-	go srv.Serve()
-	if err := srv.WaitMount(); err != nil {
-		if o.devFD < 0 {
-			_ = srv.Unmount()
-		}
+	go m.srv.Serve()
+	if err := m.srv.WaitMount(); err != nil {
+		_ = m.unmount()
 		return nil, fmt.Errorf("lazyfs: wait for mount %s: %w", mountpoint, err)
 	}
 
-	m := &Server{mountpoint: mountpoint, srv: srv, layer: l, devFD: o.devFD >= 0}
+	if !m.viaHelper {
+		if err := disablePoll(mountpoint); err != nil {
+			_ = forceUnmount(mountpoint)
+			return nil, fmt.Errorf("lazyfs: disable poll on %s: %w", mountpoint, err)
+		}
+	}
 	var st unix.Stat_t
 	if err := unix.Stat(mountpoint, &st); err != nil {
-		_ = m.unmount()
+		_ = forceUnmount(mountpoint)
 		return nil, fmt.Errorf("lazyfs: stat mounted %s: %w", mountpoint, err)
 	}
 	m.dev = st.Dev
@@ -227,6 +248,69 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 	return m, nil
 }
 
+// mountFUSE mounts a new FUSE connection at mountpoint with mount(2) and
+// returns its /dev/fuse descriptor. lazyfs mounts itself rather than
+// through go-fuse's DirectMount so that it holds the descriptor, which a
+// successor process needs to take the mount over (Handover).
+func mountFUSE(mountpoint, fsName string) (int, error) {
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open /dev/fuse: %w", err)
+	}
+	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=%d,group_id=%d,default_permissions,allow_other,max_read=%d",
+		fd, os.Geteuid(), os.Getegid(), maxRequest)
+	// nosuid/nodev do not affect containers: overlayfs checks the flags
+	// of its own mount when executing or opening a device, not those of
+	// the lower layers.
+	if err := unix.Mount(fsName, mountpoint, "fuse."+fuseSubtype, unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("mount(2) %s: %w", mountpoint, err)
+	}
+	return fd, nil
+}
+
+// disablePoll makes the kernel stop sending POLL for files of the mount,
+// as go-fuse does in WaitMount only for mounts it made itself. Otherwise
+// the first os.Open of a file in the mount by this process registers it
+// with Go's netpoller: epoll_ctl then waits in the kernel for our answer to
+// POLL while holding its P, and the next GC stop-the-world deadlocks the
+// whole daemon (seen here in tests: processes stuck in D state until the
+// connection was aborted). go-fuse answers POLL on its magic file with
+// ENOSYS, after which the kernel never asks again on this connection.
+func disablePoll(mountpoint string) error {
+	fd, err := unix.Open(filepath.Join(mountpoint, ".go-fuse-epoll-hack"), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	_, err = unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLPRI | unix.POLLOUT}}, 0)
+	return err
+}
+
+// serveFD starts go-fuse on a connection that is mounted but whose INIT is
+// not answered yet, through its "/dev/fd/N" mode. go-fuse gets (and
+// closes) a duplicate; fd stays ours.
+func serveFD(raw fuse.RawFileSystem, fd int, mo *fuse.MountOptions) (*fuse.Server, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR {
+		return nil, fmt.Errorf("fd %d is not an open /dev/fuse (%v)", fd, err)
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("dup /dev/fuse descriptor: %w", err)
+	}
+	// go-fuse tries DirectMount before it recognises "/dev/fd/N"; left
+	// on, it would mount a new filesystem over the path the magic name
+	// resolves to, which is /dev/fuse itself.
+	opts := *mo
+	opts.DirectMount = false
+	srv, err := fuse.NewServer(raw, fmt.Sprintf("/dev/fd/%d", dup), &opts)
+	if err != nil {
+		return nil, fmt.Errorf("serve /dev/fuse descriptor: %w", err)
+	}
+	return srv, nil
+}
+
 // Mountpoint returns the directory the layer is mounted on.
 func (m *Server) Mountpoint() string { return m.mountpoint }
 
@@ -243,6 +327,10 @@ func (m *Server) Unmount() error {
 		return err
 	}
 	m.unmounted = true
+	if m.fd >= 0 {
+		unix.Close(m.fd)
+		m.fd = -1
+	}
 	if m.metrics != nil {
 		m.layer.opts.registerer.Unregister(m.metrics)
 	}
@@ -257,7 +345,7 @@ func (m *Server) unmount() error {
 	if err == nil || !m.mounted() {
 		return nil
 	}
-	if errors.Is(err, unix.EPERM) && !m.devFD {
+	if errors.Is(err, unix.EPERM) && m.viaHelper {
 		// Not root: the fusermount3 helper can unmount what it mounted.
 		if ferr := m.srv.Unmount(); ferr == nil {
 			return nil

@@ -46,6 +46,7 @@ type options struct {
 	devFD       int
 	registerer  prometheus.Registerer
 	layerLabel  string
+	takeover    *Handover
 }
 
 func defaultOptions() options {

@@ -1,0 +1,261 @@
+package lazyfs
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// stuckSource hangs forever on one chunk, like a fetch that was in flight
+// when the daemon died.
+type stuckSource struct {
+	*blobSource
+	stuck chunkKey
+	onHit func()
+}
+
+func (s *stuckSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	if keyOf(c) == s.stuck {
+		s.onHit()
+		select {}
+	}
+	return s.blobSource.ReadChunk(ctx, c)
+}
+
+// TestTakeoverChild is the first daemon of TestTakeover, run as a separate
+// process so that it can die the way a daemon does.
+func TestTakeoverChild(t *testing.T) {
+	if os.Getenv("LAZYFS_TAKEOVER_CHILD") == "" {
+		t.Skip("helper process of TestTakeover")
+	}
+	blob, err := os.ReadFile(os.Getenv("LAZYFS_BLOB"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	toc, err := layerfmt.ReadTOC(context.Background(), bytes.NewReader(blob), int64(len(blob)), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	frame, _ := strconv.ParseInt(os.Getenv("LAZYFS_STUCK_FRAME"), 10, 64)
+	off, _ := strconv.ParseInt(os.Getenv("LAZYFS_STUCK_OFF"), 10, 64)
+	src := &stuckSource{blobSource: newBlobSource(bytes.NewReader(blob)), stuck: chunkKey{frame, off}, onHit: func() { fmt.Println("STUCK") }}
+	srv, err := Mount(context.Background(), os.Getenv("LAZYFS_MNT"), toc, src, WithDevFD(3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := srv.Handover()
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(h.FD) // the test process already holds the connection
+	fmt.Printf("INIT %x\n", h.Init)
+	select {} // serve until killed
+}
+
+// TestTakeover kills a serving daemon in the middle of a read and lets a
+// new server take over the live connection: open files, cached dentries,
+// an open directory stream and the interrupted read keep working, without
+// an unmount.
+func TestTakeover(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	blobPath := filepath.Join(t.TempDir(), "blob")
+	if err := os.WriteFile(blobPath, f.blob, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	idx, _ := f.toc.Lookup("data/big")
+	chunks := f.toc.Chunks(idx)
+	stuck := chunks[5]
+
+	// Mount as a privileged parent would, keeping the connection's fd.
+	mnt := t.TempDir()
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read=%d", fd, maxRequest)
+	if err := unix.Mount("envsnap-takeover", mnt, "fuse.envsnap", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	// One cleanup, in the only safe order: files open on a connection
+	// nobody serves would hang in close, so either the new server is
+	// there (close files, then unmount) or the connection is aborted
+	// first (closing the last /dev/fuse descriptor does that).
+	var (
+		srv    *Server
+		opened []*os.File
+	)
+	t.Cleanup(func() {
+		if srv == nil {
+			unix.Close(fd)
+		} else if t.Failed() {
+			// A request may be left unanswered (that is what failed).
+			abortConnection(t, srv.dev)
+		}
+		for _, f := range opened {
+			f.Close()
+		}
+		if srv != nil {
+			cleanupMount(t, mnt, srv)
+		} else {
+			_ = forceUnmount(mnt)
+		}
+	})
+	open := func(p string) *os.File {
+		t.Helper()
+		f, err := os.Open(filepath.Join(mnt, p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		opened = append(opened, f)
+		return f
+	}
+
+	childFD, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
+	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
+		fmt.Sprintf("LAZYFS_STUCK_FRAME=%d", stuck.Offset), fmt.Sprintf("LAZYFS_STUCK_OFF=%d", stuck.FrameOffset))
+	cmd.ExtraFiles = []*os.File{os.NewFile(uintptr(childFD), "fuse")}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(childFD)
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
+
+	lines := make(chan string, 16)
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		close(lines)
+	}()
+	waitLine := func(prefix string) string {
+		t.Helper()
+		timeout := time.After(60 * time.Second)
+		for {
+			select {
+			case l, ok := <-lines:
+				if !ok {
+					t.Fatalf("first server exited before printing %q", prefix)
+				}
+				if strings.HasPrefix(l, prefix) {
+					return strings.TrimPrefix(l, prefix)
+				}
+			case <-timeout:
+				t.Fatalf("first server did not print %q", prefix)
+			}
+		}
+	}
+	init, err := hex.DecodeString(strings.TrimSpace(waitLine("INIT ")))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// State the kernel builds with the first server.
+	passwd := open("etc/passwd")
+	big := open("data/big")
+	if err := unix.Fadvise(int(big.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+		t.Fatal(err)
+	}
+	want := bigData()
+	buf := make([]byte, 100)
+	if _, err := big.ReadAt(buf, chunks[1].FileOffset); err != nil || !bytes.Equal(buf, want[chunks[1].FileOffset:][:100]) {
+		t.Fatalf("read before takeover: %v", err)
+	}
+	dir := open("bin")
+	firstNames, err := dir.Readdirnames(-1)
+	if err != nil || len(firstNames) != 6 {
+		t.Fatalf("readdir before takeover: %v %v", firstNames, err)
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "usr")); err != nil {
+		t.Fatal(err)
+	}
+
+	// A read the first server will never answer.
+	type result struct {
+		b   []byte
+		err error
+	}
+	stuckRead := make(chan result, 1)
+	go func() {
+		b := make([]byte, 100)
+		_, err := big.ReadAt(b, stuck.FileOffset+10)
+		stuckRead <- result{b, err}
+	}()
+	waitLine("STUCK")
+
+	// The first daemon dies; the test process still holds the connection.
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+
+	src := newBlobSource(bytes.NewReader(f.blob))
+	srv, err = Mount(context.Background(), mnt, f.toc, src, WithTakeover(Handover{FD: fd, Init: init}))
+	if err != nil {
+		t.Fatalf("take over: %v", err)
+	}
+
+	select {
+	case r := <-stuckRead:
+		if r.err != nil || !bytes.Equal(r.b, want[stuck.FileOffset+10:][:100]) {
+			t.Errorf("interrupted read after takeover: %v", r.err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the read in flight when the first server died was not resent")
+	}
+	// A file opened from the first server, new chunk.
+	if _, err := big.ReadAt(buf, chunks[9].FileOffset); err != nil || !bytes.Equal(buf, want[chunks[9].FileOffset:][:100]) {
+		t.Errorf("read of a file opened before takeover: %v", err)
+	}
+	if got, err := os.ReadFile(filepath.Join(mnt, "usr/kept")); err != nil || string(got) != "kept" {
+		t.Errorf("lookup under a directory found by the first server: %q %v", got, err)
+	}
+	if _, err := dir.Seek(0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if names, err := dir.Readdirnames(-1); err != nil || len(names) != len(firstNames) {
+		t.Errorf("directory stream opened before takeover: %v %v", names, err)
+	}
+	if got, err := os.ReadFile(filepath.Join(mnt, "redo/fresh")); err != nil || string(got) != "fresh" {
+		t.Errorf("new lookup: %q %v", got, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(mnt, "bin/ls"), &st); err != nil || st.Nlink != 3 {
+		t.Errorf("stat after takeover: nlink %d %v", st.Nlink, err)
+	}
+	if got := make([]byte, 4); true {
+		if _, err := passwd.ReadAt(got, 0); err != nil || string(got) != "root" {
+			t.Errorf("file opened before takeover: %q %v", got, err)
+		}
+	}
+	if srv.Stats().Ops["read"].Count == 0 {
+		t.Error("the new server served no reads")
+	}
+}
