@@ -119,7 +119,13 @@ func LayerTar(files []File) ([]byte, error) {
 			return nil, err
 		}
 		name := strings.TrimPrefix(p, "/")
-		mode := int64(f.Mode.Perm() | f.Mode&(os.ModeSetuid|os.ModeSetgid|os.ModeSticky))
+		mode := int64(f.Mode.Perm())
+		// Go's fs.FileMode keeps these bits high; tar wants the Unix ones.
+		for bit, unix := range map[os.FileMode]int64{os.ModeSetuid: 0o4000, os.ModeSetgid: 0o2000, os.ModeSticky: 0o1000} {
+			if f.Mode&bit != 0 {
+				mode |= unix
+			}
+		}
 		switch {
 		case f.Dir:
 			if mode == 0 {
