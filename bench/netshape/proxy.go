@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/containerd/log"
+	"golang.org/x/sync/semaphore"
 )
 
 // Defaults for a LatencyProxy.
@@ -239,94 +240,124 @@ type chunk struct {
 // rate limit the leave time is also pushed back so that chunks leave no
 // faster than the rate (serialisation delay), measured on a virtual clock
 // so that timer slack does not accumulate into a lower rate.
+//
+// Bytes in flight are bounded by queueBytes, counted in bytes rather than
+// chunks: on a busy machine reads return small pieces, and a bound in
+// chunks would then hold less than the bandwidth-delay product and cap
+// throughput below the link's rate.
 func (p *LatencyProxy) pipe(src, dst net.Conn, counter *atomic.Int64) {
-	// The channel holds chunks; the semaphore bounds queued bytes.
-	queue := make(chan chunk, p.cfg.queueBytes/p.cfg.chunkSize+1)
-	credit := make(chan struct{}, p.cfg.queueBytes/p.cfg.chunkSize+1)
-
+	inflight := semaphore.NewWeighted(int64(p.cfg.queueBytes))
+	queue := make(chan chunk, 1024)
 	pool := &sync.Pool{New: func() any { return make([]byte, p.cfg.chunkSize) }}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		p.writeLoop(dst, src, queue, credit, pool, counter)
+		p.writeLoop(dst, src, queue, inflight, pool, counter)
+	}()
+	defer func() {
+		close(queue)
+		<-done
 	}()
 
+	size := int64(p.cfg.chunkSize)
 	for {
-		select {
-		case credit <- struct{}{}:
-		case <-p.ctx.Done():
-			close(queue)
-			<-done
-			return
-		case <-done:
-			// The writer failed; stop reading.
+		if err := inflight.Acquire(p.ctx, size); err != nil {
 			return
 		}
 		buf := pool.Get().([]byte)
 		n, err := src.Read(buf)
 		now := time.Now()
+		inflight.Release(size - int64(n))
 		if n > 0 {
 			queue <- chunk{buf: buf[:n], due: now.Add(p.cfg.oneWay)}
 		} else {
 			pool.Put(buf)
-			<-credit
 		}
 		if err != nil {
 			queue <- chunk{due: now.Add(p.cfg.oneWay), err: err}
-			close(queue)
-			<-done
 			return
 		}
 	}
 }
 
-func (p *LatencyProxy) writeLoop(dst, src net.Conn, queue <-chan chunk, credit <-chan struct{}, pool *sync.Pool, counter *atomic.Int64) {
+// writeLoop releases queued chunks to dst when due. After a failure it
+// keeps draining the queue so the reader never blocks on it.
+func (p *LatencyProxy) writeLoop(dst, src net.Conn, queue <-chan chunk, inflight *semaphore.Weighted, pool *sync.Pool, counter *atomic.Int64) {
 	var next time.Time // virtual clock of the rate limiter
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	failed := false
+	fail := func() {
+		failed = true
+		src.Close()
+		dst.Close()
+	}
 	for c := range queue {
-		due := c.due
-		if p.cfg.rate > 0 && len(c.buf) > 0 {
-			// A chunk starts leaving when it is due and the previous one
-			// has left; it has left after len/rate.
-			if next.Before(due) {
-				next = due
+		if len(c.buf) > 0 {
+			release := func() {
+				inflight.Release(int64(len(c.buf)))
+				pool.Put(c.buf[:cap(c.buf)])
 			}
-			next = next.Add(time.Duration(int64(len(c.buf)) * int64(time.Second) / p.cfg.rate))
-			due = next
-		}
-		if wait := time.Until(due); wait > 0 {
-			timer.Reset(wait)
-			select {
-			case <-timer.C:
-			case <-p.ctx.Done():
-				return
+			if failed {
+				release()
+				continue
 			}
-		}
-		if c.err != nil {
-			// Pass the end of the stream on as a half close so that
-			// request/response protocols see it; on a read error
-			// close both ends.
-			if errors.Is(c.err, io.EOF) {
-				if cw, ok := dst.(interface{ CloseWrite() error }); ok {
-					cw.CloseWrite()
-					return
+			due := c.due
+			if p.cfg.rate > 0 {
+				// A chunk starts leaving when it is due and the previous
+				// one has left; it has left after len/rate.
+				if next.Before(due) {
+					next = due
 				}
+				next = next.Add(time.Duration(int64(len(c.buf)) * int64(time.Second) / p.cfg.rate))
+				due = next
 			}
-			dst.Close()
-			src.Close()
-			return
+			if !p.sleepUntil(timer, due) {
+				fail()
+				release()
+				continue
+			}
+			// Counted when released, so a reader that has the bytes also
+			// sees them in Stats.
+			counter.Add(int64(len(c.buf)))
+			_, err := dst.Write(c.buf)
+			release()
+			if err != nil {
+				fail()
+			}
+			continue
 		}
-		// Counted when released, so a reader that has the bytes also
-		// sees them in Stats.
-		counter.Add(int64(len(c.buf)))
-		if _, err := dst.Write(c.buf); err != nil {
-			src.Close()
-			dst.Close()
-			<-credit
-			return
+		if c.err == nil || failed {
+			continue
 		}
-		pool.Put(c.buf[:cap(c.buf)])
-		<-credit
+		if !p.sleepUntil(timer, c.due) {
+			fail()
+			continue
+		}
+		// Pass the end of the stream on as a half close so that
+		// request/response protocols see it; on a read error close both
+		// ends.
+		if errors.Is(c.err, io.EOF) {
+			if cw, ok := dst.(interface{ CloseWrite() error }); ok {
+				cw.CloseWrite()
+				continue
+			}
+		}
+		fail()
+	}
+}
+
+// sleepUntil waits for t; false when the proxy is closing.
+func (p *LatencyProxy) sleepUntil(timer *time.Timer, t time.Time) bool {
+	wait := time.Until(t)
+	if wait <= 0 {
+		return p.ctx.Err() == nil
+	}
+	timer.Reset(wait)
+	select {
+	case <-timer.C:
+		return true
+	case <-p.ctx.Done():
+		return false
 	}
 }
