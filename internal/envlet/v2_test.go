@@ -27,6 +27,24 @@ func TestControllerV2Tree(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// rewrite replaces same-length content with one pwrite, as the kernel
+	// updates memory.events atomically: os.WriteFile truncates first, and
+	// the inotify event of the truncation would wake the controller on an
+	// empty file.
+	rewrite := func(name, v string) {
+		t.Helper()
+		f, err := os.OpenFile(filepath.Join(dir, name), os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if fi, _ := f.Stat(); fi.Size() != int64(len(v)) {
+			t.Fatalf("rewrite %s: %d bytes over %d", name, len(v), fi.Size())
+		}
+		if _, err := f.WriteAt([]byte(v), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
 	read := func(name string) string {
 		t.Helper()
 		b, err := os.ReadFile(filepath.Join(dir, name))
@@ -86,7 +104,7 @@ func TestControllerV2Tree(t *testing.T) {
 	// the limit grows memory x4, bounded by the 600 MiB cap, and
 	// memory.max is held at the cap.
 	write("memory.current", "209715200\n")
-	write("memory.events", "low 0\nhigh 5\nmax 0\noom 0\noom_kill 0\n")
+	rewrite("memory.events", "low 0\nhigh 5\nmax 0\noom 0\noom_kill 0\n")
 	waitTL(2)
 	p := c.Timeline()[1]
 	if p.Wake != "event" || !strings.Contains(p.Actions, "mem x4") {
