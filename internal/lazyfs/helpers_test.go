@@ -173,9 +173,18 @@ func cleanupMount(t testing.TB, mnt string, srv *Server) {
 	go func() { srv.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(30 * time.Second):
-		t.Errorf("FUSE server for %s still serving 30s after unmount; aborting the connection", mnt)
+	case <-time.After(10 * time.Second):
+		// Not necessarily a bug: a mount namespace created (with private
+		// propagation) while the layer was mounted keeps a copy of the
+		// mount, and the connection serves it until that namespace
+		// lets go. Other engineers' sandboxes on this machine do that.
+		t.Logf("FUSE server for %s still serving 10s after unmount (copy held by another mount namespace?); aborting the connection", mnt)
 		abortConnection(t, srv.dev)
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Errorf("FUSE server for %s still serving after abort", mnt)
+		}
 	}
 }
 
