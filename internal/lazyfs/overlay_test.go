@@ -1,10 +1,14 @@
 package lazyfs
 
 import (
+	"archive/tar"
+	"bytes"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -120,4 +124,70 @@ func TestOverlayLowerLayer(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(mnt, "etc/passwd"), []byte("x"), 0o644); errnoOf(err) != unix.EROFS {
 		t.Errorf("write to the layer: %v, want EROFS", err)
 	}
+}
+
+// TestOverlaySetuidExec: the FUSE mount is nosuid, which must not matter
+// to containers: overlayfs applies its own mount's flags when executing.
+func TestOverlaySetuidExec(t *testing.T) {
+	requireFUSE(t)
+	id, err := exec.LookPath("id")
+	if err != nil {
+		t.Skip("no id(1)")
+	}
+	bin, err := os.ReadFile(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	blob, toc := convert(t, bytes.NewReader(buildTar(t, []tarFile{
+		{hdr: hdr(tar.TypeReg, "suid-id", 0o4755), data: bin},
+	})))
+	mnt, _ := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
+	merged := mountOverlay(t, mnt)
+
+	run := func(p string) string {
+		cmd := exec.Command(p, "-u")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("run %s as nobody: %v", p, err)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	if got := run(filepath.Join(merged, "suid-id")); got != "0" {
+		t.Errorf("setuid-root binary through overlay runs with euid %s, want 0", got)
+	}
+	// The same file straight from the FUSE mount does not get root: the
+	// check above is about overlayfs, not a lax lower mount.
+	if got := run(filepath.Join(mnt, "suid-id")); got != "65534" {
+		t.Errorf("setuid binary on the nosuid FUSE mount runs with euid %s, want 65534", got)
+	}
+}
+
+// mountOverlay mounts overlayfs with lower as its only lower layer and
+// returns the merged directory, reachable by unprivileged users.
+func mountOverlay(t *testing.T, lower string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for _, d := range []string{dir, filepath.Dir(dir), filepath.Dir(lower), filepath.Dir(filepath.Dir(lower))} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	upper, work, merged := filepath.Join(dir, "upper"), filepath.Join(dir, "work"), filepath.Join(dir, "merged")
+	for _, d := range []string{upper, work, merged} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	opts := "lowerdir=" + lower + ",upperdir=" + upper + ",workdir=" + work
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		t.Fatalf("mount overlay %s: %v", opts, err)
+	}
+	t.Cleanup(func() {
+		if err := unix.Unmount(merged, 0); err != nil {
+			t.Errorf("unmount overlay: %v", err)
+			_ = unix.Unmount(merged, unix.MNT_DETACH)
+		}
+	})
+	return merged
 }
