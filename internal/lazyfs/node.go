@@ -107,7 +107,10 @@ func (l *layer) resolveChild(dir, k int) (c child, name string, ok bool) {
 		return child{}, "", false
 	}
 	if target, isWh := strings.CutPrefix(base, whiteoutPrefix); isWh {
-		if target == "" || target == "." || target == ".." || len(target) > nameMax || strings.Contains(target, "/") {
+		// ".wh..wh.*" names are OCI's reserved markers, not whiteouts of
+		// ".wh.*" files (which could never be looked up anyway).
+		if target == "" || target == "." || target == ".." || len(target) > nameMax ||
+			strings.Contains(target, "/") || strings.HasPrefix(target, whiteoutPrefix) {
 			return child{}, "", false
 		}
 		// OCI: a whiteout only applies to lower layers; an entry of the
