@@ -36,6 +36,7 @@ import (
 	"github.com/containerd/containerd/v2/plugins/snapshots/overlay"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"github.com/moby/sys/mountinfo"
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
@@ -263,6 +264,13 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 		}
 		log.G(ctx).WithError(err).WithField("layer", l.dgst).Warn("lazy layer mount failed its check; remounting")
 		s.unmountLocked(ctx, l)
+	}
+	// The FileSystem may already serve this mountpoint: a mount it took
+	// over from the previous daemon, with containers still reading it.
+	// Detaching that would break them.
+	if err := s.fs.Check(ctx, l.mountpoint, labels); err == nil {
+		l.mounted, l.lastErr = true, nil
+		return nil
 	}
 	if stale(l.mountpoint) {
 		// Left by a previous daemon that could not unmount it because a
@@ -545,11 +553,10 @@ func (s *Snapshotter) Layers() []LayerStatus {
 	return out
 }
 
-// Close unmounts every layer mount and closes the metadata store. A layer
-// still used by a running container's rootfs cannot be unmounted cleanly
-// (EBUSY); that is logged, and those containers lose their lazy layers when
-// the daemon exits (keeping them alive across restarts is a later step).
-// Close is idempotent.
+// Close unmounts every layer mount no container's snapshot uses and closes
+// the metadata store. Layers below active or view snapshots stay mounted
+// for the containers using them (a restarted daemon takes them over, see
+// layerstore.Restore). Close is idempotent.
 func (s *Snapshotter) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -563,12 +570,78 @@ func (s *Snapshotter) Close() error {
 	}
 	s.mu.Unlock()
 	ctx := context.Background()
+	inUse := s.layersInUse(ctx)
 	for _, l := range ls {
+		if inUse[l.dgst] {
+			// Overlayfs holds private clones of its lower mounts, so
+			// unmounting would succeed under a running container
+			// and its FUSE connection would die with this process.
+			// Left mounted, the connection is kept alive by the
+			// descriptor keeper (if any) for the next daemon.
+			log.G(ctx).WithField("layer", l.dgst).Info("leaving layer mounted: a container's rootfs uses it")
+			continue
+		}
 		l.mu.Lock()
 		s.unmountLocked(ctx, l)
 		l.mu.Unlock()
 	}
 	return s.Snapshotter.Close()
+}
+
+// layersInUse returns the lazy layers some other mount uses: an overlay
+// (a container's rootfs) with the layer's snapshot directory, which is a
+// symlink to the layer mount, among its lower directories, or a bind mount
+// of the layer (a single-layer view). Mounts are what count, not snapshot
+// metadata: containerd removes deleted snapshots from the backend only at
+// its next garbage collection. If mountinfo cannot be read, every layer
+// counts as used: leaving a mount behind is recoverable, breaking a
+// running container is not.
+func (s *Snapshotter) layersInUse(ctx context.Context) map[digest.Digest]bool {
+	used := map[digest.Digest]bool{}
+	byMountpoint := map[string]digest.Digest{}
+	s.mu.Lock()
+	for d, l := range s.layers {
+		byMountpoint[l.mountpoint] = d
+	}
+	s.mu.Unlock()
+	infos, err := mountinfo.GetMounts(nil)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("read mountinfo to find layers in use; leaving every layer mounted")
+		for _, d := range byMountpoint {
+			used[d] = true
+		}
+		return used
+	}
+	byDev := map[[2]int]digest.Digest{}
+	for _, m := range infos {
+		if d, ok := byMountpoint[m.Mountpoint]; ok {
+			byDev[[2]int{m.Major, m.Minor}] = d
+		}
+	}
+	for _, m := range infos {
+		if d, ok := byDev[[2]int{m.Major, m.Minor}]; ok && byMountpoint[m.Mountpoint] != d {
+			used[d] = true
+		}
+		if m.FSType != "overlay" {
+			continue
+		}
+		for _, opt := range strings.Split(m.VFSOptions, ",") {
+			k, v, _ := strings.Cut(opt, "=")
+			if k != "lowerdir" && k != "lowerdir+" && k != "datadir+" {
+				continue
+			}
+			for _, dir := range strings.Split(v, ":") {
+				target := dir
+				if t, err := os.Readlink(dir); err == nil {
+					target = t
+				}
+				if d, ok := byMountpoint[target]; ok {
+					used[d] = true
+				}
+			}
+		}
+	}
+	return used
 }
 
 // stale reports whether something is mounted at p that this process did not

@@ -5,6 +5,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/signal"
 	"syscall"
 	"time"
@@ -28,6 +29,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
 		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
+		&cli.BoolFlag{Name: "keep-mounts", Value: true, Usage: "keep layer mounts (and the containers reading them) alive across restarts with a descriptor keeper process"},
 		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
 	},
 	Action: runServe,
@@ -60,6 +62,13 @@ func runServe(ctx context.Context, c *cli.Command) error {
 			return fmt.Errorf("--cache-size: %w", err)
 		}
 		cfg.CacheSize = daemon.Size(n)
+	}
+	if c.Bool("keep-mounts") {
+		self, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("find own binary for the descriptor keeper: %w", err)
+		}
+		cfg.KeeperBinary = self
 	}
 	if err := log.SetLevel(cfg.LogLevel); err != nil {
 		return fmt.Errorf("log level: %w", err)

@@ -56,6 +56,13 @@ type Config struct {
 	ReadTimeout Duration `toml:"read_timeout"`
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
+
+	// KeeperBinary is the containerd-envsnap binary to start the
+	// descriptor keeper with (`fdstore --socket <KeeperSocket>`), which
+	// keeps layer mounts alive across restarts of the daemon. Set by the
+	// serve command, not the file; empty runs without a keeper (mounts
+	// then die with the daemon).
+	KeeperBinary string `toml:"-"`
 }
 
 // DefaultConfig returns the configuration used when nothing is set.
@@ -113,6 +120,13 @@ func (c *Config) Validate() error {
 
 // StatusSocket is the local HTTP socket of a daemon serving address.
 func StatusSocket(address string) string { return address + StatusSocketSuffix }
+
+// KeeperSocketSuffix is appended to the gRPC address for the socket of the
+// descriptor keeper, so a restarted daemon finds its predecessor's.
+const KeeperSocketSuffix = ".fdstore"
+
+// KeeperSocket returns the descriptor keeper's socket for a daemon address.
+func KeeperSocket(address string) string { return address + KeeperSocketSuffix }
 
 // Size is a byte count written as an integer or with a binary or decimal
 // unit suffix ("10GiB", "500MB").

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/internal/registry"
@@ -54,6 +55,17 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("register fetch metrics: %w", err)
 	}
+	var keeper *fdstore.Client
+	if cfg.KeeperBinary != "" {
+		// Without the keeper the daemon still serves; only restarts
+		// then break running containers.
+		if keeper, err = fdstore.Start(KeeperSocket(cfg.Address), cfg.KeeperBinary, "fdstore", "--socket", KeeperSocket(cfg.Address)); err != nil {
+			log.G(ctx).WithError(err).Error("no descriptor keeper: layer mounts will not survive a restart of the daemon")
+			keeper = nil
+		} else {
+			defer keeper.Close()
+		}
+	}
 	hosts := registry.ConfigureHosts(ctx, registry.Options{HostsDir: cfg.HostsDir, DockerConfig: cfg.DockerConfig})
 	store, err := layerstore.New(layerstore.Config{
 		Hosts:        hosts,
@@ -62,14 +74,23 @@ func Run(ctx context.Context, cfg Config) error {
 		ReadTimeout:  time.Duration(cfg.ReadTimeout),
 		Registerer:   reg,
 		FetchMetrics: fetchMetrics,
+		Keeper:       keeper,
 	})
 	if err != nil {
 		return err
+	}
+	// Take over the mounts a previous daemon left running before the
+	// snapshotter restores its layers, so it finds them served instead
+	// of detaching them from the containers using them.
+	restored, err := store.Restore(ctx)
+	if err != nil {
+		log.G(ctx).WithError(err).Error("take over layer mounts of the previous daemon")
 	}
 	sn, err := snapshotter.New(ctx, cfg.Root, store)
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}
+	unmountOrphans(ctx, sn, store, restored)
 	defer func() {
 		if err := sn.Close(); err != nil {
 			log.G(ctx).WithError(err).Error("close snapshotter")
@@ -144,6 +165,29 @@ func Run(ctx context.Context, cfg Config) error {
 	os.Remove(cfg.Address)
 	os.Remove(StatusSocket(cfg.Address))
 	return runErr
+}
+
+// unmountOrphans unmounts taken-over mounts that no snapshot uses any more
+// (their last snapshot was removed while the daemon was down, or the
+// previous daemon could not unmount them on its way out).
+func unmountOrphans(ctx context.Context, sn *snapshotter.Snapshotter, store *layerstore.Store, restored []string) {
+	used := map[string]bool{}
+	for _, l := range sn.Layers() {
+		if l.Mounted {
+			used[l.Mountpoint] = true
+		}
+	}
+	for _, mp := range restored {
+		if used[mp] {
+			continue
+		}
+		if err := store.Unmount(ctx, mp); err != nil {
+			log.G(ctx).WithError(err).WithField("mountpoint", mp).Warn("unmount layer no snapshot uses")
+		}
+	}
+	if len(restored) > 0 {
+		log.G(ctx).WithField("layers", len(restored)).Info("took over layer mounts of the previous daemon")
+	}
 }
 
 // listenUnix listens on a fresh unix socket readable only by root: the

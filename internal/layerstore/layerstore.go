@@ -29,6 +29,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -71,6 +72,10 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
+	// Keeper, when set, holds a duplicate of every mount's FUSE
+	// descriptor so the mounts survive a restart of this process (see
+	// Restore). May be nil: mounts then die with the process.
+	Keeper *fdstore.Client
 }
 
 // Store implements snapshotter.FileSystem.
@@ -125,33 +130,44 @@ func New(cfg Config) (*Store, error) {
 // Mount makes the layer named by labels readable at mountpoint. Layers
 // without our TOC annotation fail with errdefs.ErrNotImplemented.
 func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]string) (retErr error) {
-	ref := labels[snapshotter.LabelImageRef]
-	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
-	if err != nil {
-		return fmt.Errorf("manifest digest label: %w", err)
-	}
-	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
-	if err != nil {
-		return fmt.Errorf("layer digest label: %w", err)
-	}
 	s.mu.Lock()
 	_, busy := s.mounts[mountpoint]
 	s.mu.Unlock()
 	if busy {
-		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, errdefs.ErrAlreadyExists)
+		return fmt.Errorf("mount layer %s at %s: %w", labels[snapshotter.LabelLayerDigest], mountpoint, errdefs.ErrAlreadyExists)
+	}
+	m, err := s.mount(ctx, mountpoint, labels, nil)
+	if err != nil {
+		return err
+	}
+	s.keep(ctx, mountpoint, labels, m.srv)
+	return nil
+}
+
+// mount opens the layer named by labels and serves it at mountpoint: a new
+// FUSE mount, or, with takeover, the live connection of a predecessor.
+func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]string, takeover *lazyfs.Handover) (_ *mounted, retErr error) {
+	ref := labels[snapshotter.LabelImageRef]
+	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
+	if err != nil {
+		return nil, fmt.Errorf("manifest digest label: %w", err)
+	}
+	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
+	if err != nil {
+		return nil, fmt.Errorf("layer digest label: %w", err)
 	}
 
 	mf, err := s.manifest(ctx, ref, mdgst)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	desc, ok := findLayer(mf, ldgst)
 	if !ok {
-		return fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
 	}
 	tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
 	if err != nil {
-		return fmt.Errorf("layer %s has no valid %s annotation: %w: %w", ldgst, layerfmt.AnnotationTOCDigest, layerfmt.ErrNotLayer, errdefs.ErrNotImplemented)
+		return nil, fmt.Errorf("layer %s has no valid %s annotation: %w: %w", ldgst, layerfmt.AnnotationTOCDigest, layerfmt.ErrNotLayer, errdefs.ErrNotImplemented)
 	}
 
 	blob, toc, err := s.claimTOC(ctx, ldgst)
@@ -160,7 +176,7 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 			log.G(ctx).WithError(err).WithField("layer", ldgst).Debug("prefetched TOC failed; reading it again")
 		}
 		if blob, toc, err = s.readTOC(ctx, ref, desc, tocDigest); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
@@ -179,11 +195,14 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	if s.cfg.Registerer != nil {
 		opts = append(opts, lazyfs.WithMetrics(s.cfg.Registerer, ldgst.String()))
 	}
+	if takeover != nil {
+		opts = append(opts, lazyfs.WithTakeover(*takeover))
+	}
 	// The mount outlives the Prepare that created it: log with the
 	// daemon's fields, not the request's cancellation.
 	srv, err := lazyfs.Mount(context.WithoutCancel(ctx), mountpoint, toc, layer, opts...)
 	if err != nil {
-		return fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
+		return nil, fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
 	}
 	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
@@ -192,8 +211,8 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	s.mu.Lock()
 	s.mounts[mountpoint] = m
 	s.mu.Unlock()
-	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).Info("mounted lazy layer")
-	return nil
+	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
+	return m, nil
 }
 
 // manifest fetches (or recalls) the manifest dgst of ref, verified by digest.
@@ -351,6 +370,7 @@ func (s *Store) Unmount(ctx context.Context, mountpoint string) error {
 	}
 	m.cancel()
 	m.layer.Close()
+	s.forget(ctx, mountpoint)
 	s.mu.Lock()
 	delete(s.mounts, mountpoint)
 	s.mu.Unlock()

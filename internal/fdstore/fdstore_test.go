@@ -1,0 +1,168 @@
+//go:build linux
+
+package fdstore
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func startKeeper(t *testing.T) (string, <-chan error) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "fdstore")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	path := filepath.Join(dir, "k.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	finished := make(chan struct{})
+	go func() { done <- Serve(ctx, path); close(finished) }()
+	t.Cleanup(func() { cancel(); <-finished })
+	for i := 0; ; i++ {
+		if c, err := Dial(path); err == nil {
+			c.Close()
+			break
+		}
+		if i > 200 {
+			t.Fatal("keeper did not come up")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return path, done
+}
+
+// TestKeepsDescriptorAcrossClients: a pipe's write end given to the keeper
+// by one client and closed there stays open; a second client gets it back
+// and writing through it reaches the read end.
+func TestKeepsDescriptorAcrossClients(t *testing.T) {
+	path, _ := startKeeper(t)
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(p[0])
+
+	c1, err := Dial(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c1.Put(Entry{Key: "a", Meta: []byte(`{"x":1}`), FD: p[1]}); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(p[1]) // the caller's copy; the keeper holds its own
+	c1.Close()       // like a daemon killed
+
+	c2, err := Dial(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	es, err := c2.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(es) != 1 || es[0].Key != "a" || string(es[0].Meta) != `{"x":1}` {
+		t.Fatalf("List = %+v", es)
+	}
+	if _, err := unix.Write(es[0].FD, []byte("hi")); err != nil {
+		t.Fatalf("write through returned descriptor: %v", err)
+	}
+	unix.Close(es[0].FD)
+	buf := make([]byte, 8)
+	n, err := unix.Read(p[0], buf)
+	if err != nil || string(buf[:n]) != "hi" {
+		t.Fatalf("read %q, %v", buf[:n], err)
+	}
+
+	// After Delete the keeper's copy is closed: the pipe has no writer.
+	if err := c2.Delete("a"); err != nil {
+		t.Fatal(err)
+	}
+	if es, err := c2.List(); err != nil || len(es) != 0 {
+		t.Fatalf("List after Delete = %+v, %v", es, err)
+	}
+	n, err = unix.Read(p[0], buf)
+	if n != 0 || err != nil {
+		t.Fatalf("read after Delete = %d, %v; want EOF", n, err)
+	}
+}
+
+// TestDropsEntryOfGoneMount: an entry tied to a mount that is not in
+// mountinfo is dropped by the watcher.
+func TestDropsEntryOfGoneMount(t *testing.T) {
+	path, _ := startKeeper(t)
+	c, err := Dial(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	f, err := os.Open("/dev/null")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := c.Put(Entry{Key: "gone", Mountpoint: "/nonexistent/mount", Dev: "0:1", FD: int(f.Fd())}); err != nil {
+		t.Fatal(err)
+	}
+	root, err := MountDev("/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Put(Entry{Key: "root", Mountpoint: "/", Dev: root, FD: int(f.Fd())}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * checkInterval)
+	for {
+		es, err := c.List()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range es {
+			unix.Close(e.FD)
+		}
+		if len(es) == 1 && es[0].Key == "root" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("entries %+v; want only root", es)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestExitsWhenIdle: once the last client leaves and nothing is held, the
+// keeper exits (a clean daemon stop leaves no process behind).
+func TestExitsWhenIdle(t *testing.T) {
+	path, done := startKeeper(t)
+	c, err := Dial(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(3 * checkInterval):
+		t.Fatal("keeper still running with nothing to keep")
+	}
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Fatalf("socket left behind: %v", err)
+	}
+}
+
+func TestUnescape(t *testing.T) {
+	for in, want := range map[string]string{`/a\040b`: "/a b", `/plain`: "/plain", `/x\134`: `/x\`} {
+		if got := unescape(in); got != want {
+			t.Errorf("unescape(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

@@ -1,0 +1,175 @@
+// Package reliability_test proves the guarantees of docs/reliability.md
+// end to end: daemon restarts under running containers, access control,
+// registry faults, disk pressure, hostile layers and load. Each test fails
+// when its guarantee breaks.
+package reliability_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// lazyImage is a converted image pushed to the harness registry.
+type lazyImage struct {
+	testenv.Image
+	Results []*layerfmt.WriteResult // per layer, lowest first
+}
+
+// pushLazy builds busybox plus files, converts every layer to the envsnap
+// format and pushes the image as name.
+func pushLazy(t testing.TB, env *testenv.Env, name string, files []testenv.File, opts ...layerfmt.WriteOption) lazyImage {
+	t.Helper()
+	bb, err := testenv.BusyboxFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var blobs [][]byte
+	var results []*layerfmt.WriteResult
+	for _, fs := range [][]testenv.File{bb, files} {
+		if len(fs) == 0 {
+			continue
+		}
+		tb, err := testenv.LayerTar(fs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var blob bytes.Buffer
+		res, err := layerfmt.Convert(env.Context(), &blob, bytes.NewReader(tb), opts...)
+		if err != nil {
+			t.Fatalf("convert layer: %v", err)
+		}
+		blobs = append(blobs, blob.Bytes())
+		results = append(results, res)
+	}
+	return pushBlobs(t, env, name, blobs, results)
+}
+
+// pushBlobs pushes already converted layer blobs (results describe them).
+func pushBlobs(t testing.TB, env *testenv.Env, name string, blobs [][]byte, results []*layerfmt.WriteResult) lazyImage {
+	t.Helper()
+	img := lazyImage{Image: testenv.Image{Ref: env.Registry.Host + "/" + name}, Results: results}
+	cfg := ocispec.Image{
+		Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
+		RootFS:   ocispec.RootFS{Type: "layers"},
+		Config: ocispec.ImageConfig{
+			Cmd: []string{"/bin/true"},
+			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		},
+	}
+	for i, b := range blobs {
+		res := results[i]
+		desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()}
+		writeBlob(t, env, desc, b)
+		img.Layers = append(img.Layers, desc)
+		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, res.DiffID)
+	}
+	img.Config = writeJSON(t, env, ocispec.MediaTypeImageConfig, cfg)
+	img.Manifest = writeJSON(t, env, ocispec.MediaTypeImageManifest, ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    img.Config,
+		Layers:    img.Layers,
+	})
+	if err := env.Push(env.Context(), img.Ref, img.Manifest); err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+func writeBlob(t testing.TB, env *testenv.Env, desc ocispec.Descriptor, b []byte) {
+	t.Helper()
+	if err := content.WriteBlob(env.Context(), env.ContentStore, desc.Digest.String(), bytes.NewReader(b), desc); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func writeJSON(t testing.TB, env *testenv.Env, mediaType string, v any) ocispec.Descriptor {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
+	writeBlob(t, env, desc, b)
+	return desc
+}
+
+// statusGet fetches path from the daemon's status socket.
+func statusGet(t testing.TB, env *testenv.Env, path string) []byte {
+	t.Helper()
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", daemon.StatusSocket(env.SnapshotterSocket))
+		},
+	}}
+	resp, err := hc.Get("http://envsnap" + path)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func envsnapStatus(t testing.TB, env *testenv.Env) daemon.Status {
+	t.Helper()
+	var st daemon.Status
+	if err := json.Unmarshal(statusGet(t, env, "/status"), &st); err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// metric returns the value of an unlabelled metric from /metrics.
+func metric(t testing.TB, env *testenv.Env, name string) (float64, bool) {
+	t.Helper()
+	for _, line := range strings.Split(string(statusGet(t, env, "/metrics")), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			var f float64
+			if _, err := fmt.Sscan(v, &f); err == nil {
+				return f, true
+			}
+		}
+	}
+	return 0, false
+}
+
+// syncBuffer collects a container's output while it runs.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
