@@ -173,3 +173,8 @@ func (b *syncBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// contentBytes reads a blob the test wrote to the env's content store.
+func contentBytes(env *testenv.Env, desc ocispec.Descriptor) ([]byte, error) {
+	return content.ReadBlob(env.Context(), env.ContentStore, desc)
+}
