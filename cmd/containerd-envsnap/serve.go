@@ -28,6 +28,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics, /healthz and /status (off when empty)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
+		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
 		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
 		&cli.BoolFlag{Name: "keep-mounts", Value: true, Usage: "keep layer mounts (and the containers reading them) alive across restarts with a descriptor keeper process"},
 		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
@@ -54,6 +55,7 @@ func runServe(ctx context.Context, c *cli.Command) error {
 	set("docker-config", func() { cfg.DockerConfig = c.String("docker-config") })
 	set("metrics-address", func() { cfg.MetricsAddress = c.String("metrics-address") })
 	set("fill", func() { cfg.Fill = c.Bool("fill") })
+	set("fill-delay", func() { cfg.FillDelay = daemon.Duration(c.Duration("fill-delay")) })
 	set("read-timeout", func() { cfg.ReadTimeout = daemon.Duration(c.Duration("read-timeout")) })
 	set("log-level", func() { cfg.LogLevel = c.String("log-level") })
 	if c.IsSet("cache-size") {

@@ -71,6 +71,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Hosts:        hosts,
 		Cache:        cache,
 		Fill:         cfg.Fill,
+		FillDelay:    time.Duration(cfg.FillDelay),
 		ReadTimeout:  time.Duration(cfg.ReadTimeout),
 		Registerer:   reg,
 		FetchMetrics: fetchMetrics,
