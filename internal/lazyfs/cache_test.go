@@ -175,3 +175,28 @@ func (d *delayedSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte
 	time.Sleep(d.delay)
 	return d.ChunkSource.ReadChunk(ctx, c)
 }
+
+// TestDirectoryListingCached: FOPEN_CACHE_DIR lets the kernel answer a
+// second listing of a directory without asking the daemon.
+func TestDirectoryListingCached(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	mnt, _, srv := f.mount(t)
+	first, err := os.ReadDir(filepath.Join(mnt, "bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := srv.Stats().Ops["readdir"].Count
+	if n == 0 {
+		t.Fatal("listing did not reach the daemon")
+	}
+	for range 3 {
+		again, err := os.ReadDir(filepath.Join(mnt, "bin"))
+		if err != nil || len(again) != len(first) {
+			t.Fatalf("second listing: %d entries, %v", len(again), err)
+		}
+	}
+	if extra := srv.Stats().Ops["readdir"].Count - n; extra != 0 {
+		t.Errorf("relisting a directory produced %d more READDIRs, want 0", extra)
+	}
+}

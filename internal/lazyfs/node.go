@@ -184,10 +184,8 @@ func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (_ *
 	return n.NewInode(ctx, cn, fs.StableAttr{Mode: c.mode, Ino: ino(c.idx)}), 0
 }
 
-func (n *node) Readdir(ctx context.Context) (_ fs.DirStream, errno syscall.Errno) {
-	start := time.Now()
-	defer func() { n.l.stats.record(opReaddir, start, errno != 0) }()
-
+// listing returns the presented entries of directory n, sorted by name.
+func (n *node) listing() ([]fuse.DirEntry, syscall.Errno) {
 	t := n.l.toc
 	if n.whiteout || t.Type(n.idx) != layerfmt.TypeDir {
 		return nil, syscall.ENOTDIR
@@ -201,11 +199,85 @@ func (n *node) Readdir(ctx context.Context) (_ fs.DirStream, errno syscall.Errno
 		}
 		entries = append(entries, fuse.DirEntry{Name: name, Mode: c.mode, Ino: ino(c.idx)})
 	}
-	// Whiteouts are renamed, so restore name order for readers that expect
-	// getdents to look like a sorted TOC (and for deterministic tests).
+	// Whiteouts are renamed, so restore name order (deterministic offsets
+	// matter: a directory stream resumed after a takeover seeks by them).
 	sort.Slice(entries, func(a, b int) bool { return entries[a].Name < entries[b].Name })
+	return entries, 0
+}
+
+// Readdir is what go-fuse uses when no handle is involved; open
+// directories go through OpendirHandle.
+func (n *node) Readdir(ctx context.Context) (_ fs.DirStream, errno syscall.Errno) {
+	start := time.Now()
+	defer func() { n.l.stats.record(opReaddir, start, errno != 0) }()
+	entries, errno := n.listing()
+	if errno != 0 {
+		return nil, errno
+	}
 	return fs.NewListDirStream(entries), 0
 }
+
+// OpendirHandle lets the kernel cache the listing (FOPEN_CACHE_DIR): a
+// directory listed once is listed again from the kernel's cache, by every
+// container sharing the mount.
+func (n *node) OpendirHandle(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeDir {
+		return nil, 0, syscall.ENOTDIR
+	}
+	return &dirHandle{n: n}, fuse.FOPEN_CACHE_DIR | fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// dirHandle is one open directory. Offsets are 1-based positions in the
+// sorted listing.
+type dirHandle struct {
+	n       *node
+	entries []fuse.DirEntry
+	listed  bool
+	pos     int
+}
+
+var (
+	_ fs.FileReaddirenter = (*dirHandle)(nil)
+	_ fs.FileSeekdirer    = (*dirHandle)(nil)
+	_ fs.FileReleasedirer = (*dirHandle)(nil)
+)
+
+func (d *dirHandle) list() syscall.Errno {
+	if d.listed {
+		return 0
+	}
+	start := time.Now()
+	entries, errno := d.n.listing()
+	d.n.l.stats.record(opReaddir, start, errno != 0)
+	if errno != 0 {
+		return errno
+	}
+	d.entries, d.listed = entries, true
+	return 0
+}
+
+func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Errno) {
+	if errno := d.list(); errno != 0 {
+		return nil, errno
+	}
+	if d.pos >= len(d.entries) {
+		return nil, 0
+	}
+	e := d.entries[d.pos]
+	d.pos++
+	e.Off = uint64(d.pos)
+	return &e, 0
+}
+
+func (d *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
+	if errno := d.list(); errno != 0 {
+		return errno
+	}
+	d.pos = int(min(off, uint64(len(d.entries))))
+	return 0
+}
+
+func (d *dirHandle) Releasedir(ctx context.Context, releaseFlags uint32) {}
 
 func (n *node) Getattr(ctx context.Context, f fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	start := time.Now()

@@ -129,21 +129,30 @@ func newTakeoverFS(raw fuse.RawFileSystem) *takeoverFS {
 	}
 }
 
-func (t *takeoverFS) revive(cancel <-chan struct{}, h *fuse.InHeader) {
+// revive makes sure the bridge knows node h.NodeId. An ID that does not
+// name a presented TOC entry gets ESTALE (the bridge would panic on it).
+func (t *takeoverFS) revive(cancel <-chan struct{}, h *fuse.InHeader) fuse.Status {
 	t.mu.Lock()
 	known := t.known[h.NodeId]
-	t.known[h.NodeId] = true
 	t.mu.Unlock()
 	if known {
-		return
+		return fuse.OK
 	}
 	hdr := *h
 	var out fuse.EntryOut
-	t.RawFileSystem.Lookup(cancel, &hdr, ".", &out)
+	if st := t.RawFileSystem.Lookup(cancel, &hdr, ".", &out); !st.Ok() {
+		return st
+	}
+	t.mu.Lock()
+	t.known[h.NodeId] = true
+	t.mu.Unlock()
+	return fuse.OK
 }
 
 func (t *takeoverFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
-	t.revive(cancel, h)
+	if st := t.revive(cancel, h); !st.Ok() {
+		return st
+	}
 	st := t.RawFileSystem.Lookup(cancel, h, name, out)
 	if st.Ok() && out.NodeId != 0 {
 		t.mu.Lock()
@@ -156,7 +165,9 @@ func (t *takeoverFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name strin
 func (t *takeoverFS) Forget(nodeid, nlookup uint64) {}
 
 func (t *takeoverFS) GetAttr(c <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.GetAttr(c, in, out)
 }
 
@@ -165,62 +176,86 @@ func (t *takeoverFS) SetAttr(c <-chan struct{}, in *fuse.SetAttrIn, out *fuse.At
 }
 
 func (t *takeoverFS) Readlink(c <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status) {
-	t.revive(c, h)
+	if st := t.revive(c, h); !st.Ok() {
+		return nil, st
+	}
 	return t.RawFileSystem.Readlink(c, h)
 }
 
 func (t *takeoverFS) Access(c <-chan struct{}, in *fuse.AccessIn) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.Access(c, in)
 }
 
 func (t *takeoverFS) GetXAttr(c <-chan struct{}, h *fuse.InHeader, attr string, dest []byte) (uint32, fuse.Status) {
-	t.revive(c, h)
+	if st := t.revive(c, h); !st.Ok() {
+		return 0, st
+	}
 	return t.RawFileSystem.GetXAttr(c, h, attr, dest)
 }
 
 func (t *takeoverFS) ListXAttr(c <-chan struct{}, h *fuse.InHeader, dest []byte) (uint32, fuse.Status) {
-	t.revive(c, h)
+	if st := t.revive(c, h); !st.Ok() {
+		return 0, st
+	}
 	return t.RawFileSystem.ListXAttr(c, h, dest)
 }
 
 func (t *takeoverFS) Open(c <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.Open(c, in, out)
 }
 
 func (t *takeoverFS) Read(c <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return nil, st
+	}
 	return t.RawFileSystem.Read(c, in, buf)
 }
 
 func (t *takeoverFS) Lseek(c <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.Lseek(c, in, out)
 }
 
 func (t *takeoverFS) Flush(c <-chan struct{}, in *fuse.FlushIn) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.Flush(c, in)
 }
 
 func (t *takeoverFS) Release(c <-chan struct{}, in *fuse.ReleaseIn) {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return
+	}
 	t.RawFileSystem.Release(c, in)
 }
 
 func (t *takeoverFS) Statx(c <-chan struct{}, in *fuse.StatxIn, out *fuse.StatxOut) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.Statx(c, in, out)
 }
 
 func (t *takeoverFS) StatFs(c <-chan struct{}, h *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
-	t.revive(c, h)
+	if st := t.revive(c, h); !st.Ok() {
+		return st
+	}
 	return t.RawFileSystem.StatFs(c, h, out)
 }
 
 func (t *takeoverFS) OpenDir(c <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	st := t.RawFileSystem.OpenDir(c, in, out)
 	if st.Ok() {
 		t.mu.Lock()
@@ -255,7 +290,9 @@ func (t *takeoverFS) dirHandle(c <-chan struct{}, in *fuse.ReadIn) (uint64, fuse
 }
 
 func (t *takeoverFS) ReadDir(c <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	fh, st := t.dirHandle(c, in)
 	if !st.Ok() {
 		return st
@@ -266,7 +303,9 @@ func (t *takeoverFS) ReadDir(c <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEn
 }
 
 func (t *takeoverFS) ReadDirPlus(c <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
-	t.revive(c, &in.InHeader)
+	if st := t.revive(c, &in.InHeader); !st.Ok() {
+		return st
+	}
 	fh, st := t.dirHandle(c, in)
 	if !st.Ok() {
 		return st

@@ -4,16 +4,21 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/layerfmt"
@@ -257,5 +262,65 @@ func TestTakeover(t *testing.T) {
 	}
 	if srv.Stats().Ops["read"].Count == 0 {
 		t.Error("the new server served no reads")
+	}
+}
+
+// TestTakeoverUnknownIDs drives the takeover adapter directly, as the
+// kernel would after a restart: node IDs and a directory handle issued by
+// a previous server, which this bridge has never seen.
+func TestTakeoverUnknownIDs(t *testing.T) {
+	f := newFixture(t)
+	newFS := func() *takeoverFS {
+		root, err := NewRoot(f.toc, newBlobSource(bytes.NewReader(f.blob)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return newTakeoverFS(fs.NewNodeFS(root, fsOptions(defaultOptions())))
+	}
+	bin, _ := f.toc.Lookup("bin")
+	passwd, _ := f.toc.Lookup("etc/passwd")
+	gone, _ := f.toc.Lookup(".wh.gone")
+
+	tfs := newFS()
+	var attr fuse.AttrOut
+	if st := tfs.GetAttr(nil, &fuse.GetAttrIn{InHeader: fuse.InHeader{NodeId: ino(passwd)}}, &attr); !st.Ok() || attr.Size != 26 {
+		t.Errorf("getattr of a previous server's node: %v size %d", st, attr.Size)
+	}
+	if st := tfs.GetAttr(nil, &fuse.GetAttrIn{InHeader: fuse.InHeader{NodeId: ino(gone)}}, &attr); !st.Ok() || attr.Mode != syscall.S_IFCHR {
+		t.Errorf("getattr of a previous server's whiteout: %v mode %o", st, attr.Mode)
+	}
+	buf := make([]byte, 64)
+	res, st := tfs.Read(nil, &fuse.ReadIn{InHeader: fuse.InHeader{NodeId: ino(passwd)}, Size: 64}, buf)
+	if !st.Ok() {
+		t.Fatalf("read: %v", st)
+	}
+	if b, _ := res.Bytes(buf); string(b) != "root:x:0:0::/root:/bin/sh\n" {
+		t.Errorf("read = %q", b)
+	}
+
+	// Continue a listing of bin/ from offset 2 on a handle we never issued.
+	list := fuse.NewDirEntryList(make([]byte, 4096), 2)
+	in := &fuse.ReadIn{InHeader: fuse.InHeader{NodeId: ino(bin)}, Fh: 4242, Offset: 2, Size: 4096}
+	if st := tfs.ReadDir(nil, in, list); !st.Ok() {
+		t.Fatalf("readdir on a previous server's handle: %v", st)
+	}
+	var names []string
+	// struct fuse_dirent: ino u64, off u64, namelen u32, type u32, name,
+	// padded to 8 bytes.
+	for b := list.Bytes(); len(b) >= 24; {
+		namelen := int(binary.LittleEndian.Uint32(b[16:]))
+		names = append(names, string(b[24:24+namelen]))
+		b = b[min(len(b), (24+namelen+7)&^7):]
+	}
+	// bin/ lists busybox cat ls sg sh su.
+	if want := []string{"ls", "sg", "sh", "su"}; !slices.Equal(names, want) {
+		t.Errorf("resumed listing = %v, want %v", names, want)
+	}
+	tfs.ReleaseDir(&fuse.ReleaseIn{InHeader: fuse.InHeader{NodeId: ino(bin)}, Fh: 4242})
+	tfs.Forget(ino(passwd), 5) // counts from the previous server: ignored, no panic
+
+	var out fuse.EntryOut
+	if st := tfs.Lookup(nil, &fuse.InHeader{NodeId: uint64(f.toc.Len()) + 10}, "x", &out); st.Ok() {
+		t.Error("lookup under a node ID beyond the TOC succeeded")
 	}
 }
