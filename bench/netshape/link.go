@@ -68,18 +68,6 @@ type Link struct {
 	ShapeErr error
 }
 
-// HTBAvailable reports whether an htb qdisc can be attached here, by
-// trying one on a throwaway veth pair: loading the module is not enough
-// on kernels where qdiscs are restricted.
-func HTBAvailable(ctx context.Context) error {
-	l, err := NewLink(ctx, WithName(fmt.Sprintf("%sprobe-%d", NamePrefix, os.Getpid())))
-	if err != nil {
-		return err
-	}
-	defer l.Close(ctx)
-	return l.ShapeErr
-}
-
 // NewLink creates the namespace, the veth pair, their addresses, and the
 // htb qdiscs. It needs root and the ip and tc commands. Close removes all
 // of it; on error nothing is left behind.
