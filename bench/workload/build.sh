@@ -67,6 +67,16 @@ if [[ $(id -u) != 0 ]]; then
 	exit 1
 fi
 
+# One build per variant at a time; that makes it safe to clear this
+# variant's scratch directories on any exit (an interrupted chroot leaves
+# its overlay directories behind; the mounts die with their namespace).
+exec 9>"$work/.lock"
+if ! flock -n 9; then
+	echo "build.sh: another $variant build is running ($work/.lock)" >&2
+	exit 1
+fi
+trap 'rm -rf "$work"/ovl.* "$work"/vroot-* "$work/empty-upper"' EXIT
+
 t_start=$(date +%s)
 log() { printf '[workload %s %s] %s\n' "$variant" "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -382,7 +392,7 @@ log "tasks: $(wc -l <"$out/tasks.jsonl") in $out/tasks.jsonl"
 verify_group() {
 	local name=$1 id dir rc
 	id=$(basename "$(ls -d "$out/tasks/$name"/*/ | head -1)")
-	dir=$(mktemp -d "$work/verify-$name.XXXXXX")
+	dir=$(mktemp -d "$work/vroot-$name.XXXXXX")
 	log "verify $name ($id): extracting base + task + harness + evaluator"
 	for g in base "task-$name" harness evaluator; do
 		tar --numeric-owner -xf "$out/$g.tar" -C "$dir"
