@@ -67,6 +67,19 @@ if [[ $(id -u) != 0 ]]; then
 	exit 1
 fi
 
+# Host tools. mmdebstrap is the only one a fresh machine lacks; it comes
+# from Debian's mirror like everything in the base.
+for tool in go npm node unshare tar perl; do
+	command -v "$tool" >/dev/null || {
+		echo "build.sh: $tool not found" >&2
+		exit 1
+	}
+done
+if ! command -v mmdebstrap >/dev/null; then
+	echo "build.sh: installing mmdebstrap" >&2
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
+fi
+
 # One build per variant at a time; that makes it safe to clear this
 # variant's scratch directories on any exit (an interrupted chroot leaves
 # its overlay directories behind; the mounts die with their namespace).
