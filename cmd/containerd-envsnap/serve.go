@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime/debug"
 	"os/signal"
 	"syscall"
 	"time"
@@ -28,8 +29,10 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics, /healthz and /status (off when empty)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
+		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},
 		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
 		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
+		&cli.StringFlag{Name: "memory-limit", Value: defaultMemoryLimit, Usage: "soft limit of the Go heap (GOMEMLIMIT) unless the environment sets one; 0 disables"},
 		&cli.BoolFlag{Name: "keep-mounts", Value: true, Usage: "keep layer mounts (and the containers reading them) alive across restarts with a descriptor keeper process"},
 		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
 	},
@@ -37,6 +40,29 @@ var serveCommand = &cli.Command{
 }
 
 func init() { commands = append(commands, serveCommand) }
+
+// defaultMemoryLimit: 50 environments reading 280 MB of a layer at once
+// peaked at 486 MiB RSS without a limit, almost all of it garbage the
+// collector had not yet been asked to return (frames are decoded into
+// short-lived MiB-sized buffers); with a 120 MiB soft limit the peak was
+// 174 MiB for 14% more wall time (TestBenchLoad50, docs/reliability.md).
+const defaultMemoryLimit = "128MiB"
+
+// setMemoryLimit applies the Go runtime's soft memory limit, leaving an
+// explicit GOMEMLIMIT alone.
+func setMemoryLimit(v string) error {
+	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
+		return nil
+	}
+	n, err := daemon.ParseSize(v)
+	if err != nil {
+		return fmt.Errorf("--memory-limit: %w", err)
+	}
+	if n > 0 {
+		debug.SetMemoryLimit(n)
+	}
+	return nil
+}
 
 func runServe(ctx context.Context, c *cli.Command) error {
 	cfg, err := daemon.LoadConfig(c.String("config"), c.IsSet("config"))
@@ -56,6 +82,7 @@ func runServe(ctx context.Context, c *cli.Command) error {
 	set("metrics-address", func() { cfg.MetricsAddress = c.String("metrics-address") })
 	set("fill", func() { cfg.Fill = c.Bool("fill") })
 	set("fill-delay", func() { cfg.FillDelay = daemon.Duration(c.Duration("fill-delay")) })
+	set("eager", func() { cfg.Eager = c.Bool("eager") })
 	set("read-timeout", func() { cfg.ReadTimeout = daemon.Duration(c.Duration("read-timeout")) })
 	set("log-level", func() { cfg.LogLevel = c.String("log-level") })
 	if c.IsSet("cache-size") {
@@ -64,6 +91,9 @@ func runServe(ctx context.Context, c *cli.Command) error {
 			return fmt.Errorf("--cache-size: %w", err)
 		}
 		cfg.CacheSize = daemon.Size(n)
+	}
+	if err := setMemoryLimit(c.String("memory-limit")); err != nil {
+		return err
 	}
 	if c.Bool("keep-mounts") {
 		self, err := os.Executable()

@@ -61,6 +61,9 @@ type Config struct {
 	// FillDelay postpones the background fill after a layer is mounted,
 	// leaving the link and the CPU to the first container's startup.
 	FillDelay Duration `toml:"fill_delay"`
+	// Eager fetches every layer completely before serving it (on-demand
+	// fetching off).
+	Eager bool `toml:"eager"`
 	// ReadTimeout bounds one FUSE read; a read that cannot be served in
 	// time fails with EIO.
 	ReadTimeout Duration `toml:"read_timeout"`

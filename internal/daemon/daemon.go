@@ -72,6 +72,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Cache:        cache,
 		Fill:         cfg.Fill,
 		FillDelay:    time.Duration(cfg.FillDelay),
+		Eager:        cfg.Eager,
 		ReadTimeout:  time.Duration(cfg.ReadTimeout),
 		Registerer:   reg,
 		FetchMetrics: fetchMetrics,

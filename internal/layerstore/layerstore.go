@@ -71,6 +71,11 @@ type Config struct {
 	// link and the CPU (on 2 cores, verifying and caching a fill costs as
 	// much CPU as the container start itself).
 	FillDelay time.Duration
+	// Eager turns on-demand fetching off: Mount returns only once every
+	// chunk of the layer is in the node cache (the benchmark's "download
+	// everything, then mount" baseline, and a choice for nodes whose
+	// registry link is better used in bulk).
+	Eager bool
 	// ReadTimeout bounds one FUSE read (DefaultReadTimeout when zero).
 	ReadTimeout time.Duration
 	// Registerer receives per-layer FUSE metrics; may be nil.
@@ -185,7 +190,7 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 		}
 	}
 	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
-		fetch.WithFill(s.cfg.Fill),
+		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
 		fetch.WithReadTimeout(s.cfg.ReadTimeout),
 		fetch.WithMetrics(s.cfg.FetchMetrics))
 	defer func() {
@@ -193,6 +198,11 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 			layer.Close()
 		}
 	}()
+	if s.cfg.Eager && takeover == nil {
+		if err := s.fetchAll(ctx, layer, ldgst); err != nil {
+			return nil, err
+		}
+	}
 	opts := []lazyfs.Option{
 		lazyfs.WithReadTimeout(s.cfg.ReadTimeout),
 		lazyfs.WithFSName(ldgst.String()),
@@ -211,7 +221,7 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	}
 	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
-	if s.cfg.Fill {
+	if s.cfg.Fill && !s.cfg.Eager {
 		timer := time.AfterFunc(s.cfg.FillDelay, func() { layer.StartFill(fillCtx) })
 		m.cancel = func() { timer.Stop(); cancel() }
 	}
@@ -221,6 +231,38 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	s.mu.Unlock()
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
+}
+
+// fetchAll fills layer completely before it is mounted (Config.Eager). A
+// fill that makes no progress for the read timeout fails the mount, and
+// the snapshotter falls back to containerd's own download.
+func (s *Store) fetchAll(ctx context.Context, layer *fetch.Layer, ldgst digest.Digest) error {
+	stall := s.cfg.ReadTimeout
+	if stall <= 0 {
+		stall = DefaultReadTimeout
+	}
+	start := time.Now()
+	layer.StartFill(context.WithoutCancel(ctx))
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	last, progressed := int64(-1), time.Now()
+	for {
+		cached, total := layer.Progress()
+		if cached >= total {
+			log.G(ctx).WithField("layer", ldgst).WithField("bytes", total).WithField("took", time.Since(start)).Debug("fetched whole layer before mounting")
+			return nil
+		}
+		if cached != last {
+			last, progressed = cached, time.Now()
+		} else if time.Since(progressed) > stall {
+			return fmt.Errorf("fetch layer %s before mounting: no progress for %s at %d of %d bytes", ldgst, stall, cached, total)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("fetch layer %s before mounting: %w", ldgst, ctx.Err())
+		case <-tick.C:
+		}
+	}
 }
 
 // manifest fetches (or recalls) the manifest dgst of ref, verified by digest.
