@@ -6,8 +6,8 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"runtime/debug"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 	"time"
 
