@@ -145,7 +145,13 @@ func TestOverlaySetuidExec(t *testing.T) {
 	merged := mountOverlay(t, mnt)
 
 	run := func(p string) string {
-		cmd := exec.Command(p, "-u")
+		// Through a shell: this process serves the FUSE mount, and Go
+		// starts children with vfork, which suspends the forking thread
+		// (holding its P) until the child's execve returns; an execve
+		// that needs this very process to answer FUSE requests can then
+		// deadlock against a GC stop-the-world. The shell itself lives
+		// on ext4.
+		cmd := exec.Command("/bin/sh", "-c", `exec "$0" -u`, p)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
 		out, err := cmd.Output()
 		if err != nil {
