@@ -24,7 +24,8 @@ func main() {
 	var systems, variant string
 	flag.StringVar(&cfg.Tasks, "tasks", "", "workload task list (default: build and use the workload variant)")
 	flag.StringVar(&variant, "variant", "full", "workload variant to build when -tasks is not given: full or small")
-	flag.IntVar(&cfg.Envs, "envs", 16, "environments per system and phase")
+	flag.IntVar(&cfg.Envs, "envs", 16, "environments per phase for envsnap and overlayfs")
+	flag.IntVar(&cfg.AuxEnvs, "aux-envs", 4, "environments per phase for envsnap-nofill and envsnap-eager")
 	flag.IntVar(&cfg.Concurrent, "concurrent", 8, "environments started at once")
 	flag.DurationVar(&cfg.RTT, "rtt", 20*time.Millisecond, "registry round trip")
 	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
