@@ -187,6 +187,24 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 	mo := &fsOpts.MountOptions
 
 	m := &Server{mountpoint: mountpoint, layer: l, fd: -1}
+	// Metrics first: a failure after a takeover must not leave the live
+	// mount torn down.
+	if o.registerer != nil {
+		m.metrics = newCollector(l.stats, o.layerLabel)
+		if err := o.registerer.Register(m.metrics); err != nil {
+			if o.takeover != nil {
+				unix.Close(o.takeover.FD)
+			}
+			return nil, fmt.Errorf("lazyfs: register metrics for layer %q: %w", o.layerLabel, err)
+		}
+	}
+	fail := func(err error) (*Server, error) {
+		if m.metrics != nil {
+			o.registerer.Unregister(m.metrics)
+		}
+		return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
+	}
+
 	switch {
 	case o.takeover != nil:
 		m.fd = o.takeover.FD
@@ -212,37 +230,34 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 		if m.fd >= 0 {
 			unix.Close(m.fd)
 		}
-		return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
+		return fail(err)
 	}
 	go m.srv.Serve()
-	if err := m.srv.WaitMount(); err != nil {
-		_ = m.unmount()
-		return nil, fmt.Errorf("lazyfs: wait for mount %s: %w", mountpoint, err)
-	}
 
-	if !m.viaHelper {
-		if err := disablePoll(mountpoint); err != nil {
+	// Past this point a new mount is detached on failure; a taken-over one
+	// is left as it is (its containers may wait for another attempt).
+	failServing := func(err error) (*Server, error) {
+		if o.takeover == nil {
 			_ = forceUnmount(mountpoint)
-			return nil, fmt.Errorf("lazyfs: disable poll on %s: %w", mountpoint, err)
+		}
+		return fail(err)
+	}
+	if err := m.srv.WaitMount(); err != nil {
+		return failServing(fmt.Errorf("wait for mount: %w", err))
+	}
+	// The predecessor already did this for a taken-over connection.
+	if !m.viaHelper && o.takeover == nil {
+		if err := disablePoll(mountpoint); err != nil {
+			return failServing(fmt.Errorf("disable poll: %w", err))
 		}
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(mountpoint, &st); err != nil {
-		_ = forceUnmount(mountpoint)
-		return nil, fmt.Errorf("lazyfs: stat mounted %s: %w", mountpoint, err)
+		return failServing(fmt.Errorf("stat mounted root: %w", err))
 	}
 	m.dev = st.Dev
 	if err := setReadahead(st.Dev, maxRequest); err != nil {
 		log.G(ctx).WithError(err).Warn("lazyfs: cannot raise readahead; sequential reads will use more FUSE requests")
-	}
-
-	if o.registerer != nil {
-		m.metrics = newCollector(l.stats, o.layerLabel)
-		if err := o.registerer.Register(m.metrics); err != nil {
-			m.metrics = nil
-			_ = m.Unmount()
-			return nil, fmt.Errorf("lazyfs: register metrics for layer %q: %w", o.layerLabel, err)
-		}
 	}
 	log.G(ctx).WithField("entries", toc.Len()).Debug("lazyfs: mounted")
 	return m, nil

@@ -87,10 +87,10 @@ func WithDebug(debug bool) Option {
 }
 
 // WithDevFD serves the FUSE connection behind an already-open /dev/fuse
-// descriptor instead of mounting (go-fuse's "/dev/fd/N" mode). The mount
-// itself must already exist at the mountpoint passed to Mount, which is then
-// only used by Unmount. See docs/lazyfs.md for what this does and does not
-// cover for daemon restarts.
+// descriptor instead of mounting (go-fuse's "/dev/fd/N" mode): the mount
+// must already exist at the mountpoint passed to Mount, and its INIT must
+// not have been answered yet. Mount takes ownership of fd. To continue a
+// connection another server has been serving, use WithTakeover.
 func WithDevFD(fd int) Option {
 	return func(o *options) { o.devFD = fd }
 }

@@ -45,7 +45,9 @@ func (m *Server) Handover() (Handover, error) {
 
 // WithTakeover makes Mount serve the live connection of a previous server
 // (see Server.Handover) instead of mounting: the mount at mountpoint stays
-// as it is and open files keep working. Mount takes ownership of h.FD.
+// as it is and open files keep working. Mount takes ownership of h.FD (it
+// is closed on failure too; take another duplicate to retry). A failed
+// takeover never unmounts.
 func WithTakeover(h Handover) Option {
 	return func(o *options) { o.takeover = &h }
 }
