@@ -59,6 +59,7 @@ type layer struct {
 	extraLinks map[int]uint32
 	totalSize  int64
 	stats      *counters
+	failLog    logLimiter
 }
 
 func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options) (*layer, error) {

@@ -566,3 +566,19 @@ func TestWrongTOC(t *testing.T) {
 		t.Error("NewRoot(nil source) succeeded")
 	}
 }
+
+func TestReadFailureLogsAreRateLimited(t *testing.T) {
+	var r logLimiter
+	now := time.Unix(1000, 0)
+	if n, ok := r.allow(now); !ok || n != 0 {
+		t.Fatalf("first failure not logged: %d %v", n, ok)
+	}
+	for i := range 50 {
+		if _, ok := r.allow(now.Add(time.Duration(i) * time.Millisecond)); ok {
+			t.Fatalf("failure %d within the interval logged", i)
+		}
+	}
+	if n, ok := r.allow(now.Add(failLogInterval)); !ok || n != 50 {
+		t.Errorf("after the interval: logged=%v suppressed=%d, want true 50", ok, n)
+	}
+}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/containerd/log"
 	"golang.org/x/sync/errgroup"
@@ -18,6 +20,33 @@ import (
 const maxParallelChunks = 8
 
 var errTimeout = errors.New("read timeout expired")
+
+// failLogInterval bounds read-failure logging per mount: when a registry
+// is down every container reading the layer fails every read, and one
+// line per failure would bury everything else. Every failure is counted
+// in Stats/metrics regardless.
+const failLogInterval = time.Second
+
+// logLimiter lets one event through per interval and counts the rest.
+type logLimiter struct {
+	mu         sync.Mutex
+	last       time.Time
+	suppressed int
+}
+
+// allow reports whether to log now, and how many events were dropped
+// since the last one logged.
+func (r *logLimiter) allow(now time.Time) (int, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.last.IsZero() && now.Sub(r.last) < failLogInterval {
+		r.suppressed++
+		return 0, false
+	}
+	n := r.suppressed
+	r.last, r.suppressed = now, 0
+	return n, true
+}
 
 // read fills dest with the bytes of regular file idx at off. It returns the
 // number of bytes (short only at EOF) or EIO; it never returns bytes it has
@@ -41,11 +70,14 @@ func (l *layer) read(dest []byte, off int64, idx int) (int, syscall.Errno) {
 		if errors.Is(err, errTimeout) {
 			l.stats.readTimeouts.Add(1)
 		}
-		log.G(l.ctx).WithError(err).WithFields(log.Fields{
-			"path":   l.toc.Name(idx),
-			"offset": off,
-			"length": end - off,
-		}).Error("lazyfs: read failed, returning EIO")
+		if suppressed, ok := l.failLog.allow(time.Now()); ok {
+			log.G(l.ctx).WithError(err).WithFields(log.Fields{
+				"path":       l.toc.Name(idx),
+				"offset":     off,
+				"length":     end - off,
+				"suppressed": suppressed,
+			}).Error("lazyfs: read failed, returning EIO")
+		}
 		return 0, syscall.EIO
 	}
 	return int(end - off), 0
