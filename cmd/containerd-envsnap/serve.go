@@ -44,9 +44,10 @@ func init() { commands = append(commands, serveCommand) }
 // defaultMemoryLimit: 50 environments reading 280 MB of a layer at once
 // peaked at 486 MiB RSS without a limit, almost all of it garbage the
 // collector had not yet been asked to return (frames are decoded into
-// short-lived MiB-sized buffers); with a 120 MiB soft limit the peak was
-// 174 MiB for 14% more wall time (TestBenchLoad50, docs/reliability.md).
-const defaultMemoryLimit = "128MiB"
+// short-lived MiB-sized buffers); with a 128 MiB soft limit it was
+// 195 MiB, with 100 MiB 157 MiB, at no measurable cost in wall time
+// (TestBenchLoad50, docs/reliability.md).
+const defaultMemoryLimit = "100MiB"
 
 // setMemoryLimit applies the Go runtime's soft memory limit, leaving an
 // explicit GOMEMLIMIT alone.
