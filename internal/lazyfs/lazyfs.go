@@ -330,9 +330,13 @@ func serveFD(raw fuse.RawFileSystem, fd int, mo *fuse.MountOptions) (*fuse.Serve
 // Mountpoint returns the directory the layer is mounted on.
 func (m *Server) Mountpoint() string { return m.mountpoint }
 
-// Unmount unmounts the layer. It fails with EBUSY while files are in use
-// (overlayfs holding it as a lower layer counts). It is safe to call more
-// than once and after the mount disappeared by other means.
+// Unmount removes the layer's mount point. It fails with EBUSY while a
+// process has files open or its cwd there, but not because an overlay uses
+// the layer: overlayfs holds private clones of its lower mounts, and those
+// keep working, served by this Server, until the overlay is gone (Wait
+// returns then). So the ChunkSource must stay usable until Wait returns.
+// Unmount is safe to call more than once and after the mount disappeared
+// by other means.
 func (m *Server) Unmount() error {
 	m.unmountMu.Lock()
 	defer m.unmountMu.Unlock()

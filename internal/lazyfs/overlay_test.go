@@ -10,6 +10,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -20,7 +21,7 @@ import (
 func TestOverlayLowerLayer(t *testing.T) {
 	requireFUSE(t)
 	f := newFixture(t)
-	mnt, _, _ := f.mount(t)
+	mnt, _, srv := f.mount(t)
 
 	// What an older layer below ours contains.
 	base := t.TempDir()
@@ -46,12 +47,7 @@ func TestOverlayLowerLayer(t *testing.T) {
 		t.Fatalf("mount overlay %s: %v", opts, err)
 	}
 	// Registered after the FUSE mount's cleanup, so it runs first.
-	t.Cleanup(func() {
-		if err := unix.Unmount(merged, 0); err != nil {
-			t.Errorf("unmount overlay: %v", err)
-			_ = unix.Unmount(merged, unix.MNT_DETACH)
-		}
-	})
+	t.Cleanup(func() { _ = unix.Unmount(merged, unix.MNT_DETACH) })
 
 	for _, p := range []string{"gone", "usr/removed", "opq/old", "redo/old"} {
 		if _, err := os.Lstat(filepath.Join(merged, p)); !errors.Is(err, os.ErrNotExist) {
@@ -123,6 +119,38 @@ func TestOverlayLowerLayer(t *testing.T) {
 	// Direct writes to the layer itself are refused.
 	if err := os.WriteFile(filepath.Join(mnt, "etc/passwd"), []byte("x"), 0o644); errnoOf(err) != unix.EROFS {
 		t.Errorf("write to the layer: %v, want EROFS", err)
+	}
+
+	// Unmount while the overlay uses the layer succeeds: overlayfs holds
+	// private clones of its lower mounts. The overlay keeps working,
+	// served by the same server, until it goes away; only then does Wait
+	// return. (So a ChunkSource must outlive Wait, not Unmount.)
+	if err := srv.Unmount(); err != nil {
+		t.Fatalf("Unmount while overlay uses the layer: %v", err)
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(mnt, &sfs); err != nil || sfs.Type == unix.FUSE_SUPER_MAGIC {
+		t.Errorf("layer mountpoint still a FUSE mount after Unmount (%v)", err)
+	}
+	got, err := os.ReadFile(filepath.Join(merged, "data/big"))
+	if err != nil || !bytes.Equal(got, bigData()) {
+		t.Errorf("overlay read after the layer's Unmount: %v", err)
+	}
+	waited := make(chan struct{})
+	go func() { srv.Wait(); close(waited) }()
+	select {
+	case <-waited:
+		t.Error("Wait returned while the overlay still uses the connection")
+	case <-time.After(200 * time.Millisecond):
+	}
+	if err := unix.Unmount(merged, 0); err != nil {
+		t.Fatalf("unmount overlay: %v", err)
+	}
+	select {
+	case <-waited:
+	case <-time.After(10 * time.Second):
+		// Possibly a copy in another mount namespace; see cleanupMount.
+		t.Log("Wait did not return 10s after the overlay went away")
 	}
 }
 
