@@ -419,7 +419,13 @@ func (s *Store) Unmount(ctx context.Context, mountpoint string) error {
 		return fmt.Errorf("unmount layer %s: %w", m.desc.Digest, err)
 	}
 	m.cancel()
-	m.layer.Close()
+	// Overlay mounts keep private references to their lower layers, so
+	// the FUSE connection may go on serving a container after Unmount:
+	// the chunk source stays open until the kernel lets go (Wait).
+	go func() {
+		m.srv.Wait()
+		m.layer.Close()
+	}()
 	s.forget(ctx, mountpoint)
 	s.mu.Lock()
 	delete(s.mounts, mountpoint)
