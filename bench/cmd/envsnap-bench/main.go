@@ -31,7 +31,7 @@ func main() {
 	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
 	flag.StringVar(&systems, "systems", strings.Join(headline.AllSystems, ","), "systems to measure")
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
-	out := flag.String("out", "", "raw JSON (default bench/out/headline.json)")
+	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, committed with the report)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
 	cfg.Systems = strings.Split(systems, ",")
@@ -69,7 +69,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 		}
 	}
 	if out == "" {
-		out = filepath.Join(root, "bench/out/headline.json")
+		out = filepath.Join(root, "docs/benchmarks.json")
 	}
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
