@@ -379,3 +379,26 @@ func FuzzOpenIndex(f *testing.F) {
 		}
 	})
 }
+
+// TestPutVerified stores like Put; Get still verifies what it reads back,
+// so bytes wrongly vouched for are never served.
+func TestPutVerified(t *testing.T) {
+	c := open(t, t.TempDir(), 1<<20)
+	b, d := blob(1, 1000)
+	if err := c.PutVerified(d, b); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := c.Get(d); !ok || !bytes.Equal(got, b) {
+		t.Fatalf("Get after PutVerified: ok=%v", ok)
+	}
+	_, od := blob(2, 10)
+	if err := c.PutVerified(od, b); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := c.Get(od); ok {
+		t.Fatal("Get served bytes that do not match their digest")
+	}
+	if s := c.Stats(); s.Corrupt != 1 {
+		t.Fatalf("stats %+v, want one corrupt entry", s)
+	}
+}

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -612,5 +614,39 @@ func TestSharedFlights(t *testing.T) {
 				t.Error("layer b's progress ignores the frame layer a fetched for it")
 			}
 		})
+	}
+}
+
+// TestLayerCorruptCacheFile: a cached frame altered on disk is caught by the
+// one verification a cache hit gets (chunkcache.Get), refetched and served
+// correctly, never decoded as is.
+func TestLayerCorruptCacheFile(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0), WithFrameCache(0))
+	c := fx.chunksOf(t, "b.txt")[0]
+	want := fx.files["b.txt"][c.FileOffset : c.FileOffset+c.Size]
+	if _, err := fx.layer.ReadChunk(context.Background(), c); err != nil {
+		t.Fatal(err)
+	}
+	enc := c.Digest.Encoded()
+	p := filepath.Join(fx.cache.Dir(), c.Digest.Algorithm().String(), enc[:2], enc)
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)/2] ^= 0xff
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fx.reg.resetCounts()
+	got, err := fx.layer.ReadChunk(context.Background(), c)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read after corrupting the cache file: err %v, equal %v", err, bytes.Equal(got, want))
+	}
+	if s := fx.cache.Stats(); s.Corrupt != 1 {
+		t.Errorf("cache counted %d corrupt entries, want 1", s.Corrupt)
+	}
+	if n := fx.reg.requests(); n != 1 {
+		t.Errorf("%d requests to replace the corrupt frame, want 1", n)
 	}
 }
