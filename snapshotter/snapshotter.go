@@ -553,9 +553,9 @@ func (s *Snapshotter) Layers() []LayerStatus {
 	return out
 }
 
-// Close unmounts every layer mount no container's snapshot uses and closes
-// the metadata store. Layers below active or view snapshots stay mounted
-// for the containers using them (a restarted daemon takes them over, see
+// Close unmounts every layer mount no other mount uses (see layersInUse)
+// and closes the metadata store. Layers in a container's rootfs stay
+// mounted for it (a restarted daemon takes them over, see
 // layerstore.Restore). Close is idempotent.
 func (s *Snapshotter) Close() error {
 	s.mu.Lock()
