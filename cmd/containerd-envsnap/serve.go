@@ -45,7 +45,7 @@ func init() { commands = append(commands, serveCommand) }
 // peaked at 486 MiB RSS without a limit, almost all of it garbage the
 // collector had not yet been asked to return (frames are decoded into
 // short-lived MiB-sized buffers); with a 128 MiB soft limit it was
-// 195 MiB, with 100 MiB 157 MiB, at no measurable cost in wall time
+// 195 MiB, with 100 MiB 141 MiB, at no measurable cost in wall time
 // (TestBenchLoad50, docs/reliability.md).
 const defaultMemoryLimit = "100MiB"
 
