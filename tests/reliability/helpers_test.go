@@ -178,3 +178,25 @@ func (b *syncBuffer) String() string {
 func contentBytes(env *testenv.Env, desc ocispec.Descriptor) ([]byte, error) {
 	return content.ReadBlob(env.Context(), env.ContentStore, desc)
 }
+
+// metricSum sums every series of a metric whose labels contain all of
+// labels (e.g. `op="read"`).
+func metricSum(t testing.TB, env *testenv.Env, name string, labels ...string) float64 {
+	t.Helper()
+	var sum float64
+	for _, line := range strings.Split(string(statusGet(t, env, "/metrics")), "\n") {
+		if !strings.HasPrefix(line, name+"{") {
+			continue
+		}
+		ok := true
+		for _, l := range labels {
+			ok = ok && strings.Contains(line, l)
+		}
+		i := strings.LastIndexByte(line, ' ')
+		var f float64
+		if _, err := fmt.Sscan(line[i+1:], &f); ok && err == nil {
+			sum += f
+		}
+	}
+	return sum
+}
