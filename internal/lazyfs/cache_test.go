@@ -1,6 +1,7 @@
 package lazyfs
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -198,5 +200,70 @@ func TestDirectoryListingCached(t *testing.T) {
 	}
 	if extra := srv.Stats().Ops["readdir"].Count - n; extra != 0 {
 		t.Errorf("relisting a directory produced %d more READDIRs, want 0", extra)
+	}
+}
+
+// TestRestOfChunkStored: a small read of a big chunk leaves the rest of
+// the chunk in the page cache (FUSE_NOTIFY_STORE), so the following small
+// reads of that chunk reach neither the daemon nor the chunk source.
+func TestRestOfChunkStored(t *testing.T) {
+	requireFUSE(t)
+	const chunk = 1 << 20
+	data := make([]byte, 2*chunk)
+	r := rand.New(rand.NewPCG(7, 8))
+	for i := range data {
+		data[i] = byte(r.Uint32())
+	}
+	blob, toc := convert(t, bytes.NewReader(buildTar(t, []tarFile{{hdr: hdr(tar.TypeReg, "big", 0o644), data: data}})), layerfmt.WithChunkSize(chunk))
+	src := newBlobSource(bytes.NewReader(blob))
+	mnt, _ := mountLayer(t, toc, src)
+	f, err := os.Open(filepath.Join(mnt, "big"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	// Random reads: no readahead, so the kernel asks for what we read.
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64<<10)
+	if _, err := f.ReadAt(buf, chunk+128<<10); err != nil {
+		t.Fatal(err)
+	}
+	calls := src.calls.Load()
+	// The store is asynchronous: wait until the kernel holds the chunk.
+	m, err := unix.Mmap(int(f.Fd()), chunk, chunk, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, chunk/4096)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+			t.Fatal(e)
+		}
+		resident := 0
+		for _, v := range vec {
+			resident += int(v & 1)
+		}
+		if resident == len(vec) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d pages of the chunk resident after one read of it", resident, len(vec))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, off := range []int64{chunk, chunk + 512<<10, 2*chunk - int64(len(buf))} {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, data[off:off+int64(len(buf))]) {
+			t.Fatalf("wrong bytes at %d", off)
+		}
+	}
+	if extra := src.calls.Load() - calls; extra != 0 {
+		t.Errorf("%d more ReadChunk calls for reads of a chunk already decoded", extra)
 	}
 }

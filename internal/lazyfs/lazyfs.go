@@ -60,6 +60,7 @@ type layer struct {
 	totalSize  int64
 	stats      *counters
 	failLog    logLimiter
+	stores     *cacheStorer
 }
 
 func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options) (*layer, error) {
@@ -76,6 +77,7 @@ func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options
 		opts:       o,
 		extraLinks: map[int]uint32{},
 		stats:      &counters{},
+		stores:     newCacheStorer(),
 	}
 	for i := 1; i < toc.Len(); i++ {
 		switch toc.Type(i) {

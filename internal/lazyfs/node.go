@@ -444,7 +444,9 @@ func (n *node) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64
 	if n.whiteout || n.l.toc.Type(n.idx) != layerfmt.TypeReg {
 		return nil, syscall.EINVAL
 	}
-	cnt, errno := n.l.read(dest, off, n.idx)
+	ino := n.EmbeddedInode()
+	size := n.l.toc.Size(n.idx)
+	cnt, errno := n.l.read(dest, off, n.idx, func(at int64, b []byte) { n.l.stores.store(ino, at, b, size) })
 	if errno != 0 {
 		return nil, errno
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/containerd/log"
+	"github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/layerfmt"
@@ -51,7 +52,9 @@ func (r *logLimiter) allow(now time.Time) (int, bool) {
 // read fills dest with the bytes of regular file idx at off. It returns the
 // number of bytes (short only at EOF) or EIO; it never returns bytes it has
 // not received from the chunk source for exactly the chunk that holds them.
-func (l *layer) read(dest []byte, off int64, idx int) (int, syscall.Errno) {
+// spill, when not nil, receives the bytes of those chunks outside the read
+// (at their file offsets), which the source had to produce anyway.
+func (l *layer) read(dest []byte, off int64, idx int, spill func(fileOff int64, b []byte)) (int, syscall.Errno) {
 	if off < 0 {
 		return 0, syscall.EINVAL
 	}
@@ -63,7 +66,7 @@ func (l *layer) read(dest []byte, off int64, idx int) (int, syscall.Errno) {
 
 	chunks, err := l.covering(idx, off, end)
 	if err == nil {
-		err = l.fetchInto(dest, off, end, chunks)
+		err = l.fetchInto(dest, off, end, chunks, spill)
 	}
 	if err != nil {
 		l.stats.readErrors.Add(1)
@@ -109,14 +112,26 @@ func (l *layer) covering(idx int, off, end int64) ([]layerfmt.Chunk, error) {
 
 // fetchInto reads chunks (concurrently when there are several) and copies
 // the window [off, end) of the file into dest, all within one read timeout.
-func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk) error {
+func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk, spill func(int64, []byte)) error {
 	ctx, cancel := context.WithTimeout(l.ctx, l.opts.readTimeout)
 	defer cancel()
 
+	var spillMu sync.Mutex
 	place := func(c layerfmt.Chunk, data []byte) {
 		lo := max(off, c.FileOffset)
 		hi := min(end, c.FileOffset+c.Size)
 		copy(dest[lo-off:hi-off], data[lo-c.FileOffset:hi-c.FileOffset])
+		if spill == nil {
+			return
+		}
+		spillMu.Lock()
+		defer spillMu.Unlock()
+		if lo > c.FileOffset {
+			spill(c.FileOffset, data[:lo-c.FileOffset])
+		}
+		if hi < c.FileOffset+c.Size {
+			spill(hi, data[hi-c.FileOffset:])
+		}
 	}
 	if len(chunks) == 1 {
 		data, err := l.fetch(ctx, chunks[0])
@@ -181,4 +196,58 @@ func (l *layer) fetch(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 		}
 		return nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, err)
 	}
+}
+
+// pageSize is the unit of the kernel page cache: only whole pages can be
+// stored into it.
+const pageSize = 4096
+
+// maxCacheStores bounds the page-cache stores in flight per mount; past it
+// a spill is dropped (it is only an optimisation).
+const maxCacheStores = 8
+
+// cacheStorer pushes the parts of decoded chunks a read did not ask for
+// into the kernel page cache (FUSE_NOTIFY_STORE). A random 128 KiB reader
+// of a file with 1 MiB chunks otherwise makes the daemon read, verify and
+// decompress the same chunk up to 8 times; with the store, the kernel
+// serves the other 7 reads itself. The bytes are the chunk source's
+// verified output, and the layer is immutable, so the stored pages are as
+// good as pages the kernel read.
+type cacheStorer struct {
+	slots chan struct{}
+}
+
+func newCacheStorer() *cacheStorer {
+	return &cacheStorer{slots: make(chan struct{}, maxCacheStores)}
+}
+
+// store hands b (file bytes at off) to the kernel asynchronously: the
+// store waits for any page of the range the kernel holds locked, and
+// pages of the read being answered stay locked until its reply is
+// written, after the caller returns.
+func (s *cacheStorer) store(ino *fs.Inode, off int64, b []byte, fileSize int64) {
+	// Whole pages only, except the file's last page.
+	if r := off % pageSize; r != 0 {
+		skip := pageSize - r
+		if int64(len(b)) <= skip {
+			return
+		}
+		off, b = off+skip, b[skip:]
+	}
+	if end := off + int64(len(b)); end < fileSize {
+		b = b[:len(b)-int(end%pageSize)]
+	}
+	if len(b) == 0 {
+		return
+	}
+	select {
+	case s.slots <- struct{}{}:
+	default:
+		return
+	}
+	go func() {
+		defer func() { <-s.slots }()
+		// Errors are harmless: the kernel reads the pages on demand.
+		_ = ino.WriteCache(off, b)
+	}()
 }
