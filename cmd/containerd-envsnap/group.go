@@ -11,6 +11,7 @@ import (
 
 	"github.com/urfave/cli/v3"
 
+	"github.com/envsnap/envsnap/internal/convert"
 	"github.com/envsnap/envsnap/internal/group"
 	"github.com/envsnap/envsnap/internal/registry"
 )
@@ -27,6 +28,9 @@ var groupCommand = &cli.Command{
 			&cli.StringFlag{Name: "name", Usage: "group name recorded in the manifest (default: from REF)"},
 			&cli.StringSliceFlag{Name: "from-dir", Usage: "directory to publish as one layer (repeatable: one layer each)"},
 			&cli.StringSliceFlag{Name: "from-tar", Usage: "tar file (plain, gzip or zstd) to publish as one layer (repeatable)"},
+			&cli.StringFlag{Name: "from-image", Usage: "existing image to publish as the group: oci-layout:DIR, oci-archive:FILE (BuildKit's type=oci output), containerd:NAME or a registry reference; its Env and WorkingDir are the default contributions"},
+			&cli.StringFlag{Name: "address", Value: "/run/containerd/containerd.sock", Usage: "containerd socket (with --from-image containerd:NAME)"},
+			&cli.StringFlag{Name: "namespace", Value: "default", Usage: "containerd namespace (with --from-image containerd:NAME)"},
 			&cli.StringFlag{Name: "prefix", Usage: "with --from-dir: where the directory's contents land in the image, e.g. /opt/harness"},
 			&cli.StringFlag{Name: "owner", Usage: "with --from-dir: UID:GID for every entry (e.g. 0:0)"},
 			&cli.StringFlag{Name: "mode-mask", Usage: "with --from-dir: octal mask ANDed into permissions (e.g. 755)"},
@@ -60,8 +64,12 @@ func runGroupPublish(ctx context.Context, c *cli.Command) error {
 	for _, t := range c.StringSlice("from-tar") {
 		sources = append(sources, group.TarFileSource(t))
 	}
-	if len(sources) == 0 {
-		return fmt.Errorf("group publish: give --from-dir or --from-tar")
+	image := c.String("from-image")
+	if len(sources) == 0 && image == "" {
+		return fmt.Errorf("group publish: give --from-dir, --from-tar or --from-image")
+	}
+	if len(sources) > 0 && image != "" {
+		return fmt.Errorf("group publish: --from-image makes the whole group; it does not mix with --from-dir or --from-tar")
 	}
 	labels := map[string]string{}
 	for _, kv := range c.StringSlice("label") {
@@ -76,11 +84,35 @@ func runGroupPublish(ctx context.Context, c *cli.Command) error {
 		name = refName(ref)
 	}
 	p := &group.Publisher{Hosts: registry.ConfigureHosts(ctx, registryOptions(c)), Progress: os.Stderr}
-	res, err := p.Publish(ctx, ref, sources, group.Meta{
-		Kind: c.String("kind"), Name: name, Env: c.StringSlice("env"), WorkingDir: c.String("workdir"), Labels: labels,
-	})
-	if err != nil {
-		return err
+	meta := group.Meta{Kind: c.String("kind"), Name: name, Env: c.StringSlice("env"), WorkingDir: c.String("workdir"), Labels: labels}
+	var res *group.Result
+	if image != "" {
+		tmp, err := os.MkdirTemp("", "envsnap-group-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(tmp)
+		layers, cfg, err := group.ImageLayers(ctx, image, convert.Options{
+			Registry: registryOptions(c), ContainerdAddress: c.String("address"), ContainerdNamespace: c.String("namespace"),
+		}, tmp)
+		if err != nil {
+			return fmt.Errorf("group publish --from-image %s: %w", image, err)
+		}
+		if !c.IsSet("env") {
+			meta.Env = cfg.Env
+		}
+		if !c.IsSet("workdir") {
+			meta.WorkingDir = cfg.WorkingDir
+		}
+		res, err = p.PublishLayers(ctx, ref, layers, meta)
+		if err != nil {
+			return err
+		}
+	} else {
+		var err error
+		if res, err = p.Publish(ctx, ref, sources, meta); err != nil {
+			return err
+		}
 	}
 	fmt.Printf("%s@%s kind=%s layers=%d uploaded=%d (%d bytes) existing=%d in %s\n",
 		ref, res.Manifest.Digest, c.String("kind"), len(res.Layers), res.UploadedLayers, res.UploadedBytes, res.SkippedLayers, res.Duration.Round(time.Millisecond))

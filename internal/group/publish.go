@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"runtime"
 	"time"
 
@@ -115,13 +116,66 @@ type Publisher struct {
 	Progress io.Writer
 }
 
+// Layer is a layer already in the envsnap format, ready to push.
+type Layer struct {
+	Desc   ocispec.Descriptor // with the layerfmt annotations
+	DiffID digest.Digest
+	// Open returns the blob's bytes.
+	Open func() (io.ReadCloser, error)
+}
+
 // Publish converts each source to an envsnap layer and pushes the group to
 // ref (e.g. "registry.example/envsnap/harness/claude-code:2.0").
 func (p *Publisher) Publish(ctx context.Context, ref string, sources []TarSource, meta Meta) (*Result, error) {
+	if len(sources) == 0 {
+		return nil, fmt.Errorf("publish %s: a group needs at least one layer: %w", ref, errdefs.ErrInvalidArgument)
+	}
+	tmp, err := os.MkdirTemp(p.TempDir, "envsnap-group-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	layers := make([]Layer, len(sources))
+	for i, src := range sources {
+		if layers[i], err = convertSource(ctx, tmp, i, src); err != nil {
+			return nil, fmt.Errorf("publish %s: layer %d: %w", ref, i, err)
+		}
+	}
+	return p.PublishLayers(ctx, ref, layers, meta)
+}
+
+// convertSource converts src into a blob file below dir.
+func convertSource(ctx context.Context, dir string, i int, src TarSource) (Layer, error) {
+	path := filepath.Join(dir, fmt.Sprintf("layer-%d", i))
+	f, err := os.Create(path)
+	if err != nil {
+		return Layer{}, err
+	}
+	defer f.Close()
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(src(ctx, pw)) }()
+	wr, err := layerfmt.Convert(ctx, f, pr)
+	pr.CloseWithError(err)
+	if err != nil {
+		return Layer{}, fmt.Errorf("convert: %w", err)
+	}
+	if err := f.Close(); err != nil {
+		return Layer{}, err
+	}
+	return Layer{
+		Desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: wr.Digest, Size: wr.Size, Annotations: wr.Annotations()},
+		DiffID: wr.DiffID,
+		Open:   func() (io.ReadCloser, error) { return os.Open(path) },
+	}, nil
+}
+
+// PublishLayers pushes a group made of layers that are already in the
+// envsnap format. Layers the registry has are not uploaded again.
+func (p *Publisher) PublishLayers(ctx context.Context, ref string, layers []Layer, meta Meta) (*Result, error) {
 	if meta.Kind == "" {
 		return nil, fmt.Errorf("publish %s: group kind is required: %w", ref, errdefs.ErrInvalidArgument)
 	}
-	if len(sources) == 0 {
+	if len(layers) == 0 {
 		return nil, fmt.Errorf("publish %s: a group needs at least one layer: %w", ref, errdefs.ErrInvalidArgument)
 	}
 	start := time.Now()
@@ -131,14 +185,17 @@ func (p *Publisher) Publish(ctx context.Context, ref string, sources []TarSource
 	}
 	res := &Result{Ref: ref}
 	var diffIDs []digest.Digest
-	for i, src := range sources {
-		desc, diffID, uploaded, err := p.pushLayer(ctx, pusher, src)
+	for i, l := range layers {
+		if l.Desc.Annotations[layerfmt.AnnotationTOCDigest] == "" {
+			return nil, fmt.Errorf("publish %s: layer %d (%s): %w", ref, i, l.Desc.Digest, layerfmt.ErrNotLayer)
+		}
+		uploaded, err := pushLayer(ctx, pusher, l)
 		if err != nil {
 			return nil, fmt.Errorf("publish %s: layer %d: %w", ref, i, err)
 		}
 		if uploaded {
 			res.UploadedLayers++
-			res.UploadedBytes += desc.Size
+			res.UploadedBytes += l.Desc.Size
 		} else {
 			res.SkippedLayers++
 		}
@@ -147,10 +204,10 @@ func (p *Publisher) Publish(ctx context.Context, ref string, sources []TarSource
 			if uploaded {
 				state = "uploaded"
 			}
-			fmt.Fprintf(p.Progress, "layer %d: %s %d bytes (%s)\n", i, desc.Digest, desc.Size, state)
+			fmt.Fprintf(p.Progress, "layer %d: %s %d bytes (%s)\n", i, l.Desc.Digest, l.Desc.Size, state)
 		}
-		res.Layers = append(res.Layers, desc)
-		diffIDs = append(diffIDs, diffID)
+		res.Layers = append(res.Layers, l.Desc)
+		diffIDs = append(diffIDs, l.DiffID)
 	}
 	platform := ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH}
 	if meta.Platform != nil {
@@ -198,34 +255,14 @@ func (p *Publisher) Publish(ctx context.Context, ref string, sources []TarSource
 	return res, nil
 }
 
-// pushLayer converts src into a temporary blob and pushes it unless the
-// registry already has it.
-func (p *Publisher) pushLayer(ctx context.Context, pusher remotes.Pusher, src TarSource) (ocispec.Descriptor, digest.Digest, bool, error) {
-	f, err := os.CreateTemp(p.TempDir, "envsnap-layer-*")
+// pushLayer pushes l unless the registry already has it.
+func pushLayer(ctx context.Context, pusher remotes.Pusher, l Layer) (bool, error) {
+	rc, err := l.Open()
 	if err != nil {
-		return ocispec.Descriptor{}, "", false, err
+		return false, err
 	}
-	defer os.Remove(f.Name())
-	defer f.Close()
-
-	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(src(ctx, pw)) }()
-	wr, err := layerfmt.Convert(ctx, f, pr)
-	pr.CloseWithError(err)
-	if err != nil {
-		return ocispec.Descriptor{}, "", false, fmt.Errorf("convert: %w", err)
-	}
-	desc := ocispec.Descriptor{
-		MediaType:   layerfmt.MediaTypeLayer,
-		Digest:      wr.Digest,
-		Size:        wr.Size,
-		Annotations: wr.Annotations(),
-	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
-		return desc, "", false, err
-	}
-	uploaded, err := PushReader(ctx, pusher, desc, f)
-	return desc, wr.DiffID, uploaded, err
+	defer rc.Close()
+	return PushReader(ctx, pusher, l.Desc, rc)
 }
 
 // NewPusher returns a pusher for ref with a fresh push tracker.
