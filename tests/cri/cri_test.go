@@ -19,19 +19,6 @@ import (
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
-func writeJSON(t *testing.T, dir, name string, v any) string {
-	t.Helper()
-	b, err := json.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := filepath.Join(dir, name)
-	if err := os.WriteFile(p, b, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
 // lazyImage publishes a busybox base group and a data group holding a
 // 32 MiB file nobody reads, and composes them into ref.
 func lazyImage(t *testing.T, env *testenv.Env, ref string) int64 {
@@ -92,30 +79,23 @@ func TestEnvletPodOnLazyImage(t *testing.T) {
 	ref := env.Registry.Host + "/cri/env:1"
 	imageBytes := lazyImage(t, env, ref)
 	tmp := t.TempDir()
-	crictl := func(args ...string) string {
-		t.Helper()
-		out, err := env.Crictl(t, args...)
-		if err != nil {
-			t.Fatalf("crictl %s: %v\n%s", strings.Join(args, " "), err, out)
-		}
-		return strings.TrimSpace(out)
-	}
+	crictl := func(args ...string) string { t.Helper(); return env.MustCrictl(t, args...) }
 
 	// The pull for the envlet handler (kubelet says so with its
 	// RuntimeClassInImageCriApi gate; crictl with this annotation).
 	env.Registry.ResetCounters()
-	pullCfg := writeJSON(t, tmp, "pull.json", map[string]any{
+	pullCfg := testenv.WriteJSON(t, tmp, "pull.json", map[string]any{
 		"metadata":    map[string]any{"name": "pull", "namespace": "default", "uid": "pull-uid"},
 		"annotations": map[string]string{"io.containerd.cri.runtime-handler": "envlet"},
 	})
 	crictl("pull", "--pod-config", pullCfg, ref)
 
-	pod := writeJSON(t, tmp, "pod.json", map[string]any{
+	pod := testenv.WriteJSON(t, tmp, "pod.json", map[string]any{
 		"metadata":      map[string]any{"name": "rollout", "namespace": "default", "uid": "rollout-uid"},
 		"log_directory": filepath.Join(tmp, "logs"),
 		"linux":         map[string]any{"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}}},
 	})
-	ctrCfg := writeJSON(t, tmp, "ctr.json", map[string]any{
+	ctrCfg := testenv.WriteJSON(t, tmp, "ctr.json", map[string]any{
 		"metadata": map[string]any{"name": "agent"},
 		"image":    map[string]any{"image": ref},
 		"command":  []string{"/bin/sh", "-c", "cat /msg; exec sleep 300"},

@@ -109,7 +109,7 @@ func TestConvertOCIArchiveThenCRIPull(t *testing.T) {
 		t.Fatalf("containerd-envsnap convert: %v\n%s", err, out)
 	}
 
-	pullCfg := writeJSON(t, t.TempDir(), "pull.json", map[string]any{
+	pullCfg := testenv.WriteJSON(t, t.TempDir(), "pull.json", map[string]any{
 		"metadata":    map[string]any{"name": "pull", "namespace": "default", "uid": "pull-uid"},
 		"annotations": map[string]string{"io.containerd.cri.runtime-handler": "envlet"},
 	})

@@ -1,7 +1,6 @@
 package deploy
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -34,19 +33,12 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 	img := env.PushImage(t, "deploy/envlet:1", []testenv.File{{Path: "/msg", Data: []byte("envlet\n")}})
 	plain := env.PushImage(t, "deploy/plain:1", []testenv.File{{Path: "/msg", Data: []byte("plain\n")}})
 
-	crictl := func(args ...string) string {
-		t.Helper()
-		out, err := env.Crictl(t, args...)
-		if err != nil {
-			t.Fatalf("crictl %s: %v\n%s", strings.Join(args, " "), err, out)
-		}
-		return strings.TrimSpace(out)
-	}
+	crictl := func(args ...string) string { t.Helper(); return env.MustCrictl(t, args...) }
 	tmp := t.TempDir()
 	// kubelet sends the runtime handler with PullImage only with its
 	// RuntimeClassInImageCriApi feature gate; crictl can only say it with
 	// the (deprecated) sandbox annotation CRI still honours.
-	pullCfg := writeJSON(t, tmp, "pull.json", map[string]any{
+	pullCfg := testenv.WriteJSON(t, tmp, "pull.json", map[string]any{
 		"metadata":    map[string]any{"name": "pull", "namespace": "default", "uid": "pull-uid"},
 		"annotations": map[string]string{"io.containerd.cri.runtime-handler": "envlet"},
 	})
@@ -84,7 +76,7 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 		t.Errorf("image pulled without a handler is unpacked in %v, want [overlayfs]", got)
 	}
 
-	pod := writeJSON(t, tmp, "pod.json", map[string]any{
+	pod := testenv.WriteJSON(t, tmp, "pod.json", map[string]any{
 		"metadata":      map[string]any{"name": "envlet", "namespace": "default", "uid": "envlet-uid"},
 		"log_directory": filepath.Join(tmp, "logs"),
 		"linux":         map[string]any{"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}}},
@@ -95,7 +87,7 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 			"example.com/not-for-the-runtime":  "x",
 		},
 	})
-	ctrCfg := writeJSON(t, tmp, "ctr.json", map[string]any{
+	ctrCfg := testenv.WriteJSON(t, tmp, "ctr.json", map[string]any{
 		"metadata": map[string]any{"name": "env"},
 		"image":    map[string]any{"image": img.Ref},
 		"command":  []string{"/bin/sh", "-c", "cat /msg; sleep 300"},
@@ -145,7 +137,7 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 	// full) into the default snapshotter, so CRI unpacks it again into
 	// envsnap when it creates the container, from the blobs already in the
 	// content store. Nothing fails, but nothing was lazy either.
-	plainCfg := writeJSON(t, tmp, "plain.json", map[string]any{
+	plainCfg := testenv.WriteJSON(t, tmp, "plain.json", map[string]any{
 		"metadata": map[string]any{"name": "plain"},
 		"image":    map[string]any{"image": plain.Ref},
 		"command":  []string{"/bin/sh", "-c", "sleep 300"},
@@ -188,17 +180,4 @@ func envWithDropIn(t *testing.T, envsnapArgs ...string) *testenv.Env {
 		t.Fatal(err)
 	}
 	return env
-}
-
-func writeJSON(t *testing.T, dir, name string, v any) string {
-	t.Helper()
-	b, err := json.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := filepath.Join(dir, name)
-	if err := os.WriteFile(p, b, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return p
 }

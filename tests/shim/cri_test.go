@@ -2,7 +2,6 @@ package shim_test
 
 import (
 	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -26,37 +25,19 @@ const criRuntime = `
 func TestCRIPod(t *testing.T) {
 	s := newSuite(t, node{}, testenv.WithConfig(criRuntime))
 	dir := t.TempDir()
-	writeJSON := func(name string, v any) string {
-		b, err := json.Marshal(v)
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
-	pod := writeJSON("pod.json", map[string]any{
+	pod := testenv.WriteJSON(t, dir, "pod.json", map[string]any{
 		"metadata":      map[string]any{"name": "envlet", "namespace": "default", "uid": "envlet-uid", "attempt": 0},
 		"log_directory": filepath.Join(dir, "logs"),
 		"annotations":   map[string]string{"io.envsnap.envlet.initial-cpu": "0.5", "io.envsnap.envlet.initial-memory": "384Mi"},
 		"linux":         map[string]any{"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}}},
 	})
-	ctrCfg := writeJSON("ctr.json", map[string]any{
+	ctrCfg := testenv.WriteJSON(t, dir, "ctr.json", map[string]any{
 		"metadata": map[string]any{"name": "main"},
 		"image":    map[string]any{"image": s.img.Name()},
 		"command":  []string{"/workload", "-mode", "idle", "-hold", "60s"},
 		"log_path": "main.log",
 	})
-	crictl := func(args ...string) string {
-		t.Helper()
-		out, err := s.env.Crictl(t, args...)
-		if err != nil {
-			t.Fatalf("crictl %s: %v\n%s", strings.Join(args, " "), err, out)
-		}
-		return strings.TrimSpace(out)
-	}
+	crictl := func(args ...string) string { t.Helper(); return s.env.MustCrictl(t, args...) }
 	crictl("pull", s.img.Name())
 	podID := crictl("runp", "--runtime", "envletov", pod)
 	t.Cleanup(func() { s.env.Crictl(t, "stopp", podID); s.env.Crictl(t, "rmp", "-f", podID) })

@@ -7,6 +7,9 @@ package testenv
 
 import (
 	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -212,4 +215,30 @@ func StartRegistry(t testing.TB, dir string) *Registry {
 	}
 	t.Cleanup(r.Close)
 	return r
+}
+
+// MustCrictl runs crictl against this containerd and returns its trimmed
+// output, failing the test on error.
+func (e *Env) MustCrictl(t testing.TB, args ...string) string {
+	t.Helper()
+	out, err := e.Env.Crictl(args...)
+	if err != nil {
+		t.Fatalf("crictl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return strings.TrimSpace(out)
+}
+
+// WriteJSON writes v as JSON to dir/name (crictl pod and container
+// configs) and returns the path.
+func WriteJSON(t testing.TB, dir, name string, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
