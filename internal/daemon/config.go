@@ -22,13 +22,12 @@ const (
 	DefaultHostsDir    = "/etc/containerd/certs.d"
 	DefaultCacheSize   = Size(20 << 30)
 	DefaultReadTimeout = Duration(30 * time.Second)
-	// DefaultFillDelay: on the 2-core test machine, a fill starting at
-	// mount time doubled the cold start of a 200 MiB image whose command
-	// reads 1 MiB (pull + run 1.37-1.43 s vs 0.60-0.69 s with a 3 s delay,
-	// BenchmarkColdStart through a 1 Gbit/s, 20 ms link): the fill's
+	// DefaultFillDelay: none. A fill starting at mount time used to
+	// double the cold start on the 2-core test machine (its receiving,
 	// verification and cache writes took the CPU the container start
-	// needed. Zero once the fill yields to foreground activity itself.
-	DefaultFillDelay = Duration(3 * time.Second)
+	// needed), which a 3 s delay hid; the fill now yields to foreground
+	// work node-wide (see fetch.Layer.StartFill), BenchmarkColdStart.
+	DefaultFillDelay = Duration(0)
 	DefaultLogLevel  = "info"
 	// StatusSocketSuffix is appended to the gRPC address for the local
 	// HTTP socket that serves /status, /healthz and /metrics, so the
@@ -58,8 +57,8 @@ type Config struct {
 	// Fill starts fetching a layer's remaining chunks in the background
 	// as soon as it is mounted.
 	Fill bool `toml:"fill"`
-	// FillDelay postpones the background fill after a layer is mounted,
-	// leaving the link and the CPU to the first container's startup.
+	// FillDelay postpones the background fill after a layer is mounted.
+	// The fill yields to foreground work by itself, so 0 is the default.
 	FillDelay Duration `toml:"fill_delay"`
 	// Eager fetches every layer completely before serving it (on-demand
 	// fetching off).

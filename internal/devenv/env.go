@@ -28,6 +28,7 @@ import (
 	"github.com/containerd/containerd/v2/core/remotes/docker/config"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/containerd/v2/plugins/content/local"
+	"github.com/containerd/errdefs"
 )
 
 // Env is one isolated set of daemons.
@@ -351,6 +352,23 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		return err
 	}); err != nil {
 		return nil, fmt.Errorf("start envsnap: %w\n%s", err, p.LogTail(40))
+	}
+	if e.Client != nil {
+		// containerd keeps one gRPC connection to the proxy plugin and
+		// redials a restarted daemon with backoff: the daemon is up for
+		// containerd only once a call through it gets an answer.
+		sn := e.Client.SnapshotService("envsnap")
+		if err := waitFor(60*time.Second, "containerd to reach the restarted envsnap daemon", func() error {
+			ctx, cancel := context.WithTimeout(e.Context(), 2*time.Second)
+			defer cancel()
+			_, err := sn.Stat(ctx, "envsnap-devenv-probe")
+			if err == nil || errdefs.IsNotFound(err) {
+				return nil
+			}
+			return err
+		}); err != nil {
+			return nil, err
+		}
 	}
 	return p, nil
 }

@@ -69,6 +69,7 @@ type layerOptions struct {
 	wholeBlobMax int64
 	frameCache   int64
 	flights      *Flights
+	fillYield    bool
 }
 
 // WithReadTimeout bounds one ReadChunk, retries included (default
@@ -120,12 +121,22 @@ func WithFrameCache(bytes int64) LayerOption { return func(o *layerOptions) { o.
 
 // Flights lets Layers share fetches: a frame present in several layers
 // (content addressed: same digest, same bytes) that more than one of them
-// misses at the same moment is fetched once. Create one per node with
+// misses at the same moment is fetched once. It also tracks foreground
+// activity (reads, fresh mounts) across those Layers, which every Layer's
+// background fill yields to: on a small node the link and the CPU are
+// shared by all layers, so one layer's fill slows another layer's
+// container start just as much as its own. Create one per node with
 // NewFlights and pass it to every Layer with WithFlights; by default each
 // Layer has its own.
 type Flights struct {
 	mu sync.Mutex
 	m  map[digest.Digest]*flight
+
+	waiting   atomic.Int32 // foreground reads waiting on the network
+	lastWait  atomic.Int64 // unix ns of the latest foreground network wait
+	lastMount atomic.Int64 // unix ns of the latest yielding Layer's creation
+	lastOp    atomic.Int64 // unix ns of the latest NoteActivity
+	lastRead  atomic.Int64 // unix ns of the latest ReadChunk
 }
 
 // NewFlights returns an empty set of shared flights.
@@ -133,6 +144,66 @@ func NewFlights() *Flights { return &Flights{m: map[digest.Digest]*flight{}} }
 
 // WithFlights shares in-progress fetches with the other Layers using f.
 func WithFlights(f *Flights) LayerOption { return func(o *layerOptions) { o.flights = f } }
+
+// WithFillYield makes the background fill yield to foreground work
+// (default true): see StartFill. With false the fill runs at full speed
+// from the start, for a caller that waits for it (fetch everything, then
+// mount).
+func WithFillYield(yield bool) LayerOption { return func(o *layerOptions) { o.fillYield = yield } }
+
+// How the background fill yields (StartFill). Measured with
+// BenchmarkColdStart on 2 cores: a fill running during a container start
+// roughly doubled it, through CPU (receive, hash, write) more than the
+// link.
+const (
+	// fillQuiet: no fill batch starts while a foreground read waits on
+	// the network nor until this long after the last one. Container
+	// starts read in bursts separated by process creation and dynamic
+	// loading, which need the CPU too.
+	fillQuiet = 300 * time.Millisecond
+	// fillAfterMount: nor until this long after the last mount. Between
+	// the mount of an image's layers and the container's first read,
+	// containerd, the shim and runc set the container up without a read
+	// to show for it (0.2-0.5 s here); a fill starting in that gap cost
+	// a third more cold start in BenchmarkColdStart.
+	fillAfterMount = time.Second
+	// fillStartup: this long after the last mount, any file-system
+	// activity on a layer (NoteActivity: lookups, opens, reads) holds the
+	// fill back for fillQuiet too, like a read waiting on the network: a
+	// container start is mostly metadata work whose timing a slow fill
+	// stretches. Later, only network waits do, so a busy workload cannot
+	// starve the fill.
+	fillStartup = 10 * time.Second
+	// fillCalm: until no read at all (cache hits included) has arrived
+	// for this long, one batch at a time, so a read arriving mid-batch
+	// queues behind at most one batch on the link and one core stays
+	// with the workload.
+	fillCalm = 2 * time.Second
+	// fillMaxPause: a fill kept waiting this long sends one batch anyway,
+	// so a workload that misses steadily cannot starve it for ever.
+	fillMaxPause = 2 * time.Second
+	// fillPoll is how often a yielding fill looks again.
+	fillPoll = 20 * time.Millisecond
+)
+
+func (f *Flights) noteWait()  { f.lastWait.Store(time.Now().UnixNano()) }
+func (f *Flights) noteMount() { f.lastMount.Store(time.Now().UnixNano()) }
+func (f *Flights) noteOp()    { f.lastOp.Store(time.Now().UnixNano()) }
+func (f *Flights) noteRead()  { f.lastRead.Store(time.Now().UnixNano()) }
+
+// fillMay reports whether fill worker w may send a batch now, given how
+// long it has been waiting.
+func (f *Flights) fillMay(w int, waited time.Duration) bool {
+	now := time.Now().UnixNano()
+	sinceMount := time.Duration(now - f.lastMount.Load())
+	busy := f.waiting.Load() > 0 || time.Duration(now-f.lastWait.Load()) < fillQuiet ||
+		sinceMount < fillAfterMount ||
+		(sinceMount < fillStartup && time.Duration(now-f.lastOp.Load()) < fillQuiet)
+	if w == 0 {
+		return !busy || waited >= fillMaxPause
+	}
+	return !busy && time.Duration(now-f.lastRead.Load()) >= fillCalm
+}
 
 // span is one chunk's place in the blob; the Chunk itself (with its digest)
 // is read back from the TOC when needed, which keeps a mounted layer's index
@@ -161,7 +232,6 @@ type Layer struct {
 	totalBytes int64
 
 	cachedBytes atomic.Int64
-	waiting     atomic.Int32 // foreground reads waiting on the network
 	fillStarted atomic.Bool
 	lastFullLog atomic.Int64
 
@@ -190,12 +260,19 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		fillParallel: DefaultFillParallel,
 		wholeBlobMax: DefaultWholeBlobMax,
 		frameCache:   DefaultFrameCache,
+		fillYield:    true,
 	}
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if o.flights == nil {
 		o.flights = NewFlights()
+	}
+	if o.fillYield {
+		// A layer is mounted because a container is about to start on it:
+		// that start is foreground work the fill must not slow down.
+		o.flights.noteMount()
+		o.flights.noteRead()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &Layer{
@@ -316,6 +393,7 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 // together with following uncached chunks in one request (read-ahead). The
 // returned slice is the caller's.
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+	l.flights.noteRead()
 	if frame, ok := l.frames.get(c.Digest); ok && int64(len(frame)) == c.FrameSize &&
 		c.FrameOffset >= 0 && c.Size > 0 && c.FrameOffset+c.Size <= c.FrameSize {
 		// Verified when it was decoded; copied so no caller can alter
@@ -339,8 +417,11 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		return out, nil
 	}
 
-	l.waiting.Add(1)
-	defer l.waiting.Add(-1)
+	l.flights.waiting.Add(1)
+	defer func() {
+		l.flights.waiting.Add(-1)
+		l.flights.noteWait()
+	}()
 	for {
 		f := l.join(ctx, c)
 		select {
@@ -631,6 +712,11 @@ func (l *Layer) markCached(j int) {
 	}
 }
 
+// NoteActivity tells the layer its file system is in use (lazyfs calls it
+// on every FUSE operation): shortly after a mount, the background fill of
+// every layer sharing its Flights holds back while that goes on.
+func (l *Layer) NoteActivity() { l.flights.noteOp() }
+
 // Progress returns the compressed bytes of this layer's distinct chunks that
 // are in the node cache, and their total.
 func (l *Layer) Progress() (cachedBytes, totalBytes int64) {
@@ -638,10 +724,15 @@ func (l *Layer) Progress() (cachedBytes, totalBytes int64) {
 }
 
 // StartFill fetches every chunk not yet cached in the background, in large
-// coalesced requests, a few in parallel, pausing while foreground reads wait
-// on the network. It returns at once; the fill stops at ctx's end, at Close,
-// when the cache is full, or after repeated registry failures. Calling it
-// again does nothing.
+// coalesced requests, a few in parallel. Unless WithFillYield(false), it
+// yields to foreground work of every Layer sharing its Flights: no batch
+// starts while a foreground read waits on the network nor within fillQuiet
+// of the last such wait or fillAfterMount of a layer's creation (a mount
+// means a container is starting), and only one batch at a time until no read at all has
+// arrived for fillCalm; a fill held back for fillMaxPause sends one batch
+// anyway. It returns at once; the fill stops at ctx's end, at Close, when
+// the cache is full, or after repeated registry failures. Calling it again
+// does nothing.
 func (l *Layer) StartFill(ctx context.Context) {
 	if !l.o.fill || !l.fillStarted.CompareAndSwap(false, true) {
 		return
@@ -674,11 +765,18 @@ func (l *Layer) fill(parent context.Context) {
 		wg       sync.WaitGroup
 		work     = make(chan []int)
 	)
-	for range l.o.fillParallel {
+	for w := range l.o.fillParallel {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for b := range work {
+			for {
+				if l.o.fillYield && l.yieldFill(ctx, w) != nil {
+					return
+				}
+				b, ok := <-work
+				if !ok {
+					return
+				}
 				if ctx.Err() != nil || full.Load() || failures.Load() >= fillAbortAfter {
 					continue
 				}
@@ -758,11 +856,12 @@ func (l *Layer) fillPlan() [][]int {
 	return batches
 }
 
-// fillBatch fetches one batch at low priority: it waits while foreground
-// reads are waiting on the network and paces itself to the fill rate.
-func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issued *atomic.Int64) error {
-	for l.waiting.Load() > 0 {
-		t := time.NewTimer(2 * time.Millisecond)
+// yieldFill waits until fill worker w may send its next batch (see
+// Flights.fillMay): node-wide foreground work goes first.
+func (l *Layer) yieldFill(ctx context.Context, w int) error {
+	start := time.Now()
+	for !l.flights.fillMay(w, time.Since(start)) {
+		t := time.NewTimer(fillPoll)
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -770,7 +869,11 @@ func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issue
 		case <-t.C:
 		}
 	}
+	return ctx.Err()
+}
 
+// fillBatch fetches one batch, paced to the fill rate.
+func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issued *atomic.Int64) error {
 	l.mu.Lock()
 	if l.blob.RangeIgnored() && l.blob.Size() <= l.o.wholeBlobMax {
 		// Every request streams the whole blob: window-by-window would

@@ -66,10 +66,10 @@ type Config struct {
 	Cache *chunkcache.Cache
 	// Fill fetches every chunk of a layer in the background once mounted.
 	Fill bool
-	// FillDelay postpones the background fill after a mount, so that it
-	// does not compete with the first container's startup reads for the
-	// link and the CPU (on 2 cores, verifying and caching a fill costs as
-	// much CPU as the container start itself).
+	// FillDelay postpones the background fill after a mount. The fill
+	// yields to foreground work by itself (fetch.StartFill), so zero is a
+	// good value; a delay still helps a node whose container starts spend
+	// long stretches without reading.
 	FillDelay time.Duration
 	// Eager turns on-demand fetching off: Mount returns only once every
 	// chunk of the layer is in the node cache (the benchmark's "download
@@ -191,6 +191,8 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	}
 	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
 		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
+		// Eager mounts wait for their fill: nothing to yield to.
+		fetch.WithFillYield(!s.cfg.Eager),
 		fetch.WithReadTimeout(s.cfg.ReadTimeout),
 		fetch.WithMetrics(s.cfg.FetchMetrics))
 	defer func() {

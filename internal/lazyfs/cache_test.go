@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -265,5 +266,32 @@ func TestRestOfChunkStored(t *testing.T) {
 	}
 	if extra := src.calls.Load() - calls; extra != 0 {
 		t.Errorf("%d more ReadChunk calls for reads of a chunk already decoded", extra)
+	}
+}
+
+// observedSource counts NoteActivity calls.
+type observedSource struct {
+	*blobSource
+	ops atomic.Int64
+}
+
+func (s *observedSource) NoteActivity() { s.ops.Add(1) }
+
+// TestActivityObserved: a source implementing ActivityObserver hears of
+// metadata operations too, not only reads.
+func TestActivityObserved(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	src := &observedSource{blobSource: newBlobSource(bytes.NewReader(f.blob))}
+	mnt, _ := mountLayer(t, f.toc, src)
+	before := src.ops.Load()
+	if _, err := os.Stat(filepath.Join(mnt, "etc/passwd")); err != nil {
+		t.Fatal(err)
+	}
+	if src.ops.Load() == before {
+		t.Fatal("a lookup was not reported to the ActivityObserver")
+	}
+	if src.calls.Load() != 0 {
+		t.Fatal("a stat read file data")
 	}
 }

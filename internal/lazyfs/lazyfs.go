@@ -46,6 +46,14 @@ type ChunkSource interface {
 	ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 }
 
+// ActivityObserver is implemented by a ChunkSource that wants to know when
+// the mount is in use at all (every FUSE operation, metadata included): a
+// container starting on a layer looks files up and opens them before it
+// reads much, and background work of the source can yield to that.
+type ActivityObserver interface {
+	NoteActivity()
+}
+
 // layer is the state shared by every node of one mount.
 type layer struct {
 	ctx  context.Context // logging only; never cancelled
@@ -78,6 +86,9 @@ func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options
 		extraLinks: map[int]uint32{},
 		stats:      &counters{},
 		stores:     newCacheStorer(),
+	}
+	if a, ok := src.(ActivityObserver); ok {
+		l.stats.onOp = a.NoteActivity
 	}
 	for i := 1; i < toc.Len(); i++ {
 		switch toc.Type(i) {

@@ -55,6 +55,8 @@ type opCounter struct {
 }
 
 type counters struct {
+	// onOp, when set (ActivityObserver), is called on every operation.
+	onOp         func()
 	ops          [numOps]opCounter
 	bytesRead    atomic.Uint64
 	chunkReads   atomic.Uint64
@@ -67,6 +69,9 @@ type counters struct {
 // negative answers (a missing name, a missing xattr, a size probe) are not
 // errors.
 func (c *counters) record(o op, start time.Time, failed bool) {
+	if c.onOp != nil {
+		c.onOp()
+	}
 	oc := &c.ops[o]
 	oc.count.Add(1)
 	oc.nanos.Add(uint64(time.Since(start)))
