@@ -71,6 +71,7 @@ func (rep *Report) WritePlots(dir string) ([]string, error) {
 	}
 	p.Legend.Top = false
 	p.Legend.Left = false
+	p.X.Min = 0
 	p.Add(plotter.NewGrid())
 	cdf := filepath.Join(dir, "init-cdf.png")
 	if err := p.Save(7*vg.Inch, 4*vg.Inch, cdf); err != nil {
