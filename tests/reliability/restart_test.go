@@ -63,6 +63,20 @@ func startContainer(t *testing.T, env *testenv.Env, image client.Image, signals 
 	return rc
 }
 
+// exited waits up to timeout for the container to exit and for its output
+// to be copied (the exit event can arrive before the last bytes).
+func (rc *runningContainer) exited(timeout time.Duration) (client.ExitStatus, bool) {
+	select {
+	case st := <-rc.exit:
+		if tio := rc.task.IO(); tio != nil {
+			tio.Wait()
+		}
+		return st, true
+	case <-time.After(timeout):
+		return client.ExitStatus{}, false
+	}
+}
+
 // waitOutput waits until the container printed want (or exited).
 func (rc *runningContainer) waitOutput(t *testing.T, want string, timeout time.Duration) {
 	t.Helper()
@@ -170,13 +184,12 @@ echo done`
 	if err := os.WriteFile(filepath.Join(signals, "2"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case st := <-rc.exit:
-		if st.ExitCode() != 0 {
-			t.Fatalf("container failed after the restarts: exit %d stdout %q stderr %q", st.ExitCode(), rc.out, rc.errOut)
-		}
-	case <-time.After(2 * time.Minute):
+	st, ok := rc.exited(2 * time.Minute)
+	if !ok {
 		t.Fatalf("container hung after the restarts: stdout %q stderr %q", rc.out, rc.errOut)
+	}
+	if st.ExitCode() != 0 {
+		t.Fatalf("container failed after the restarts: exit %d stdout %q stderr %q", st.ExitCode(), rc.out, rc.errOut)
 	}
 	out := rc.out.String()
 	for _, f := range files {
