@@ -98,6 +98,11 @@ type Store struct {
 	mfOrder   []digest.Digest
 	tocs      map[digest.Digest]*tocFetch // prefetched, by layer digest
 	tocSem    chan struct{}
+	// flights is shared by every layer of the node: a frame present in
+	// several layers (same digest) is fetched once when they miss it at
+	// the same time, and every layer's background fill yields to the
+	// foreground reads of all of them.
+	flights *fetch.Flights
 }
 
 // tocFetch is one layer's TOC being read ahead of its Mount.
@@ -134,6 +139,7 @@ func New(cfg Config) (*Store, error) {
 		manifests: make(map[digest.Digest]*ocispec.Manifest),
 		tocs:      make(map[digest.Digest]*tocFetch),
 		tocSem:    make(chan struct{}, tocPrefetchParallel),
+		flights:   fetch.NewFlights(),
 	}, nil
 }
 
@@ -193,6 +199,7 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
 		// Eager mounts wait for their fill: nothing to yield to.
 		fetch.WithFillYield(!s.cfg.Eager),
+		fetch.WithFlights(s.flights),
 		fetch.WithReadTimeout(s.cfg.ReadTimeout),
 		fetch.WithMetrics(s.cfg.FetchMetrics))
 	defer func() {

@@ -35,6 +35,7 @@ type fakeRegistry struct {
 
 	mu       sync.Mutex
 	requests map[digest.Digest]int
+	delay    time.Duration // added to every blob response
 }
 
 func (r *fakeRegistry) requestsFor(d digest.Digest) int {
@@ -51,7 +52,9 @@ func newFakeRegistryB(t testing.TB) *fakeRegistry {
 		i := strings.LastIndex(req.URL.Path, "/")
 		r.mu.Lock()
 		r.requests[digest.Digest(req.URL.Path[i+1:])]++
+		delay := r.delay
 		r.mu.Unlock()
+		time.Sleep(delay)
 		b, ok := r.blobs[digest.Digest(req.URL.Path[i+1:])]
 		if !ok {
 			http.NotFound(w, req)
@@ -301,5 +304,84 @@ func TestTOCPrefetch(t *testing.T) {
 	}
 	if len(s.tocs) != 0 {
 		t.Errorf("unclaimed prefetches left: %d", len(s.tocs))
+	}
+}
+
+// TestSharedFramesFetchedOnce: two mounted layers holding the same file
+// (same frames) read at the same moment fetch its frame once: the store
+// gives every layer one node-wide flight group.
+func TestSharedFramesFetchedOnce(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts FUSE: needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	r := newFakeRegistry(t)
+	// Whole chunks (the default chunk size is 1 MiB): small files are
+	// packed into frames with their neighbours, which differ here.
+	shared := strings.Repeat("shared between two layers\n", 2<<20/26+1)[:2<<20]
+	var descs []ocispec.Descriptor
+	for _, other := range []string{"a", "b"} {
+		var blob bytes.Buffer
+		res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"shared.txt": shared, other + ".txt": other})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		descs = append(descs, ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()})
+	}
+	mb, _ := json.Marshal(ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+		Layers:    descs,
+	})
+	mdgst := r.add(mb)
+	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Hosts: registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}), Cache: cache})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mps []string
+	for _, d := range descs {
+		mp := t.TempDir()
+		labels := map[string]string{
+			snapshotter.LabelImageRef:       r.host() + "/test/shared:1",
+			snapshotter.LabelManifestDigest: mdgst.String(),
+			snapshotter.LabelLayerDigest:    d.Digest.String(),
+		}
+		if err := s.Mount(t.Context(), mp, labels); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+		mps = append(mps, mp)
+	}
+	before := r.requestsFor(descs[0].Digest) + r.requestsFor(descs[1].Digest)
+	r.mu.Lock()
+	r.delay = 300 * time.Millisecond
+	r.mu.Unlock()
+	errs := make(chan error, 1)
+	go func() {
+		b, err := os.ReadFile(filepath.Join(mps[0], "shared.txt"))
+		if err == nil && string(b) != shared {
+			err = errors.New("wrong content")
+		}
+		errs <- err
+	}()
+	for r.requestsFor(descs[0].Digest)+r.requestsFor(descs[1].Digest) == before {
+		time.Sleep(time.Millisecond)
+	}
+	b, err := os.ReadFile(filepath.Join(mps[1], "shared.txt"))
+	if err != nil || string(b) != shared {
+		t.Fatalf("read through the second layer: %v", err)
+	}
+	if err := <-errs; err != nil {
+		t.Fatalf("read through the first layer: %v", err)
+	}
+	if n := r.requestsFor(descs[0].Digest) + r.requestsFor(descs[1].Digest) - before; n != 1 {
+		t.Fatalf("%d blob requests for a frame both layers hold, want 1", n)
 	}
 }
