@@ -64,13 +64,17 @@ func TestConvertedImageRunsOnPlainContainerd(t *testing.T) {
 	// A plain containerd (overlayfs, no envsnap) pulls and runs it.
 	// The same script on the source image is the reference.
 	script := []string{"sh", "-c", "cat /data/hello.txt; readlink /data/link; stat -c '%a %u:%g %Y' /usr/local/bin/tool /data /bin/busybox; md5sum /data/big.bin; ls -la /bin | wc -l"}
+	// The source first: conversion keeps diff IDs when the source tar is
+	// already canonical, and containerd then skips downloading the layers
+	// of whichever image of the same snapshot chain is pulled second,
+	// which the containerd-store conversion below needs.
+	srcImg := env.Pull(t, src.Ref, "overlayfs")
 	img := env.Pull(t, dst, "overlayfs")
 	res := env.RunContainer(t, img, testenv.RunOptions{Args: script})
 	if res.ExitCode != 0 {
 		t.Fatalf("container exited %d: %s", res.ExitCode, res.Stderr)
 	}
 	t.Logf("converted image:\n%s", res.Stdout)
-	srcImg := env.Pull(t, src.Ref, "overlayfs")
 	ref := env.RunContainer(t, srcImg, testenv.RunOptions{Args: script})
 	if !strings.HasPrefix(res.Stdout, "hello from a converted layer\nhello.txt\n750 ") || res.Stdout != ref.Stdout {
 		t.Errorf("converted image prints %q, source image %q", res.Stdout, ref.Stdout)
