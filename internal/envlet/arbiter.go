@@ -114,7 +114,9 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources) err
 	sum := a.granted()
 	needCPU := sum.CPU + extra.CPU - a.capacity.CPU
 	needMem := sum.Memory + extra.Memory - a.capacity.Memory
-	if needCPU > 1e-9 && a.reclaimableCPU() < needCPU || needMem > 0 && a.reclaimableMem() < needMem {
+	// The admitted environment's own burst is no room for it: a new base
+	// at or above its grant turns that burst into base.
+	if needCPU > 1e-9 && a.reclaimableCPU(env) < needCPU || needMem > 0 && a.reclaimableMem(env) < needMem {
 		return fmt.Errorf("admit %s with %v: node %v has %v granted and too little idle burst to reclaim: %w",
 			env, base, a.capacity, sum, errdefs.ErrResourceExhausted)
 	}
@@ -142,17 +144,25 @@ func memFloor(l *Lease) int64 {
 	return max(int64(math.Ceil(1.5*float64(l.Used.Memory))), l.Base.Memory)
 }
 
-func (a *NodeArbiter) reclaimableCPU() float64 {
+// reclaimableCPU is the burst above the floors of every lease but skip's.
+func (a *NodeArbiter) reclaimableCPU(skip string) float64 {
 	var s float64
-	for _, l := range a.leases {
+	for id, l := range a.leases {
+		if id == skip {
+			continue
+		}
 		s += math.Max(l.Grant.CPU-cpuFloor(l), 0)
 	}
 	return s
 }
 
-func (a *NodeArbiter) reclaimableMem() int64 {
+// reclaimableMem is the memory counterpart of reclaimableCPU.
+func (a *NodeArbiter) reclaimableMem(skip string) int64 {
 	var s int64
-	for _, l := range a.leases {
+	for id, l := range a.leases {
+		if id == skip {
+			continue
+		}
 		s += max(l.Grant.Memory-memFloor(l), 0)
 	}
 	return s
