@@ -10,10 +10,13 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
+	"unsafe"
 
 	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 )
 
 func blob(seed uint64, n int) ([]byte, digest.Digest) {
@@ -400,5 +403,70 @@ func TestPutVerified(t *testing.T) {
 	}
 	if s := c.Stats(); s.Corrupt != 1 {
 		t.Fatalf("stats %+v, want one corrupt entry", s)
+	}
+}
+
+// resident returns how many pages of the file at p are in the page cache.
+func resident(t *testing.T, p string) (in, total int) {
+	t.Helper()
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, (len(m)+os.Getpagesize()-1)/os.Getpagesize())
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatal(e)
+	}
+	for _, v := range vec {
+		in += int(v & 1)
+	}
+	return in, len(vec)
+}
+
+// TestPrefetch: Prefetch brings an entry's file back into the page cache
+// without a Get.
+func TestPrefetch(t *testing.T) {
+	c := open(t, t.TempDir(), 8<<20)
+	b, d := blob(3, 1<<20)
+	if err := c.Put(d, b); err != nil {
+		t.Fatal(err)
+	}
+	p := c.path(d)
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+	f.Close()
+	if in, _ := resident(t, p); in != 0 {
+		t.Skipf("the file system kept %d pages after FADV_DONTNEED", in)
+	}
+	c.Prefetch([]digest.Digest{d, digest.FromString("not cached")})
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		in, total := resident(t, p)
+		if in == total {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d pages resident after Prefetch", in, total)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if s := c.Stats(); s.Hits != 0 || s.Misses != 0 {
+		t.Errorf("Prefetch counted as Get: %+v", s)
 	}
 }

@@ -233,6 +233,8 @@ type Layer struct {
 
 	cachedBytes atomic.Int64
 	fillStarted atomic.Bool
+	prefetched  atomic.Int32 // last span index handed to chunkcache.Prefetch
+	lastHit     atomic.Int32 // span index of the last read from the cache
 	lastFullLog atomic.Int64
 
 	ctx    context.Context // cancelled by Close
@@ -410,6 +412,7 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		}
 		if j := l.find(c); j >= 0 {
 			l.markCached(j)
+			l.prefetchAfter(j)
 		}
 		if m := l.o.metrics; m != nil {
 			m.cacheBytes.WithLabelValues(l.label).Add(float64(len(b)))
@@ -457,6 +460,43 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			l.markCached(j)
 		}
 		return out, nil
+	}
+}
+
+// cachePrefetch is how many chunks after one read from the node cache are
+// prefetched from disk (chunkcache.Prefetch): a sequential reader of a
+// file whose chunks are on disk but not in memory otherwise reads them one
+// 1 MiB file at a time, each a full disk round trip.
+const cachePrefetch = 4
+
+// prefetchAfter asks the cache to read ahead the cached chunks following
+// span j when the reads from the cache look sequential (j follows the
+// previous one): a random reader would only make the disk read chunks
+// nobody asked for.
+func (l *Layer) prefetchAfter(j int) {
+	if int(l.lastHit.Swap(int32(j)))+1 != j {
+		return
+	}
+	last := int(l.prefetched.Load())
+	end := min(j+cachePrefetch, len(l.spans)-1)
+	from := j + 1
+	if last >= from && last <= end {
+		from = last + 1 // continuing a run: only the chunks not asked for yet
+	}
+	if from > end {
+		return
+	}
+	l.prefetched.Store(int32(end))
+	var ds []digest.Digest
+	l.mu.Lock()
+	for k := from; k <= end; k++ {
+		if l.cached[l.canonical(k)] {
+			ds = append(ds, l.chunk(k).Digest)
+		}
+	}
+	l.mu.Unlock()
+	if len(ds) > 0 {
+		l.cache.Prefetch(ds)
 	}
 }
 
