@@ -58,7 +58,7 @@ func TestBenchBurstyTask(t *testing.T) {
 			cfg := envlet.DefaultConfig()
 			cfg.Initial = envlet.Resources{CPU: 0.25, Memory: 256 * MiB}
 			cfg.Cap = envlet.Resources{CPU: 2, Memory: 4 * GiB}
-			e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB})
+			e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, envlet.DefaultReserve)
 			p, cg, ctl = e.proc, e.cg, e.ctl
 		default:
 			cg = envlettest.NewV1(t, m)

@@ -38,7 +38,10 @@ type env struct {
 	done chan error
 }
 
-func startEnv(t *testing.T, cfg envlet.Config, node envlet.Resources) *env {
+// startEnv runs a controller for a fresh v1 cgroup holding a workload
+// child, against an in-process arbiter for node with the given admission
+// reserve.
+func startEnv(t *testing.T, cfg envlet.Config, node envlet.Resources, reserve float64) *env {
 	t.Helper()
 	m := envlettest.RequireV1(t)
 	e := &env{cg: envlettest.NewV1(t, m), done: make(chan error, 1)}
@@ -49,7 +52,7 @@ func startEnv(t *testing.T, cfg envlet.Config, node envlet.Resources) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cg.Close() })
-	e.arb = envlet.NewNodeArbiter(node, envlet.DefaultReserve)
+	e.arb = envlet.NewNodeArbiter(node, reserve)
 	e.ctl, err = envlet.NewController(t.Name(), cg, cfg, e.arb)
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +100,10 @@ func TestCPUBurst(t *testing.T) {
 	cfg := envlet.DefaultConfig()
 	cfg.Initial = envlet.Resources{CPU: 0.25, Memory: 256 * MiB}
 	cfg.Cap = envlet.Resources{CPU: 2, Memory: 1 * GiB}
-	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB})
+	// Alone on the node, capped at the whole 2-core machine (the research
+	// plan's setup): no admission reserve, or the arbiter would hold it at
+	// 1.7 cores and 8 busy threads would be throttled 15% by design.
+	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, 0)
 	// 1 thread at 15% duty: 0.15 cores, 60% of the quota, no grow.
 	if _, err := e.proc.Do("threads 1 15"); err != nil {
 		t.Fatal(err)
@@ -175,7 +181,7 @@ func TestMemoryGrowthNoOOM(t *testing.T) {
 	cfg := envlet.DefaultConfig()
 	cfg.Initial = envlet.Resources{CPU: 1, Memory: 256 * MiB}
 	cfg.Cap = envlet.Resources{CPU: 2, Memory: 8 * GiB}
-	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB})
+	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, envlet.DefaultReserve)
 	start := time.Now()
 	if _, err := e.proc.Do("alloc 100"); err != nil {
 		t.Fatal(err)
@@ -213,7 +219,7 @@ func TestIdleShrink(t *testing.T) {
 	cfg.Initial = envlet.Resources{CPU: 0.25, Memory: 256 * MiB}
 	cfg.Cap = envlet.Resources{CPU: 2, Memory: 4 * GiB}
 	cfg.CPUShrinkAfter, cfg.CPUCooldown, cfg.MemShrinkAfter = time.Second, time.Second, 2*time.Second
-	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB})
+	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, envlet.DefaultReserve)
 	start := time.Now()
 	if _, err := e.proc.Do("threads 8 100"); err != nil {
 		t.Fatal(err)
