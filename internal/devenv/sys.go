@@ -204,7 +204,16 @@ func removeCgroups(logf func(string, ...any), namespace string) {
 		})
 		sort.Slice(dirs, func(i, j int) bool { return len(dirs[i]) > len(dirs[j]) })
 		for _, d := range dirs {
-			if err := syscall.Rmdir(d); err != nil {
+			// Tasks of a killed container can take a moment to leave
+			// their cgroup; rmdir fails with EBUSY until they have.
+			var err error
+			for attempt := 0; attempt < 25; attempt++ {
+				if err = syscall.Rmdir(d); err != syscall.EBUSY {
+					break
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			if err != nil && err != syscall.ENOENT {
 				logf("teardown: rmdir cgroup %s: %v", d, err)
 			}
 		}
