@@ -24,6 +24,8 @@ import (
 	"github.com/opencontainers/go-digest"
 	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/layerfmt"
 )
 
 // File is one entry added to a test image.
@@ -66,6 +68,9 @@ type Image struct {
 	Manifest ocispec.Descriptor
 	Config   ocispec.Descriptor
 	Layers   []ocispec.Descriptor
+	// LayerResults describe the layers in the envsnap format (entries are
+	// nil for gzip layers).
+	LayerResults []*layerfmt.WriteResult
 }
 
 // ImageOption adjusts a test image.
@@ -77,6 +82,14 @@ type imageSpec struct {
 	env        []string
 	workdir    string
 	noBusybox  bool
+	lazy       bool
+	lazyOpts   []layerfmt.WriteOption
+}
+
+// WithLazyLayers encodes every layer in the envsnap format (what
+// `containerd-envsnap convert` writes) instead of gzip.
+func WithLazyLayers(opts ...layerfmt.WriteOption) ImageOption {
+	return func(s *imageSpec) { s.lazy, s.lazyOpts = true, opts }
 }
 
 // WithEntrypoint sets the image's entrypoint (default none, cmd /bin/sh).
@@ -205,37 +218,100 @@ func BusyboxFiles() ([]File, error) {
 // pushes it to the env's registry as name (e.g. "test/hello:1"). It returns
 // the full reference and descriptors.
 func (e *Env) PushImage(ctx context.Context, name string, files []File, opts ...ImageOption) (Image, error) {
+	return e.PushImageLayers(ctx, name, [][]File{files}, opts...)
+}
+
+// PushImageLayers is PushImage with one layer per file list, on top of the
+// busybox layer (unless WithoutBusybox); empty lists add no layer.
+func (e *Env) PushImageLayers(ctx context.Context, name string, layers [][]File, opts ...ImageOption) (Image, error) {
 	var spec imageSpec
 	for _, o := range opts {
 		o(&spec)
 	}
-	var layers [][]byte
 	if !spec.noBusybox {
 		bb, err := BusyboxFiles()
 		if err != nil {
 			return Image{}, err
 		}
-		tb, err := LayerTar(bb)
-		if err != nil {
-			return Image{}, err
-		}
-		layers = append(layers, tb)
+		layers = append([][]File{bb}, layers...)
 	}
-	if len(files) > 0 {
+	var tars [][]byte
+	for _, files := range layers {
+		if len(files) == 0 {
+			continue
+		}
 		tb, err := LayerTar(files)
 		if err != nil {
 			return Image{}, err
 		}
-		layers = append(layers, tb)
+		tars = append(tars, tb)
 	}
-	img, err := e.pushTarLayers(ctx, e.Registry.Host+"/"+name, layers, spec)
+	img, err := e.pushTarLayers(ctx, e.Registry.Host+"/"+name, tars, spec)
 	if err != nil {
 		return img, fmt.Errorf("push image %s: %w", name, err)
 	}
 	return img, nil
 }
 
+// encodeLayer compresses one layer tar: gzip, as most registries hold
+// images, or the envsnap format with WithLazyLayers.
+func encodeLayer(ctx context.Context, tb []byte, spec imageSpec) (LayerBlob, error) {
+	if spec.lazy {
+		var blob bytes.Buffer
+		res, err := layerfmt.Convert(ctx, &blob, bytes.NewReader(tb), spec.lazyOpts...)
+		if err != nil {
+			return LayerBlob{}, fmt.Errorf("convert layer: %w", err)
+		}
+		return LayerBlob{
+			Desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()},
+			DiffID: res.DiffID, Data: blob.Bytes(), Result: res,
+		}, nil
+	}
+	var gz bytes.Buffer
+	zw, _ := gzip.NewWriterLevel(&gz, gzip.BestSpeed)
+	if _, err := zw.Write(tb); err != nil {
+		return LayerBlob{}, err
+	}
+	if err := zw.Close(); err != nil {
+		return LayerBlob{}, err
+	}
+	return LayerBlob{
+		Desc:   ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayerGzip, Digest: digest.FromBytes(gz.Bytes()), Size: int64(gz.Len())},
+		DiffID: digest.FromBytes(tb), Data: gz.Bytes(),
+	}, nil
+}
+
 func (e *Env) pushTarLayers(ctx context.Context, ref string, tars [][]byte, spec imageSpec) (Image, error) {
+	layers := make([]LayerBlob, len(tars))
+	for i, tb := range tars {
+		var err error
+		if layers[i], err = encodeLayer(ctx, tb, spec); err != nil {
+			return Image{Ref: ref}, err
+		}
+	}
+	return e.pushLayerBlobs(ctx, ref, layers, spec)
+}
+
+// LayerBlob is an encoded layer ready to push.
+type LayerBlob struct {
+	Desc   ocispec.Descriptor
+	DiffID digest.Digest
+	Data   []byte
+	// Result describes an envsnap-format layer (nil for gzip layers).
+	Result *layerfmt.WriteResult
+}
+
+// PushLayerBlobs pushes an image made of already encoded layers (e.g.
+// hand-crafted hostile blobs) as name, with the config opts describe.
+func (e *Env) PushLayerBlobs(ctx context.Context, name string, layers []LayerBlob, opts ...ImageOption) (Image, error) {
+	var spec imageSpec
+	for _, o := range opts {
+		o(&spec)
+	}
+	return e.pushLayerBlobs(ctx, e.Registry.Host+"/"+name, layers, spec)
+}
+
+func (e *Env) pushLayerBlobs(ctx context.Context, ref string, layers []LayerBlob, spec imageSpec) (Image, error) {
 	cs := e.ContentStore
 	img := Image{Ref: ref}
 	cfg := ocispec.Image{
@@ -251,21 +327,13 @@ func (e *Env) pushTarLayers(ctx context.Context, ref string, tars [][]byte, spec
 	if cfg.Config.Cmd == nil && cfg.Config.Entrypoint == nil {
 		cfg.Config.Cmd = []string{"/bin/sh"}
 	}
-	for _, tb := range tars {
-		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, digest.FromBytes(tb))
-		var gz bytes.Buffer
-		zw, _ := gzip.NewWriterLevel(&gz, gzip.BestSpeed)
-		if _, err := zw.Write(tb); err != nil {
+	for _, l := range layers {
+		if err := writeDesc(ctx, cs, l.Desc, l.Data); err != nil {
 			return img, err
 		}
-		if err := zw.Close(); err != nil {
-			return img, err
-		}
-		desc, err := writeBlob(ctx, cs, ocispec.MediaTypeImageLayerGzip, gz.Bytes())
-		if err != nil {
-			return img, err
-		}
-		img.Layers = append(img.Layers, desc)
+		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, l.DiffID)
+		img.Layers = append(img.Layers, l.Desc)
+		img.LayerResults = append(img.LayerResults, l.Result)
 	}
 	cfgBytes, err := json.Marshal(cfg)
 	if err != nil {
@@ -305,8 +373,12 @@ func (e *Env) Push(ctx context.Context, ref string, desc ocispec.Descriptor) err
 
 func writeBlob(ctx context.Context, cs content.Store, mediaType string, b []byte) (ocispec.Descriptor, error) {
 	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
+	return desc, writeDesc(ctx, cs, desc, b)
+}
+
+func writeDesc(ctx context.Context, cs content.Store, desc ocispec.Descriptor, b []byte) error {
 	if err := content.WriteBlob(ctx, cs, desc.Digest.String(), bytes.NewReader(b), desc); err != nil {
-		return desc, fmt.Errorf("write blob %s: %w", desc.Digest, err)
+		return fmt.Errorf("write blob %s: %w", desc.Digest, err)
 	}
-	return desc, nil
+	return nil
 }

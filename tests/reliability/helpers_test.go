@@ -12,15 +12,12 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
-	"github.com/opencontainers/go-digest"
-	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/daemon"
@@ -38,79 +35,23 @@ type lazyImage struct {
 // format and pushes the image as name.
 func pushLazy(t testing.TB, env *testenv.Env, name string, files []testenv.File, opts ...layerfmt.WriteOption) lazyImage {
 	t.Helper()
-	bb, err := testenv.BusyboxFiles()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var blobs [][]byte
-	var results []*layerfmt.WriteResult
-	for _, fs := range [][]testenv.File{bb, files} {
-		if len(fs) == 0 {
-			continue
-		}
-		tb, err := testenv.LayerTar(fs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var blob bytes.Buffer
-		res, err := layerfmt.Convert(env.Context(), &blob, bytes.NewReader(tb), opts...)
-		if err != nil {
-			t.Fatalf("convert layer: %v", err)
-		}
-		blobs = append(blobs, blob.Bytes())
-		results = append(results, res)
-	}
-	return pushBlobs(t, env, name, blobs, results)
+	img := env.PushImage(t, name, files, testenv.WithLazyLayers(opts...), testenv.WithCmd("/bin/true"))
+	return lazyImage{Image: img, Results: img.LayerResults}
 }
 
 // pushBlobs pushes already converted layer blobs (results describe them).
 func pushBlobs(t testing.TB, env *testenv.Env, name string, blobs [][]byte, results []*layerfmt.WriteResult) lazyImage {
 	t.Helper()
-	img := lazyImage{Image: testenv.Image{Ref: env.Registry.Host + "/" + name}, Results: results}
-	cfg := ocispec.Image{
-		Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
-		RootFS:   ocispec.RootFS{Type: "layers"},
-		Config: ocispec.ImageConfig{
-			Cmd: []string{"/bin/true"},
-			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		},
-	}
+	layers := make([]testenv.LayerBlob, len(blobs))
 	for i, b := range blobs {
 		res := results[i]
-		desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()}
-		writeBlob(t, env, desc, b)
-		img.Layers = append(img.Layers, desc)
-		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, res.DiffID)
+		layers[i] = testenv.LayerBlob{
+			Desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()},
+			DiffID: res.DiffID, Data: b, Result: res,
+		}
 	}
-	img.Config = writeJSON(t, env, ocispec.MediaTypeImageConfig, cfg)
-	img.Manifest = writeJSON(t, env, ocispec.MediaTypeImageManifest, ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    img.Config,
-		Layers:    img.Layers,
-	})
-	if err := env.Push(env.Context(), img.Ref, img.Manifest); err != nil {
-		t.Fatal(err)
-	}
-	return img
-}
-
-func writeBlob(t testing.TB, env *testenv.Env, desc ocispec.Descriptor, b []byte) {
-	t.Helper()
-	if err := content.WriteBlob(env.Context(), env.ContentStore, desc.Digest.String(), bytes.NewReader(b), desc); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func writeJSON(t testing.TB, env *testenv.Env, mediaType string, v any) ocispec.Descriptor {
-	t.Helper()
-	b, err := json.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
-	writeBlob(t, env, desc, b)
-	return desc
+	img := env.PushLayerBlobs(t, name, layers, testenv.WithCmd("/bin/true"))
+	return lazyImage{Image: img, Results: results}
 }
 
 // statusGet fetches path from the daemon's status socket.

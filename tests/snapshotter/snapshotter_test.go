@@ -6,7 +6,6 @@ package snapshotter_test
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -14,22 +13,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
-	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 	timage "github.com/containerd/containerd/v2/core/transfer/image"
 	tregistry "github.com/containerd/containerd/v2/core/transfer/registry"
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/platforms"
-	"github.com/opencontainers/go-digest"
-	specs "github.com/opencontainers/image-spec/specs-go"
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/daemon"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -49,76 +43,11 @@ func pushLazyImage(t testing.TB, env *testenv.Env, name string, files []testenv.
 	return pushLazyLayers(t, env, name, [][]testenv.File{files}, cmd...)
 }
 
-// pushLazyLayers is pushLazyImage with one layer per element of layers
-// (above busybox).
+// pushLazyLayers is pushLazyImage with one layer per file list.
 func pushLazyLayers(t testing.TB, env *testenv.Env, name string, layers [][]testenv.File, cmd ...string) lazyImage {
 	t.Helper()
-	ctx := env.Context()
-	bb, err := testenv.BusyboxFiles()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var tars [][]byte
-	for _, fs := range append([][]testenv.File{bb}, layers...) {
-		if len(fs) == 0 {
-			continue
-		}
-		tb, err := testenv.LayerTar(fs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tars = append(tars, tb)
-	}
-	img := lazyImage{Image: testenv.Image{Ref: env.Registry.Host + "/" + name}}
-	cfg := ocispec.Image{
-		Platform: ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH},
-		RootFS:   ocispec.RootFS{Type: "layers"},
-		Config: ocispec.ImageConfig{
-			Cmd: cmd,
-			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		},
-	}
-	for _, tb := range tars {
-		var blob bytes.Buffer
-		res, err := layerfmt.Convert(ctx, &blob, bytes.NewReader(tb))
-		if err != nil {
-			t.Fatalf("convert layer: %v", err)
-		}
-		desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: res.Digest, Size: res.Size, Annotations: res.Annotations()}
-		writeBlob(t, env, desc, blob.Bytes())
-		img.Layers = append(img.Layers, desc)
-		img.Results = append(img.Results, res)
-		cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, res.DiffID)
-	}
-	img.Config = writeJSON(t, env, ocispec.MediaTypeImageConfig, cfg)
-	img.Manifest = writeJSON(t, env, ocispec.MediaTypeImageManifest, ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    img.Config,
-		Layers:    img.Layers,
-	})
-	if err := env.Push(ctx, img.Ref, img.Manifest); err != nil {
-		t.Fatal(err)
-	}
-	return img
-}
-
-func writeBlob(t testing.TB, env *testenv.Env, desc ocispec.Descriptor, b []byte) {
-	t.Helper()
-	if err := content.WriteBlob(env.Context(), env.ContentStore, desc.Digest.String(), bytes.NewReader(b), desc); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func writeJSON(t testing.TB, env *testenv.Env, mediaType string, v any) ocispec.Descriptor {
-	t.Helper()
-	b, err := json.Marshal(v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
-	writeBlob(t, env, desc, b)
-	return desc
+	img := env.PushImageLayers(t, name, layers, testenv.WithLazyLayers(), testenv.WithCmd(cmd...))
+	return lazyImage{Image: img, Results: img.LayerResults}
 }
 
 // transferPull pulls ref the way `ctr images pull --snapshotter envsnap`

@@ -23,6 +23,7 @@ import (
 type (
 	EnvletConfig = devenv.EnvletConfig
 	File         = devenv.File
+	LayerBlob    = devenv.LayerBlob
 	Image        = devenv.Image
 	ImageOption  = devenv.ImageOption
 	Option       = devenv.Option
@@ -42,6 +43,7 @@ var (
 	WithCmd           = devenv.WithCmd
 	WithImageEnv      = devenv.WithImageEnv
 	WithoutBusybox    = devenv.WithoutBusybox
+	WithLazyLayers    = devenv.WithLazyLayers
 	RandomFile        = devenv.RandomFile
 	LayerTar          = devenv.LayerTar
 	BusyboxFiles      = devenv.BusyboxFiles
@@ -84,6 +86,16 @@ func New(t testing.TB, opts ...Option) *Env {
 func (e *Env) PushImage(t testing.TB, name string, files []File, opts ...ImageOption) Image {
 	t.Helper()
 	img, err := e.Env.PushImage(e.Context(), name, files, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+// PushImageLayers is PushImage with one layer per file list.
+func (e *Env) PushImageLayers(t testing.TB, name string, layers [][]File, opts ...ImageOption) Image {
+	t.Helper()
+	img, err := e.Env.PushImageLayers(e.Context(), name, layers, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,4 +253,14 @@ func WriteJSON(t testing.TB, dir, name string, v any) string {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// PushLayerBlobs pushes an image made of already encoded layers as name.
+func (e *Env) PushLayerBlobs(t testing.TB, name string, layers []LayerBlob, opts ...ImageOption) Image {
+	t.Helper()
+	img, err := e.Env.PushLayerBlobs(e.Context(), name, layers, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
 }
