@@ -97,7 +97,7 @@ func (e *Env) Run(ctx context.Context, img client.Image, o RunOptions) (RunResul
 		defer dcancel()
 		_ = c.Delete(dctx, client.WithSnapshotCleanup)
 	}()
-	var stdout, stderr syncBuffer
+	var stdout, stderr OutputBuffer
 	var out io.Writer = &stdout
 	if o.Stdout != nil {
 		out = io.MultiWriter(&stdout, o.Stdout)
@@ -137,18 +137,20 @@ func (e *Env) Run(ctx context.Context, img client.Image, o RunOptions) (RunResul
 	return res, nil
 }
 
-type syncBuffer struct {
+// OutputBuffer collects a container's output while it runs; safe for a
+// reader while the IO copy writes.
+type OutputBuffer struct {
 	mu  sync.Mutex
 	buf bytes.Buffer
 }
 
-func (b *syncBuffer) Write(p []byte) (int, error) {
+func (b *OutputBuffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.Write(p)
 }
 
-func (b *syncBuffer) String() string {
+func (b *OutputBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()

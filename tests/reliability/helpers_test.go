@@ -5,7 +5,6 @@
 package reliability_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -13,7 +12,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -98,22 +96,7 @@ func metric(t testing.TB, env *testenv.Env, name string) (float64, bool) {
 }
 
 // syncBuffer collects a container's output while it runs.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
+type syncBuffer = testenv.OutputBuffer
 
 // contentBytes reads a blob the test wrote to the env's content store.
 func contentBytes(env *testenv.Env, desc ocispec.Descriptor) ([]byte, error) {

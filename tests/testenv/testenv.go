@@ -24,6 +24,7 @@ type (
 	EnvletConfig = devenv.EnvletConfig
 	File         = devenv.File
 	LayerBlob    = devenv.LayerBlob
+	OutputBuffer = devenv.OutputBuffer
 	Image        = devenv.Image
 	ImageOption  = devenv.ImageOption
 	Option       = devenv.Option
