@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/docker/go-units"
 	"os"
 	"time"
 
@@ -69,7 +70,7 @@ func runConvert(ctx context.Context, c *cli.Command) error {
 				verb = "kept     "
 			}
 			fmt.Fprintf(os.Stderr, "%s %s %s -> %s (%s)\n", verb, shortDigest(e.Source.Digest.Encoded()),
-				humanBytes(e.Source.Size), humanBytes(e.Result.Size), e.Duration.Round(time.Millisecond))
+				units.BytesSize(float64(e.Source.Size)), units.BytesSize(float64(e.Result.Size)), e.Duration.Round(time.Millisecond))
 		}
 	}
 	s, err := convert.Run(ctx, src, dst, opts)
@@ -77,7 +78,7 @@ func runConvert(ctx context.Context, c *cli.Command) error {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "%s: %d manifests, %d layers (%d converted), %s -> %s, %s\n",
-		dst, s.Manifests, s.Layers, s.Converted, humanBytes(s.BytesIn), humanBytes(s.BytesOut), s.Duration.Round(time.Millisecond))
+		dst, s.Manifests, s.Layers, s.Converted, units.BytesSize(float64(s.BytesIn)), units.BytesSize(float64(s.BytesOut)), s.Duration.Round(time.Millisecond))
 	fmt.Println(s.Root.Digest)
 	return nil
 }
@@ -88,16 +89,3 @@ func isTerminal(f *os.File) bool {
 }
 
 func shortDigest(s string) string { return s[:min(12, len(s))] }
-
-func humanBytes(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/docker/go-units"
 	"os"
 	"text/tabwriter"
 	"time"
@@ -44,29 +45,16 @@ var statusCommand = &cli.Command{
 					mounted = "error: " + l.Error
 				}
 			}
-			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, humanSize(l.BlobSize), l.Ref)
+			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), l.Ref)
 		}
 		if err := w.Flush(); err != nil {
 			return err
 		}
 		cs := st.Cache
 		fmt.Printf("cache: %s of %s in %d chunks (%d pinned), %d hits, %d misses, %d evictions, %d corrupt\n",
-			humanSize(cs.Size), humanSize(cs.MaxBytes), cs.Entries, cs.Pinned, cs.Hits, cs.Misses, cs.Evictions, cs.Corrupt)
+			units.BytesSize(float64(cs.Size)), units.BytesSize(float64(cs.MaxBytes)), cs.Entries, cs.Pinned, cs.Hits, cs.Misses, cs.Evictions, cs.Corrupt)
 		return nil
 	},
 }
 
 func init() { commands = append(commands, statusCommand) }
-
-func humanSize(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%dB", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f%ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
