@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs every Fuzz target in the module for a short time each (default 10s).
+# Runs every Fuzz target in the module for a budget each: an execution count
+# (default 50000x) or a duration (30s).
 # Each target runs alone because `go test -fuzz` accepts one target at a time.
 set -euo pipefail
-fuzztime=${1:-10s}
+fuzztime=${1:-50000x}
 cd "$(dirname "$0")/.."
 found=0
 for pkg in $(go list ./...); do

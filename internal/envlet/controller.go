@@ -31,7 +31,8 @@ type TimelinePoint struct {
 	WS        int64
 	MemUsage  int64
 	// Wake is "tick" or "event"; Actions lists what changed ("cpu x4",
-	// "mem /2", "mem busy", "reclaim", "mem denied"), empty when nothing.
+	// "mem /2", "mem busy", "reclaim to ...", "reclaim busy", "mem denied"),
+	// empty when nothing.
 	Wake    string
 	Actions string
 }
@@ -479,8 +480,9 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 	switch {
 	case err == nil:
 	case errors.Is(err, ErrBusy):
+		// Not a policy shrink: the arbiter asks again at the next report.
 		target.Memory = old.Memory
-		acts = append(acts, "mem busy")
+		acts = append(acts, "reclaim busy")
 	case errors.Is(err, ErrVanished):
 		return acts, err
 	default:

@@ -90,7 +90,7 @@ func FuzzPolicy(f *testing.F) {
 						continue
 					}
 					if last, ok := lastShrink[res]; ok && p.T.Sub(last) < window {
-						t.Fatalf("tick %d: %s shrink %v after the previous one (window %v)", tr.tick, res, p.T.Sub(last), window)
+						t.Fatalf("tick %d: %s shrink %v after the previous one (window %v)\n%s", tr.tick, res, p.T.Sub(last), window, strings.Join(tr.log, "\n"))
 					}
 					lastShrink[res] = p.T
 				}
