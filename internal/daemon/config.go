@@ -16,12 +16,20 @@ import (
 
 // Defaults, all in one place.
 const (
-	DefaultConfigPath  = "/etc/envsnap/config.toml"
-	DefaultRoot        = "/var/lib/containerd-envsnap"
-	DefaultAddress     = "/run/containerd-envsnap/containerd-envsnap.sock"
-	DefaultHostsDir    = "/etc/containerd/certs.d"
-	DefaultCacheSize   = Size(20 << 30)
-	DefaultReadTimeout = Duration(30 * time.Second)
+	DefaultConfigPath = "/etc/envsnap/config.toml"
+	DefaultRoot       = "/var/lib/containerd-envsnap"
+	DefaultAddress    = "/run/containerd-envsnap/containerd-envsnap.sock"
+	DefaultHostsDir   = "/etc/containerd/certs.d"
+	DefaultCacheSize  = Size(20 << 30)
+	// DefaultPassthroughCacheSize bounds the unpacked copies of fully
+	// cached files that the kernel reads directly (passthrough).
+	DefaultPassthroughCacheSize = Size(10 << 30)
+	// DefaultPassthroughMinSize: smaller files stay on the chunk path,
+	// where the page cache (kept across opens) already serves repeat
+	// reads; a copy per small file would cost an inode and a build for
+	// one FUSE round trip saved per cold open.
+	DefaultPassthroughMinSize = Size(64 << 10)
+	DefaultReadTimeout        = Duration(30 * time.Second)
 	// DefaultFillDelay: none. A fill starting at mount time used to
 	// double the cold start on the 2-core test machine (its receiving,
 	// verification and cache writes took the CPU the container start
@@ -54,6 +62,14 @@ type Config struct {
 	CacheDir string `toml:"cache_dir"`
 	// CacheSize bounds the node chunk cache ("20GiB", "512MiB", bytes).
 	CacheSize Size `toml:"cache_size"`
+	// Passthrough keeps decompressed copies of files whose chunks are all
+	// in the chunk cache (in <Root>/unpacked, emptied at start) and lets
+	// the kernel read them directly (FUSE passthrough, Linux 6.9+; older
+	// kernels ignore it). Only files of at least PassthroughMinSize get a
+	// copy; PassthroughCacheSize bounds the copies.
+	Passthrough          bool `toml:"passthrough"`
+	PassthroughMinSize   Size `toml:"passthrough_min_size"`
+	PassthroughCacheSize Size `toml:"passthrough_cache_size"`
 	// Fill starts fetching a layer's remaining chunks in the background
 	// as soon as it is mounted.
 	Fill bool `toml:"fill"`
@@ -80,14 +96,17 @@ type Config struct {
 // DefaultConfig returns the configuration used when nothing is set.
 func DefaultConfig() Config {
 	return Config{
-		Root:        DefaultRoot,
-		Address:     DefaultAddress,
-		HostsDir:    DefaultHostsDir,
-		CacheSize:   DefaultCacheSize,
-		Fill:        true,
-		FillDelay:   DefaultFillDelay,
-		ReadTimeout: DefaultReadTimeout,
-		LogLevel:    DefaultLogLevel,
+		Root:                 DefaultRoot,
+		Address:              DefaultAddress,
+		HostsDir:             DefaultHostsDir,
+		CacheSize:            DefaultCacheSize,
+		Passthrough:          true,
+		PassthroughMinSize:   DefaultPassthroughMinSize,
+		PassthroughCacheSize: DefaultPassthroughCacheSize,
+		Fill:                 true,
+		FillDelay:            DefaultFillDelay,
+		ReadTimeout:          DefaultReadTimeout,
+		LogLevel:             DefaultLogLevel,
 	}
 }
 
@@ -124,6 +143,9 @@ func (c *Config) Validate() error {
 	}
 	if c.CacheSize <= 0 {
 		return fmt.Errorf("cache_size must be positive")
+	}
+	if c.Passthrough && (c.PassthroughCacheSize <= 0 || c.PassthroughMinSize < 0) {
+		return fmt.Errorf("passthrough_cache_size must be positive and passthrough_min_size not negative")
 	}
 	if c.FillDelay < 0 {
 		return fmt.Errorf("fill_delay must not be negative")

@@ -28,6 +28,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/internal/registry"
+	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/snapshotter"
 )
 
@@ -67,16 +68,25 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}
 	hosts := registry.ConfigureHosts(ctx, registry.Options{HostsDir: cfg.HostsDir, DockerConfig: cfg.DockerConfig})
+	var files *unpacked.Store
+	if cfg.Passthrough {
+		if files, err = unpacked.Open(filepath.Join(cfg.Root, "unpacked"), int64(cfg.PassthroughCacheSize)); err != nil {
+			return err
+		}
+		defer files.Close()
+	}
 	store, err := layerstore.New(layerstore.Config{
-		Hosts:        hosts,
-		Cache:        cache,
-		Fill:         cfg.Fill,
-		FillDelay:    time.Duration(cfg.FillDelay),
-		Eager:        cfg.Eager,
-		ReadTimeout:  time.Duration(cfg.ReadTimeout),
-		Registerer:   reg,
-		FetchMetrics: fetchMetrics,
-		Keeper:       keeper,
+		Hosts:           hosts,
+		Cache:           cache,
+		Fill:            cfg.Fill,
+		FillDelay:       time.Duration(cfg.FillDelay),
+		Eager:           cfg.Eager,
+		ReadTimeout:     time.Duration(cfg.ReadTimeout),
+		Registerer:      reg,
+		FetchMetrics:    fetchMetrics,
+		Keeper:          keeper,
+		Unpacked:        files,
+		UnpackedMinSize: int64(cfg.PassthroughMinSize),
 	})
 	if err != nil {
 		return err
@@ -99,7 +109,7 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}()
 
-	d := &daemon{sn: sn, store: store, cache: cache}
+	d := &daemon{sn: sn, store: store, cache: cache, files: files}
 	httpSrv := &http.Server{Handler: d.handler(reg), ReadHeaderTimeout: 10 * time.Second}
 	var listeners []net.Listener
 	defer func() {
@@ -216,6 +226,7 @@ type daemon struct {
 	sn    *snapshotter.Snapshotter
 	store *layerstore.Store
 	cache *chunkcache.Cache
+	files *unpacked.Store // nil without passthrough
 	ready atomic.Bool
 }
 
@@ -238,8 +249,9 @@ func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
 
 // Status is what /status serves and `containerd-envsnap status` prints.
 type Status struct {
-	Layers []LayerStatus    `json:"layers"`
-	Cache  chunkcache.Stats `json:"cache"`
+	Layers   []LayerStatus    `json:"layers"`
+	Cache    chunkcache.Stats `json:"cache"`
+	Unpacked *unpacked.Stats  `json:"unpacked,omitempty"`
 }
 
 // LayerStatus joins the snapshotter's view of a layer mount (which
@@ -254,6 +266,10 @@ type LayerStatus struct {
 
 func (d *daemon) status() Status {
 	st := Status{Cache: d.cache.Stats()}
+	if d.files != nil {
+		us := d.files.Stats()
+		st.Unpacked = &us
+	}
 	data := d.store.Status()
 	for _, l := range d.sn.Layers() {
 		ls := LayerStatus{LayerStatus: l}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -986,6 +987,50 @@ func (l *Layer) Close() error {
 		m.cacheBytes.DeleteLabelValues(l.label)
 		m.fillCached.DeleteLabelValues(l.label)
 		m.fillTotal.DeleteLabelValues(l.label)
+	}
+	return nil
+}
+
+// FileLocal reports whether every chunk of regular file idx is in the node
+// cache, so WriteFile can produce it without the network.
+func (l *Layer) FileLocal(idx int) bool {
+	n := l.toc.NumChunks(idx)
+	if n == 0 {
+		return false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for k := range n {
+		j := l.find(l.toc.Chunk(idx, k))
+		if j < 0 || !l.cached[l.canonical(j)] {
+			return false
+		}
+	}
+	return true
+}
+
+// WriteFile writes the bytes of regular file idx to w from the node cache,
+// every chunk verified on the way (chunkcache.Get). A chunk missing from
+// the cache fails it: it never fetches, so it is cheap to give up on.
+func (l *Layer) WriteFile(ctx context.Context, idx int, w io.Writer) error {
+	var buf []byte
+	for k := range l.toc.NumChunks(idx) {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		c := l.toc.Chunk(idx, k)
+		b, ok := l.cache.Get(c.Digest)
+		if !ok {
+			return fmt.Errorf("chunk %s of %s not in the node cache: %w", c.Digest, l.toc.Name(idx), errdefs.ErrNotFound)
+		}
+		frame, err := layerfmt.DecodeVerifiedFrame(c, b, buf)
+		if err != nil {
+			return fmt.Errorf("decode chunk %s of %s: %w", c.Digest, l.toc.Name(idx), err)
+		}
+		buf = frame
+		if _, err := w.Write(frame[c.FrameOffset : c.FrameOffset+c.Size]); err != nil {
+			return err
+		}
 	}
 	return nil
 }

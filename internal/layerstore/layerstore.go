@@ -32,6 +32,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
+	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
 )
@@ -82,6 +83,14 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
+	// Unpacked, when set, keeps decompressed copies of files whose chunks
+	// are all in the node cache, for the kernel to read directly (FUSE
+	// passthrough): a cached read then costs what a read of a local file
+	// does. Only files of at least UnpackedMinSize bytes get a copy:
+	// below it, a copy saves little beyond what the page cache already
+	// does for an immutable layer, and costs an inode and a build each.
+	Unpacked        *unpacked.Store
+	UnpackedMinSize int64
 	// Keeper, when set, holds a duplicate of every mount's FUSE
 	// descriptor so the mounts survive a restart of this process (see
 	// Restore). May be nil: mounts then die with the process.
@@ -221,6 +230,9 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	}
 	if takeover != nil {
 		opts = append(opts, lazyfs.WithTakeover(*takeover))
+	}
+	if s.cfg.Unpacked != nil {
+		opts = append(opts, lazyfs.WithBacking(&backing{layer: layer, toc: toc, files: s.cfg.Unpacked, minSize: s.cfg.UnpackedMinSize}))
 	}
 	// The mount outlives the Prepare that created it: log with the
 	// daemon's fields, not the request's cancellation.

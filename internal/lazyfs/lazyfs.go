@@ -54,6 +54,15 @@ type ActivityObserver interface {
 	NoteActivity()
 }
 
+// BackingFiles offers complete local copies of regular files (WithBacking).
+type BackingFiles interface {
+	// Backing returns a read-only descriptor of a file holding exactly the
+	// bytes of regular file idx, or nil when there is none yet. It is
+	// called on every open and must not block on the network; the caller
+	// closes the file.
+	Backing(ctx context.Context, idx int) *os.File
+}
+
 // layer is the state shared by every node of one mount.
 type layer struct {
 	ctx  context.Context // logging only; never cancelled

@@ -47,6 +47,7 @@ type options struct {
 	registerer  prometheus.Registerer
 	layerLabel  string
 	takeover    *Handover
+	backing     BackingFiles
 }
 
 func defaultOptions() options {
@@ -102,4 +103,12 @@ func WithMetrics(reg prometheus.Registerer, layerLabel string) Option {
 		o.registerer = reg
 		o.layerLabel = layerLabel
 	}
+}
+
+// WithBacking lets regular files that b has a local copy of be read by the
+// kernel straight from that copy (FUSE passthrough): such reads never reach
+// the daemon. Files without a copy, and kernels or mounts without
+// passthrough, take the normal chunk path.
+func WithBacking(b BackingFiles) Option {
+	return func(o *options) { o.backing = b }
 }

@@ -48,6 +48,7 @@ type Stats struct {
 	ChunkBytes   uint64             // decompressed bytes those calls returned
 	ReadTimeouts uint64             // reads failed because the read timeout expired
 	ReadErrors   uint64             // reads failed with EIO for any reason (incl. timeouts)
+	BackedOpens  uint64             // opens handed a local copy for passthrough (WithBacking)
 }
 
 type opCounter struct {
@@ -63,6 +64,7 @@ type counters struct {
 	chunkBytes   atomic.Uint64
 	readTimeouts atomic.Uint64
 	readErrors   atomic.Uint64
+	backedOpens  atomic.Uint64
 }
 
 // record accounts one finished operation started at start. Expected
@@ -88,6 +90,7 @@ func (c *counters) snapshot() Stats {
 		ChunkBytes:   c.chunkBytes.Load(),
 		ReadTimeouts: c.readTimeouts.Load(),
 		ReadErrors:   c.readErrors.Load(),
+		BackedOpens:  c.backedOpens.Load(),
 	}
 	for i := range c.ops {
 		s.Ops[opNames[i]] = OpStats{
@@ -108,6 +111,7 @@ type collector struct {
 
 	ops, opErrors, opSeconds                      *prometheus.Desc
 	bytesRead, chunkReads, chunkBytes, rdTimeouts *prometheus.Desc
+	backedOpens                                   *prometheus.Desc
 }
 
 func newCollector(c *counters, layer string) *collector {
@@ -116,20 +120,21 @@ func newCollector(c *counters, layer string) *collector {
 		return prometheus.NewDesc("envsnap_lazyfs_"+name, help, varLabels, labels)
 	}
 	return &collector{
-		c:          c,
-		layer:      layer,
-		ops:        d("ops_total", "FUSE operations served.", "op"),
-		opErrors:   d("op_errors_total", "FUSE operations that failed.", "op"),
-		opSeconds:  d("op_seconds_total", "Time spent serving FUSE operations.", "op"),
-		bytesRead:  d("read_bytes_total", "File bytes returned to the kernel."),
-		chunkReads: d("chunk_reads_total", "Chunk reads issued to the chunk source."),
-		chunkBytes: d("chunk_bytes_total", "Decompressed bytes returned by the chunk source."),
-		rdTimeouts: d("read_timeouts_total", "Reads that failed because the read timeout expired."),
+		c:           c,
+		layer:       layer,
+		ops:         d("ops_total", "FUSE operations served.", "op"),
+		opErrors:    d("op_errors_total", "FUSE operations that failed.", "op"),
+		opSeconds:   d("op_seconds_total", "Time spent serving FUSE operations.", "op"),
+		bytesRead:   d("read_bytes_total", "File bytes returned to the kernel."),
+		chunkReads:  d("chunk_reads_total", "Chunk reads issued to the chunk source."),
+		chunkBytes:  d("chunk_bytes_total", "Decompressed bytes returned by the chunk source."),
+		rdTimeouts:  d("read_timeouts_total", "Reads that failed because the read timeout expired."),
+		backedOpens: d("backed_opens_total", "Opens served from a local unpacked copy (FUSE passthrough)."),
 	}
 }
 
 func (m *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{m.ops, m.opErrors, m.opSeconds, m.bytesRead, m.chunkReads, m.chunkBytes, m.rdTimeouts} {
+	for _, d := range []*prometheus.Desc{m.ops, m.opErrors, m.opSeconds, m.bytesRead, m.chunkReads, m.chunkBytes, m.rdTimeouts, m.backedOpens} {
 		ch <- d
 	}
 }
@@ -145,4 +150,5 @@ func (m *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.chunkReads, prometheus.CounterValue, float64(m.c.chunkReads.Load()))
 	ch <- prometheus.MustNewConstMetric(m.chunkBytes, prometheus.CounterValue, float64(m.c.chunkBytes.Load()))
 	ch <- prometheus.MustNewConstMetric(m.rdTimeouts, prometheus.CounterValue, float64(m.c.readTimeouts.Load()))
+	ch <- prometheus.MustNewConstMetric(m.backedOpens, prometheus.CounterValue, float64(m.c.backedOpens.Load()))
 }

@@ -1,0 +1,140 @@
+//go:build linux
+
+package layerstore
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/registry"
+	"github.com/envsnap/envsnap/internal/unpacked"
+	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/snapshotter"
+)
+
+// TestPassthroughCopyAfterFill: once the fill has every chunk of a big
+// file, its next open builds an unpacked copy from the verified chunks and
+// the opens after that are handed the copy; small files never get one.
+// A chunk corrupted on disk fails the build, never the reads, and never
+// ends up in a copy.
+func TestPassthroughCopyAfterFill(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts FUSE: needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	for _, corrupt := range []bool{false, true} {
+		name := map[bool]string{false: "intact", true: "corrupt chunk"}[corrupt]
+		t.Run(name, func(t *testing.T) {
+			r := newFakeRegistry(t)
+			big := make([]byte, 3<<20+123)
+			rng := rand.New(rand.NewPCG(1, 2))
+			for i := range big {
+				big[i] = byte(rng.Uint32())
+			}
+			var blob bytes.Buffer
+			res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"big.bin": string(big), "small.txt": "small"})))
+			if err != nil {
+				t.Fatal(err)
+			}
+			desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
+			mb, _ := json.Marshal(ocispec.Manifest{
+				Versioned: specs.Versioned{SchemaVersion: 2},
+				MediaType: ocispec.MediaTypeImageManifest,
+				Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+				Layers:    []ocispec.Descriptor{desc},
+			})
+			mdgst := r.add(mb)
+			cacheDir := t.TempDir()
+			cache, err := chunkcache.Open(cacheDir, 256<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			files, err := unpacked.Open(t.TempDir(), 64<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(files.Close)
+			s, err := New(Config{
+				Hosts:           registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
+				Cache:           cache,
+				Fill:            true,
+				Unpacked:        files,
+				UnpackedMinSize: 64 << 10,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mp := t.TempDir()
+			if err := s.Mount(t.Context(), mp, map[string]string{
+				snapshotter.LabelImageRef:       r.host() + "/test/big:1",
+				snapshotter.LabelManifestDigest: mdgst.String(),
+				snapshotter.LabelLayerDigest:    desc.Digest.String(),
+			}); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+			deadline := time.Now().Add(30 * time.Second)
+			for st := s.Status()[mp]; st.CachedBytes < st.TotalBytes; st = s.Status()[mp] {
+				if time.Now().After(deadline) {
+					t.Fatalf("fill incomplete after 30s: %+v", st)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if corrupt {
+				// Flip a byte of every cached chunk file.
+				filepath.WalkDir(cacheDir, func(p string, de os.DirEntry, err error) error {
+					if err == nil && de.Type().IsRegular() {
+						b, _ := os.ReadFile(p)
+						b[len(b)/2] ^= 0xff
+						os.WriteFile(p, b, 0o600)
+					}
+					return nil
+				})
+			}
+			for range 3 {
+				for name, want := range map[string][]byte{"big.bin": big, "small.txt": []byte("small")} {
+					got, err := os.ReadFile(filepath.Join(mp, name))
+					if err != nil || !bytes.Equal(got, want) {
+						t.Fatalf("read %s: %v (equal %v)", name, err, bytes.Equal(got, want))
+					}
+				}
+				files.Wait()
+			}
+			st := files.Stats()
+			if corrupt && st.Failed == 0 {
+				t.Fatalf("no build failed on corrupt chunks: %+v", st)
+			}
+			// Corrupt chunks fail the first build; the reads fetch them
+			// again, and a later open builds the copy from those.
+			if st.Builds != 1 || st.Entries != 1 || st.Size != int64(len(big)) || st.Hits < 1 {
+				t.Fatalf("unpacked stats %+v, want one copy of big.bin handed out on a later open", st)
+			}
+			toc, err := layerfmt.ReadTOC(t.Context(), bytes.NewReader(blob.Bytes()), int64(blob.Len()), res.TOCDigest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			idx, _ := toc.Lookup("big.bin")
+			f, ok := files.Get(unpacked.Key(toc, idx))
+			if !ok {
+				t.Fatal("no copy of big.bin")
+			}
+			defer f.Close()
+			if got, err := io.ReadAll(f); err != nil || !bytes.Equal(got, big) {
+				t.Fatalf("copy of big.bin differs from the file: %v", err)
+			}
+		})
+	}
+}
