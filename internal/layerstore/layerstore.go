@@ -16,6 +16,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -232,7 +233,9 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 		opts = append(opts, lazyfs.WithTakeover(*takeover))
 	}
 	if s.cfg.Unpacked != nil {
-		opts = append(opts, lazyfs.WithBacking(&backing{layer: layer, toc: toc, files: s.cfg.Unpacked, minSize: s.cfg.UnpackedMinSize}))
+		// Beside the mountpoint, so a successor finds it (Restore).
+		state := filepath.Join(filepath.Dir(mountpoint), "passthrough")
+		opts = append(opts, lazyfs.WithBacking(&backing{layer: layer, toc: toc, files: s.cfg.Unpacked, minSize: s.cfg.UnpackedMinSize}, state))
 	}
 	// The mount outlives the Prepare that created it: log with the
 	// daemon's fields, not the request's cancellation.

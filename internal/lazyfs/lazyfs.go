@@ -144,6 +144,8 @@ type Server struct {
 	fd int
 	// viaHelper is set when go-fuse mounted through fusermount3.
 	viaHelper bool
+	// passthrough is nil without WithBacking.
+	passthrough *passthroughFS
 
 	unmountMu sync.Mutex
 	unmounted bool
@@ -207,9 +209,22 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 	}
 	fsOpts := fsOptions(o)
 	var raw fuse.RawFileSystem = fs.NewNodeFS(l.root(), fsOpts)
+	if o.takeover != nil {
+		raw = newTakeoverFS(raw)
+	}
 	mo := &fsOpts.MountOptions
 
 	m := &Server{mountpoint: mountpoint, layer: l, fd: -1}
+	if o.backing != nil {
+		pt, err := newPassthroughFS(raw, l, o.backing, o.backingState, o.takeover != nil)
+		if err != nil {
+			if o.takeover != nil {
+				unix.Close(o.takeover.FD)
+			}
+			return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
+		}
+		raw, m.passthrough = pt, pt
+	}
 	// Metrics first: a failure after a takeover must not leave the live
 	// mount torn down.
 	if o.registerer != nil {
@@ -225,13 +240,16 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 		if m.metrics != nil {
 			o.registerer.Unregister(m.metrics)
 		}
+		if m.passthrough != nil && o.takeover == nil {
+			m.passthrough.remove()
+		}
 		return nil, fmt.Errorf("lazyfs: mount %s: %w", mountpoint, err)
 	}
 
 	switch {
 	case o.takeover != nil:
 		m.fd = o.takeover.FD
-		m.srv, err = takeOver(newTakeoverFS(raw), *o.takeover, mo)
+		m.srv, err = takeOver(raw, *o.takeover, mo)
 	case o.devFD >= 0:
 		m.fd = o.devFD
 		m.srv, err = serveFD(raw, o.devFD, mo)
@@ -254,6 +272,9 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 			unix.Close(m.fd)
 		}
 		return fail(err)
+	}
+	if m.passthrough != nil {
+		m.passthrough.srv = m.srv
 	}
 	go m.srv.Serve()
 
@@ -375,6 +396,9 @@ func (m *Server) Unmount() error {
 	}
 	if m.metrics != nil {
 		m.layer.opts.registerer.Unregister(m.metrics)
+	}
+	if m.passthrough != nil {
+		m.passthrough.remove()
 	}
 	return nil
 }

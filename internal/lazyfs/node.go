@@ -2,7 +2,6 @@ package lazyfs
 
 import (
 	"context"
-	"os"
 	"sort"
 	"strings"
 	"syscall"
@@ -435,37 +434,9 @@ func (n *node) Open(ctx context.Context, flags uint32) (_ fs.FileHandle, _ uint3
 	}
 	// The layer is immutable: let the kernel keep cached pages across
 	// opens, so every container sharing this mount reads them from the
-	// one page cache. (go-fuse drops the flag for a passthrough open: the
-	// pages are then the backing file's, shared the same way.)
-	if b := n.l.opts.backing; b != nil {
-		if f := b.Backing(ctx, n.idx); f != nil {
-			n.l.stats.backedOpens.Add(1)
-			return &backedFile{f: f}, fuse.FOPEN_KEEP_CACHE, 0
-		}
-	}
+	// one page cache. (Files with a local copy are switched to FUSE
+	// passthrough by passthroughFS, below the node API.)
 	return nil, fuse.FOPEN_KEEP_CACHE, 0
-}
-
-// backedFile is an open file with a local copy: go-fuse registers the copy
-// with the kernel as the backing file (FUSE passthrough), once per inode
-// while any open of it lasts. Reads then never reach us; if the kernel
-// refuses passthrough they arrive at node.Read as usual.
-type backedFile struct {
-	f *os.File
-}
-
-var (
-	_ fs.FilePassthroughFder = (*backedFile)(nil)
-	_ fs.FileReleaser        = (*backedFile)(nil)
-)
-
-func (b *backedFile) PassthroughFd() (int, bool) { return int(b.f.Fd()), true }
-
-// Release closes our descriptor; the kernel keeps its own reference to the
-// backing file for as long as it uses it.
-func (b *backedFile) Release(ctx context.Context) syscall.Errno {
-	b.f.Close()
-	return 0
 }
 
 func (n *node) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64) (_ fuse.ReadResult, errno syscall.Errno) {

@@ -40,14 +40,15 @@ const (
 )
 
 type options struct {
-	readTimeout time.Duration
-	fsName      string
-	debug       bool
-	devFD       int
-	registerer  prometheus.Registerer
-	layerLabel  string
-	takeover    *Handover
-	backing     BackingFiles
+	readTimeout  time.Duration
+	fsName       string
+	debug        bool
+	devFD        int
+	registerer   prometheus.Registerer
+	layerLabel   string
+	takeover     *Handover
+	backing      BackingFiles
+	backingState string
 }
 
 func defaultOptions() options {
@@ -106,9 +107,12 @@ func WithMetrics(reg prometheus.Registerer, layerLabel string) Option {
 }
 
 // WithBacking lets regular files that b has a local copy of be read by the
-// kernel straight from that copy (FUSE passthrough): such reads never reach
-// the daemon. Files without a copy, and kernels or mounts without
-// passthrough, take the normal chunk path.
-func WithBacking(b BackingFiles) Option {
-	return func(o *options) { o.backing = b }
+// kernel straight from that copy (FUSE passthrough, Linux 6.9+): such reads
+// never reach the daemon. Files without a copy, and kernels without
+// passthrough, take the normal chunk path. statePath is a file in which
+// the mount records which inodes it switched, so that a successor
+// (WithTakeover, given the same path) keeps answering their opens the way
+// the kernel requires; Unmount removes it.
+func WithBacking(b BackingFiles, statePath string) Option {
+	return func(o *options) { o.backing, o.backingState = b, statePath }
 }

@@ -1,34 +1,72 @@
 package lazyfs
 
 import (
+	"bufio"
 	"bytes"
 	"context"
+	"encoding/hex"
+	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 )
 
-// fileBacking offers one local copy, for one entry.
+// fileBacking offers local copies of some entries.
 type fileBacking struct {
-	idx   int
-	path  string
+	mu    sync.Mutex
+	paths map[int]string // entry -> copy
 	calls atomic.Int64
+}
+
+func newFileBacking() *fileBacking { return &fileBacking{paths: map[int]string{}} }
+
+func (b *fileBacking) set(idx int, path string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.paths[idx] = path
 }
 
 func (b *fileBacking) Backing(ctx context.Context, idx int) *os.File {
 	b.calls.Add(1)
-	if idx != b.idx {
+	b.mu.Lock()
+	p, ok := b.paths[idx]
+	b.mu.Unlock()
+	if !ok {
 		return nil
 	}
-	f, err := os.Open(b.path)
+	f, err := os.Open(p)
 	if err != nil {
 		return nil
 	}
 	return f
+}
+
+// writeCopy writes the bytes of name, read through a plain mount, to a
+// file and returns its entry index and path.
+func writeCopy(t *testing.T, f fixtureLayer, name string) (int, string, []byte) {
+	t.Helper()
+	b, err := readVia(t, f, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, ok := f.toc.Lookup(name)
+	if !ok {
+		t.Fatalf("fixture has no %s", name)
+	}
+	p := filepath.Join(t.TempDir(), "copy")
+	if err := os.WriteFile(p, b, 0o400); err != nil {
+		t.Fatal(err)
+	}
+	return idx, p, b
 }
 
 // requirePassthrough skips when the kernel did not agree to FUSE
@@ -46,20 +84,10 @@ func requirePassthrough(t *testing.T, srv *Server) {
 func TestPassthroughBypassesDaemon(t *testing.T) {
 	requireFUSE(t)
 	f := newFixture(t)
-	want, err := readVia(t, f, "data/big")
-	if err != nil {
-		t.Fatal(err)
-	}
-	idx, ok := f.toc.Lookup("data/big")
-	if !ok {
-		t.Fatal("fixture has no data/big")
-	}
-	copyPath := filepath.Join(t.TempDir(), "copy")
-	if err := os.WriteFile(copyPath, want, 0o400); err != nil {
-		t.Fatal(err)
-	}
-	b := &fileBacking{idx: idx, path: copyPath}
-	mnt, src, srv := f.mount(t, WithBacking(b))
+	idx, copyPath, want := writeCopy(t, f, "data/big")
+	b := newFileBacking()
+	b.set(idx, copyPath)
+	mnt, src, srv := f.mount(t, WithBacking(b, filepath.Join(t.TempDir(), "state")))
 	requirePassthrough(t, srv)
 
 	p := filepath.Join(mnt, "data/big")
@@ -85,6 +113,18 @@ func TestPassthroughBypassesDaemon(t *testing.T) {
 	if got, err := os.ReadFile(filepath.Join(ovl, "data/big")); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("read through overlayfs over passthrough: %v", err)
 	}
+	// Writing through the overlay copies the file up from the copy.
+	w, err := os.OpenFile(filepath.Join(ovl, "data/big"), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatalf("open for write through overlayfs (copy-up): %v", err)
+	}
+	if _, err := w.Write([]byte("tail")); err != nil {
+		t.Fatalf("append: %v", err)
+	}
+	w.Close()
+	if got, err := os.ReadFile(filepath.Join(ovl, "data/big")); err != nil || !bytes.Equal(got, append(want, "tail"...)) {
+		t.Fatalf("copied-up file: %v", err)
+	}
 	if n := src.calls.Load(); n != 0 {
 		t.Errorf("%d chunk reads for a file with a local copy, want 0", n)
 	}
@@ -108,4 +148,202 @@ func readVia(t *testing.T, f fixtureLayer, name string) ([]byte, error) {
 	b, err := os.ReadFile(filepath.Join(mnt, name))
 	cleanupMount(t, mnt, srv)
 	return b, err
+}
+
+// TestPassthroughWaitsForCachedOpens: the kernel refuses (EIO) a
+// passthrough open of an inode that has cached opens, so a file whose copy
+// appears while it is open stays on the read path until every open of it
+// is closed, then switches.
+func TestPassthroughWaitsForCachedOpens(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	idx, copyPath, want := writeCopy(t, f, "data/big")
+	b := newFileBacking()
+	mnt, src, srv := f.mount(t, WithBacking(b, filepath.Join(t.TempDir(), "state")))
+	requirePassthrough(t, srv)
+	p := filepath.Join(mnt, "data/big")
+
+	held, err := os.Open(p) // a cached open: no copy yet
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.set(idx, copyPath)
+	for range 2 {
+		got, err := os.ReadFile(p)
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("open while a cached open is alive: %v", err)
+		}
+	}
+	if s := srv.Stats(); s.BackedOpens != 0 {
+		t.Fatalf("switched to passthrough with a cached open alive (%d backed opens)", s.BackedOpens)
+	}
+	held.Close()
+	waitFor(t, func() bool {
+		// Release reaches the daemon asynchronously after close.
+		got, err := os.ReadFile(p)
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("open after the cached opens closed: %v", err)
+		}
+		return srv.Stats().BackedOpens > 0
+	})
+	src.reset()
+	if _, err := os.ReadFile(p); err != nil {
+		t.Fatal(err)
+	}
+	if n := src.calls.Load(); n != 0 {
+		t.Errorf("%d chunk reads after the switch", n)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	for range 200 {
+		if cond() {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatal("condition not reached in 2s")
+}
+
+// TestTakeoverPassthrough: after a restart the kernel still holds the
+// predecessor's passthrough files and cached opens. The successor answers
+// opens of an inode the predecessor switched with the same backing file,
+// and does not switch an inode that has cached opens it cannot see.
+func TestTakeoverPassthrough(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	bigIdx, bigCopy, bigWant := writeCopy(t, f, "data/big")
+	pwIdx, pwCopy, pwWant := writeCopy(t, f, "etc/passwd")
+	blobPath := filepath.Join(t.TempDir(), "blob")
+	if err := os.WriteFile(blobPath, f.blob, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	state := filepath.Join(t.TempDir(), "state")
+
+	mnt := t.TempDir()
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read=%d", fd, maxRequest)
+	if err := unix.Mount("envsnap-takeover", mnt, "fuse.envsnap", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	var (
+		srv    *Server
+		opened []*os.File
+	)
+	t.Cleanup(func() {
+		if srv == nil {
+			unix.Close(fd)
+		} else if t.Failed() {
+			abortConnection(t, srv.dev)
+		}
+		for _, f := range opened {
+			f.Close()
+		}
+		if srv != nil {
+			cleanupMount(t, mnt, srv)
+		} else {
+			_ = forceUnmount(mnt)
+		}
+	})
+	childFD, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
+	// The predecessor has a copy of data/big only.
+	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
+		"LAZYFS_STUCK_FRAME=-1", "LAZYFS_STUCK_OFF=-1",
+		fmt.Sprintf("LAZYFS_COPIES=%d=%s", bigIdx, bigCopy), "LAZYFS_STATE="+state)
+	cmd.ExtraFiles = []*os.File{os.NewFile(uintptr(childFD), "fuse")}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(childFD)
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
+	sc := bufio.NewScanner(out)
+	var init []byte
+	for sc.Scan() {
+		if l, ok := strings.CutPrefix(sc.Text(), "INIT "); ok {
+			if init, err = hex.DecodeString(strings.TrimSpace(l)); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+	}
+	if init == nil {
+		t.Fatal("first server printed no INIT")
+	}
+	go io.Copy(io.Discard, out)
+
+	open := func(p string) *os.File {
+		t.Helper()
+		f, err := os.Open(filepath.Join(mnt, p))
+		if err != nil {
+			t.Fatalf("open %s: %v", p, err)
+		}
+		opened = append(opened, f)
+		return f
+	}
+	big := open("data/big") // passthrough, by the predecessor
+	m, err := unix.Mmap(int(big.Fd()), 0, len(bigWant), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	passwd := open("etc/passwd") // cached: no copy in the predecessor
+	if b, err := io.ReadAll(passwd); err != nil || !bytes.Equal(b, pwWant) {
+		t.Fatalf("passwd before takeover: %v", err)
+	}
+	if st, err := os.ReadFile(state); err != nil || !strings.HasPrefix(string(st), fmt.Sprintf("%d ", ino(bigIdx))) {
+		t.Fatalf("state file %q, %v: want data/big's inode recorded", st, err)
+	}
+
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	// The successor has copies of both.
+	b := newFileBacking()
+	b.set(bigIdx, bigCopy)
+	b.set(pwIdx, pwCopy)
+	src := newBlobSource(bytes.NewReader(f.blob))
+	srv, err = Mount(context.Background(), mnt, f.toc, src, WithTakeover(Handover{FD: fd, Init: init}), WithBacking(b, state))
+	if err != nil {
+		t.Fatalf("take over: %v", err)
+	}
+	for range 2 {
+		for name, want := range map[string][]byte{"data/big": bigWant, "etc/passwd": pwWant} {
+			if got, err := os.ReadFile(filepath.Join(mnt, name)); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("open %s after takeover: %v", name, err)
+			}
+		}
+	}
+	if !bytes.Equal(m, bigWant) {
+		t.Error("mapping made before takeover changed")
+	}
+	if s := srv.Stats(); s.BackedOpens != 2 {
+		t.Errorf("%d passthrough opens after takeover, want 2 (data/big only)", s.BackedOpens)
+	}
+	unix.Munmap(m)
+	for _, f := range opened {
+		f.Close()
+	}
+	opened = nil
+	if err := srv.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(state); !os.IsNotExist(err) {
+		t.Errorf("state file left after unmount: %v", err)
+	}
 }

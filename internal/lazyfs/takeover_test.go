@@ -57,7 +57,17 @@ func TestTakeoverChild(t *testing.T) {
 	frame, _ := strconv.ParseInt(os.Getenv("LAZYFS_STUCK_FRAME"), 10, 64)
 	off, _ := strconv.ParseInt(os.Getenv("LAZYFS_STUCK_OFF"), 10, 64)
 	src := &stuckSource{blobSource: newBlobSource(bytes.NewReader(blob)), stuck: chunkKey{frame, off}, onHit: func() { fmt.Println("STUCK") }}
-	srv, err := Mount(context.Background(), os.Getenv("LAZYFS_MNT"), toc, src, WithDevFD(3))
+	opts := []Option{WithDevFD(3)}
+	if copies := os.Getenv("LAZYFS_COPIES"); copies != "" {
+		b := newFileBacking()
+		for _, c := range strings.Split(copies, ",") {
+			idx, path, _ := strings.Cut(c, "=")
+			i, _ := strconv.Atoi(idx)
+			b.set(i, path)
+		}
+		opts = append(opts, WithBacking(b, os.Getenv("LAZYFS_STATE")))
+	}
+	srv, err := Mount(context.Background(), os.Getenv("LAZYFS_MNT"), toc, src, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
