@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io/fs"
 	"os"
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	"github.com/urfave/cli/v3"
 
 	"github.com/envsnap/envsnap/internal/convert"
@@ -40,7 +42,50 @@ var groupCommand = &cli.Command{
 			&cli.StringSliceFlag{Name: "label", Usage: "config label k=v"},
 		}, registryFlags()...),
 		Action: runGroupPublish,
+	}, {
+		Name:      "prefetch",
+		Usage:     "attach prefetch lists (recorded footprints) to the layers of published groups; only new manifests are pushed",
+		ArgsUsage: "REF...",
+		Description: "Record footprints by running a representative environment on a node, then\n" +
+			"`containerd-envsnap footprints -o fp.json` there. Layers of the groups that\n" +
+			"appear in the file get the list; environments composed from the groups\n" +
+			"afterwards fetch those frames in bulk as soon as a layer is mounted.",
+		Flags: append([]cli.Flag{
+			&cli.StringFlag{Name: "footprints", Required: true, Usage: "JSON file: layer digest -> prefetch list, as `containerd-envsnap footprints` writes it"},
+		}, registryFlags()...),
+		Action: runGroupPrefetch,
 	}},
+}
+
+func runGroupPrefetch(ctx context.Context, c *cli.Command) error {
+	if c.Args().Len() == 0 {
+		return fmt.Errorf("group prefetch: want at least one REF")
+	}
+	b, err := os.ReadFile(c.String("footprints"))
+	if err != nil {
+		return err
+	}
+	var raw map[string]string
+	if err := json.Unmarshal(b, &raw); err != nil {
+		return fmt.Errorf("--footprints %s: %w", c.String("footprints"), err)
+	}
+	lists := make(map[digest.Digest]string, len(raw))
+	for k, v := range raw {
+		d, err := digest.Parse(k)
+		if err != nil {
+			return fmt.Errorf("--footprints %s: %q: %w", c.String("footprints"), k, err)
+		}
+		lists[d] = v
+	}
+	p := &group.Publisher{Hosts: registry.ConfigureHosts(ctx, registryOptions(c))}
+	for _, ref := range c.Args().Slice() {
+		desc, n, err := p.SetPrefetch(ctx, ref, lists)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("%s@%s: prefetch lists on %d layers\n", ref, desc.Digest, n)
+	}
+	return nil
 }
 
 func init() { commands = append(commands, groupCommand) }

@@ -14,7 +14,21 @@ import (
 // http://host:port metrics address.
 func GetStatus(ctx context.Context, target string) (Status, error) {
 	var st Status
-	url := strings.TrimSuffix(target, "/") + "/status"
+	err := get(ctx, target, "/status", &st)
+	return st, err
+}
+
+// GetFootprints asks a running daemon for the footprints of the layers it
+// serves: layer digest -> layerfmt.AnnotationPrefetch value (see
+// layerstore.Store.Footprints). target is as for GetStatus.
+func GetFootprints(ctx context.Context, target string) (map[string]string, error) {
+	var fp map[string]string
+	err := get(ctx, target, "/footprints", &fp)
+	return fp, err
+}
+
+func get(ctx context.Context, target, path string, v any) error {
+	url := strings.TrimSuffix(target, "/") + path
 	client := http.DefaultClient
 	if !strings.HasPrefix(target, "http://") && !strings.HasPrefix(target, "https://") {
 		sock := StatusSocket(target)
@@ -24,22 +38,22 @@ func GetStatus(ctx context.Context, target string) (Status, error) {
 				return d.DialContext(ctx, "unix", sock)
 			},
 		}}
-		url = "http://envsnap/status"
+		url = "http://envsnap" + path
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return st, err
+		return err
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return st, fmt.Errorf("query daemon status: %w", err)
+		return fmt.Errorf("query daemon %s: %w", path, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return st, fmt.Errorf("query daemon status: %s", resp.Status)
+		return fmt.Errorf("query daemon %s: %s", path, resp.Status)
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
-		return st, fmt.Errorf("decode daemon status: %w", err)
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		return fmt.Errorf("decode daemon %s: %w", path, err)
 	}
-	return st, nil
+	return nil
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
+	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
 )
 
@@ -239,6 +240,14 @@ func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
 			return
 		}
 		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/footprints", func(w http.ResponseWriter, r *http.Request) {
+		out := map[string]string{}
+		for d, frames := range d.store.Footprints() {
+			out[d.String()] = layerfmt.FormatFrameList(frames)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(out)
 	})
 	mux.HandleFunc("/status", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")

@@ -221,6 +221,15 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 		if err := s.fetchAll(ctx, layer, ldgst); err != nil {
 			return nil, err
 		}
+	} else if v := desc.Annotations[layerfmt.AnnotationPrefetch]; v != "" && takeover == nil {
+		// Started before the FUSE mount: the container needs these
+		// frames within a second, and the mount and container set-up
+		// are time the link can use. The layer's Close stops it.
+		if frames, err := layerfmt.ParseFrameList(v, toc.NumFrames()); err != nil {
+			log.G(ctx).WithError(err).WithField("layer", ldgst).Warn("ignoring the layer's prefetch list")
+		} else if len(frames) > 0 {
+			go layer.Prefetch(context.WithoutCancel(ctx), frames)
+		}
 	}
 	opts := []lazyfs.Option{
 		lazyfs.WithReadTimeout(s.cfg.ReadTimeout),
@@ -466,6 +475,21 @@ type LayerStatus struct {
 	// CachedBytes of TotalBytes (compressed bytes of the layer's chunks)
 	// are in the node cache.
 	CachedBytes, TotalBytes int64
+}
+
+// Footprints returns, for every mounted layer, the frames its readers
+// have asked for in the order of their first read (fetch.Layer.Footprint):
+// what a workload needs of each layer, for layerfmt.AnnotationPrefetch.
+func (s *Store) Footprints() map[digest.Digest][]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[digest.Digest][]int, len(s.mounts))
+	for _, m := range s.mounts {
+		if fp := m.layer.Footprint(); len(fp) > 0 {
+			out[m.desc.Digest] = fp
+		}
+	}
+	return out
 }
 
 // Status reports every mounted layer, keyed by mountpoint.
