@@ -44,7 +44,7 @@ type passthroughFS struct {
 	disabled bool             // the kernel refused a backing file
 	ids      map[uint64]int32 // node ID -> backing ID
 	cached   map[uint64]int   // node ID -> cached opens answered by this server
-	state    *os.File // append-only "<node ID> <backing ID>" lines
+	state    *os.File         // append-only "<node ID> <backing ID>" lines
 }
 
 // newPassthroughFS opens (fresh: truncates; restored: reads) the state file.
