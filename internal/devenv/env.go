@@ -354,23 +354,38 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		return nil, fmt.Errorf("start envsnap: %w\n%s", err, p.LogTail(40))
 	}
 	if e.Client != nil {
-		// containerd keeps one gRPC connection to the proxy plugin and
-		// redials a restarted daemon with backoff: the daemon is up for
-		// containerd only once a call through it gets an answer.
-		sn := e.Client.SnapshotService("envsnap")
-		if err := waitFor(60*time.Second, "containerd to reach the restarted envsnap daemon", func() error {
-			ctx, cancel := context.WithTimeout(e.Context(), 2*time.Second)
-			defer cancel()
-			_, err := sn.Stat(ctx, "envsnap-devenv-probe")
-			if err == nil || errdefs.IsNotFound(err) {
-				return nil
-			}
-			return err
-		}); err != nil {
+		if err := waitFor(60*time.Second, "containerd to reach the restarted envsnap daemon", e.probeEnvsnap); err != nil {
 			return nil, err
 		}
 	}
 	return p, nil
+}
+
+var probeCounter atomic.Int64
+
+// probeEnvsnap makes one snapshot call that containerd must forward to the
+// envsnap daemon. containerd keeps one gRPC connection to the proxy plugin
+// and gives each connection attempt only its backoff delay (about 1 s,
+// growing to 3 s: the plugin sets no MinConnectTimeout). A call it made
+// while the daemon was down, as its garbage collector does at any time,
+// leaves that connection failing every call at once with "dial ...:
+// timeout" until a later attempt succeeds: the daemon is up for containerd
+// only once a call through it gets an answer from the daemon. A Stat of a
+// missing key does not prove that (containerd's metadata store answers it
+// alone); a Prepare reaches the daemon. The probe snapshot is removed at
+// once, and from the daemon at containerd's next collection.
+func (e *Env) probeEnvsnap() error {
+	sn := e.Client.SnapshotService("envsnap")
+	ctx, cancel := context.WithTimeout(e.Context(), 5*time.Second)
+	defer cancel()
+	key := fmt.Sprintf("envsnap-devenv-probe-%d", probeCounter.Add(1))
+	if _, err := sn.Prepare(ctx, key, ""); err != nil {
+		return err
+	}
+	if err := sn.Remove(ctx, key); err != nil && !errdefs.IsNotFound(err) {
+		return fmt.Errorf("remove probe snapshot %s: %w", key, err)
+	}
+	return nil
 }
 
 func (e *Env) startContainerd() error {
