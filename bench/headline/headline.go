@@ -8,6 +8,7 @@ package headline
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -303,8 +304,44 @@ func (b *bench) reset() error {
 		if _, err := b.env.StartEnvsnap(); err != nil {
 			return err
 		}
+		if err := b.checkCold(); err != nil {
+			return err
+		}
 	}
 	return dropPageCache()
+}
+
+// checkCold fails unless the restarted daemon serves no layer and caches
+// no chunk. A snapshot the image deletion left behind would be restored
+// on startup, and its layer (with fill or --eager) downloaded into the
+// emptied cache before the run starts counting registry bytes.
+func (b *bench) checkCold() error {
+	resp, err := http.Get(strings.TrimSuffix(b.metrics, "/metrics") + "/status")
+	if err != nil {
+		return fmt.Errorf("check the node is cold: %w", err)
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Layers []struct {
+			Digest string `json:"digest"`
+		} `json:"layers"`
+		Cache struct {
+			Size    int64
+			Entries int
+		} `json:"cache"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		return fmt.Errorf("check the node is cold: decode /status: %w", err)
+	}
+	if len(st.Layers) > 0 || st.Cache.Entries > 0 {
+		var layers []string
+		for _, l := range st.Layers {
+			layers = append(layers, l.Digest)
+		}
+		return fmt.Errorf("node not cold after reset: the daemon restored %d layers of deleted images [%s] and caches %d chunks (%s)",
+			len(st.Layers), strings.Join(layers, " "), st.Cache.Entries, mib(st.Cache.Size))
+	}
+	return nil
 }
 
 func dropPageCache() error {
