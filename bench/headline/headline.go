@@ -40,6 +40,9 @@ type Config struct {
 	Rate       int64         // registry link rate, bits/s
 	Systems    []string      // subset of AllSystems
 	Timeout    time.Duration // per episode
+	// NoPrefetch skips recording footprints and attaching them to the
+	// shared groups before the runs (recordPrefetch).
+	NoPrefetch bool
 	Log        io.Writer
 }
 
@@ -168,6 +171,15 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Notes = append(rep.Notes, "link throughput not measured: "+err.Error())
 	}
 	cfg.logf("link: %s", rep.Link)
+	b := &bench{cfg: cfg, env: denv, metrics: "http://" + metricsAddr + "/metrics"}
+	if !cfg.NoPrefetch {
+		cfg.logf("recording footprints with one episode of %s and attaching them to the shared groups", tasks[0].ID)
+		note, err := b.recordPrefetch(ctx, pub, tasks[0])
+		if err != nil {
+			return nil, fmt.Errorf("record prefetch lists: %w", err)
+		}
+		rep.Notes = append(rep.Notes, note)
+	}
 	envs, err := composeEnvs(ctx, denv.Hosts(), denv.Registry.Host, pub, tasks, cfg.Envs)
 	if err != nil {
 		return nil, err
@@ -183,7 +195,6 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	if len(systems) == 0 {
 		systems = AllSystems
 	}
-	b := &bench{cfg: cfg, env: denv, metrics: "http://" + metricsAddr + "/metrics"}
 	for _, sys := range systems {
 		if err := b.useSystem(sys); err != nil {
 			rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))

@@ -31,6 +31,7 @@ func main() {
 	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
 	flag.StringVar(&systems, "systems", strings.Join(headline.AllSystems, ","), "systems to measure")
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
+	flag.BoolVar(&cfg.NoPrefetch, "no-prefetch", false, "do not record footprints and attach prefetch lists to the shared groups before the runs")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, committed with the report)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
