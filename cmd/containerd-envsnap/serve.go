@@ -33,7 +33,8 @@ var serveCommand = &cli.Command{
 		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},
 		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
 		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
-		&cli.StringFlag{Name: "memory-limit", Value: defaultMemoryLimit, Usage: "soft limit of the Go heap (GOMEMLIMIT) unless the environment sets one; 0 disables"},
+		&cli.StringFlag{Name: "memory-limit", Value: defaultMemoryLimit, Usage: "soft limit of the Go heap (GOMEMLIMIT) beyond the frame cache, unless the environment sets one; 0 disables"},
+		&cli.StringFlag{Name: "frame-cache-size", Value: daemon.DefaultFrameCacheSize.String(), Usage: "decoded frames kept in memory for all layers (0: a few MiB per layer)"},
 		&cli.BoolFlag{Name: "keep-mounts", Value: true, Usage: "keep layer mounts (and the containers reading them) alive across restarts with a descriptor keeper process"},
 		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
 	},
@@ -50,9 +51,10 @@ func init() { commands = append(commands, serveCommand) }
 // (TestBenchLoad50, docs/reliability.md).
 const defaultMemoryLimit = "100MiB"
 
-// setMemoryLimit applies the Go runtime's soft memory limit, leaving an
+// setMemoryLimit applies the Go runtime's soft memory limit plus extra
+// (the frame cache, live data the collector cannot free), leaving an
 // explicit GOMEMLIMIT alone.
-func setMemoryLimit(v string) error {
+func setMemoryLimit(v string, extra int64) error {
 	if _, ok := os.LookupEnv("GOMEMLIMIT"); ok {
 		return nil
 	}
@@ -61,7 +63,7 @@ func setMemoryLimit(v string) error {
 		return fmt.Errorf("--memory-limit: %w", err)
 	}
 	if n > 0 {
-		debug.SetMemoryLimit(n)
+		debug.SetMemoryLimit(n + extra)
 	}
 	return nil
 }
@@ -95,7 +97,14 @@ func runServe(ctx context.Context, c *cli.Command) error {
 		}
 		cfg.CacheSize = daemon.Size(n)
 	}
-	if err := setMemoryLimit(c.String("memory-limit")); err != nil {
+	if c.IsSet("frame-cache-size") {
+		n, err := daemon.ParseSize(c.String("frame-cache-size"))
+		if err != nil {
+			return fmt.Errorf("--frame-cache-size: %w", err)
+		}
+		cfg.FrameCacheSize = daemon.Size(n)
+	}
+	if err := setMemoryLimit(c.String("memory-limit"), int64(cfg.FrameCacheSize)); err != nil {
 		return err
 	}
 	if c.Bool("keep-mounts") {

@@ -76,6 +76,10 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		defer files.Close()
 	}
+	var frames *fetch.FrameCache
+	if cfg.FrameCacheSize > 0 {
+		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
+	}
 	store, err := layerstore.New(layerstore.Config{
 		Hosts:           hosts,
 		Cache:           cache,
@@ -86,6 +90,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Registerer:      reg,
 		FetchMetrics:    fetchMetrics,
 		Keeper:          keeper,
+		FrameCache:      frames,
 		Unpacked:        files,
 		UnpackedMinSize: int64(cfg.PassthroughMinSize),
 	})

@@ -7,12 +7,13 @@ import (
 	"github.com/opencontainers/go-digest"
 )
 
-// frameCache keeps the most recently decoded frames of one layer in memory.
+// FrameCache keeps the most recently decoded frames in memory, by digest.
 // Small files share frames (layerfmt packs them up to the chunk size), and
 // FUSE reads a big file in 128 KiB requests, so without it every request
 // would verify and decompress a whole frame again: 8 decompressions of the
-// same 1 MiB frame to read one 1 MiB file.
-type frameCache struct {
+// same 1 MiB frame to read one 1 MiB file. Frames are content addressed,
+// so one cache can serve every layer of a node (WithSharedFrameCache).
+type FrameCache struct {
 	mu    sync.Mutex
 	max   int64
 	size  int64
@@ -25,12 +26,13 @@ type frameEntry struct {
 	frame []byte
 }
 
-func newFrameCache(max int64) *frameCache {
-	return &frameCache{max: max, lru: list.New(), byDig: map[digest.Digest]*list.Element{}}
+// NewFrameCache returns a cache of at most max bytes of decoded frames.
+func NewFrameCache(max int64) *FrameCache {
+	return &FrameCache{max: max, lru: list.New(), byDig: map[digest.Digest]*list.Element{}}
 }
 
 // get returns the decoded frame d. Callers must not modify it.
-func (f *frameCache) get(d digest.Digest) ([]byte, bool) {
+func (f *FrameCache) get(d digest.Digest) ([]byte, bool) {
 	if f.max <= 0 {
 		return nil, false
 	}
@@ -44,7 +46,7 @@ func (f *frameCache) get(d digest.Digest) ([]byte, bool) {
 	return el.Value.(*frameEntry).frame, true
 }
 
-func (f *frameCache) put(d digest.Digest, frame []byte) {
+func (f *FrameCache) put(d digest.Digest, frame []byte) {
 	n := int64(len(frame))
 	if n > f.max {
 		return

@@ -78,6 +78,7 @@ type layerOptions struct {
 	fillParallel int
 	wholeBlobMax int64
 	frameCache   int64
+	sharedFrames *FrameCache
 	flights      *Flights
 	fillYield    bool
 }
@@ -128,6 +129,15 @@ func WithFillBatch(size int64, parallel int) LayerOption {
 // WithFrameCache bounds the decoded frames kept in memory per layer (default
 // DefaultFrameCache; 0 disables it).
 func WithFrameCache(bytes int64) LayerOption { return func(o *layerOptions) { o.frameCache = bytes } }
+
+// WithSharedFrameCache makes the layer keep its decoded frames in fc, shared
+// with other layers, instead of a cache of its own (WithFrameCache). A
+// build walking thousands of small files cycles through far more frames
+// than a per-layer cache holds: the same frame was decoded up to 115 times
+// in one cold episode of the headline workload, 68% of the daemon's CPU.
+func WithSharedFrameCache(fc *FrameCache) LayerOption {
+	return func(o *layerOptions) { o.sharedFrames = fc }
+}
 
 // Flights lets Layers share fetches: a frame present in several layers
 // (content addressed: same digest, same bytes) that more than one of them
@@ -232,7 +242,7 @@ type Layer struct {
 	blob   *BlobReader
 	toc    *layerfmt.TOC
 	cache  *chunkcache.Cache
-	frames *frameCache
+	frames *FrameCache
 	o      layerOptions
 	label  string // layer digest, the metrics label
 	owner  string // pin owner, unique per Layer
@@ -289,6 +299,9 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	if o.flights == nil {
 		o.flights = NewFlights()
 	}
+	if o.sharedFrames == nil {
+		o.sharedFrames = NewFrameCache(o.frameCache)
+	}
 	if o.fillYield {
 		// A layer is mounted because a container is about to start on it:
 		// that start is foreground work the fill must not slow down.
@@ -300,7 +313,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		blob:    blob,
 		toc:     toc,
 		cache:   cache,
-		frames:  newFrameCache(o.frameCache),
+		frames:  o.sharedFrames,
 		o:       o,
 		label:   blob.Descriptor().Digest.String(),
 		ctx:     ctx,

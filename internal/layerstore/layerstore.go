@@ -84,6 +84,10 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
+	// FrameCache, when set, holds the decoded frames of every layer of
+	// the node (fetch.WithSharedFrameCache); without it each layer keeps
+	// a few MiB of its own.
+	FrameCache *fetch.FrameCache
 	// Unpacked, when set, keeps decompressed copies of files whose chunks
 	// are all in the node cache, for the kernel to read directly (FUSE
 	// passthrough): a cached read then costs what a read of a local file
@@ -205,13 +209,18 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 			return nil, err
 		}
 	}
-	layer := fetch.NewLayer(blob, toc, s.cfg.Cache,
+	layerOpts := []fetch.LayerOption{
 		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
 		// Eager mounts wait for their fill: nothing to yield to.
 		fetch.WithFillYield(!s.cfg.Eager),
 		fetch.WithFlights(s.flights),
 		fetch.WithReadTimeout(s.cfg.ReadTimeout),
-		fetch.WithMetrics(s.cfg.FetchMetrics))
+		fetch.WithMetrics(s.cfg.FetchMetrics),
+	}
+	if s.cfg.FrameCache != nil {
+		layerOpts = append(layerOpts, fetch.WithSharedFrameCache(s.cfg.FrameCache))
+	}
+	layer := fetch.NewLayer(blob, toc, s.cfg.Cache, layerOpts...)
 	defer func() {
 		if retErr != nil {
 			layer.Close()

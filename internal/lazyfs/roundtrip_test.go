@@ -63,7 +63,8 @@ func tarDir(dir string, w io.WriteCloser) error {
 	if err == nil {
 		err = tw.Close()
 	}
-	w.Close()
+	// The caller closes w with err: closing it here too would turn an
+	// error in the middle of a file into a bare "unexpected EOF".
 	return err
 }
 

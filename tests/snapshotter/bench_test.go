@@ -348,19 +348,19 @@ func viewFile(tb testing.TB, env *testenv.Env, img client.Image, sn, path string
 	return filepath.Join(dir, path)
 }
 
-// waitUnpacked opens p once (the first open of a fully cached file starts
-// building its passthrough copy) and waits for the copy, so the rounds
-// measure the steady state of a node that has read the file before. A
-// daemon without passthrough (--passthrough=false, old kernel) is
-// measured on its chunk path.
+// waitUnpacked opens p until its passthrough copy is built (the second
+// open of a fully cached file builds it), so the rounds measure the steady
+// state of a node that has read the file before. A daemon without
+// passthrough (--passthrough=false, old kernel) is measured on its chunk
+// path.
 func waitUnpacked(tb testing.TB, env *testenv.Env, p string) {
-	f, err := os.Open(p)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	f.Close()
 	deadline := time.Now().Add(time.Minute)
 	for {
+		f, err := os.Open(p)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		f.Close()
 		st := envsnapStatus(tb, env)
 		if st.Unpacked == nil {
 			tb.Logf("daemon without passthrough copies: cached reads take the chunk path")
@@ -372,7 +372,7 @@ func waitUnpacked(tb testing.TB, env *testenv.Env, p string) {
 		if time.Now().After(deadline) {
 			tb.Fatalf("no passthrough copy of %s after a minute: %+v", p, *st.Unpacked)
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 
