@@ -249,7 +249,7 @@ func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
 	mux.HandleFunc("/footprints", func(w http.ResponseWriter, r *http.Request) {
 		out := map[string]string{}
 		for d, frames := range d.store.Footprints() {
-			out[d.String()] = layerfmt.FormatFrameList(frames)
+			out[d.String()] = layerfmt.FormatPrefetch(frames)
 		}
 		w.Header().Set("Content-Type", "application/json")
 		json.NewEncoder(w).Encode(out)

@@ -1,6 +1,7 @@
 package fetch
 
 import (
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -57,11 +58,14 @@ const (
 	// The list is in first-read order; each window of it is sorted by
 	// offset and coalesced, so nearby frames share a request while frames
 	// needed first still arrive first. One round trip of the link we are
-	// measured on carries ~2.5 MB: four requests of up to 4 MiB in
-	// flight keep it full.
+	// measured on carries ~2.5 MB: a few requests of up to 4 MiB in
+	// flight keep it full, node-wide (prefetchGate): more only split the
+	// link between layers, and the frames an image needs first are spread
+	// over several of its layers.
 	prefetchWindow   = 16 << 20
 	prefetchBatch    = 4 << 20
 	prefetchParallel = 4
+	prefetchInflight = 6
 )
 
 // LayerOption configures a Layer.
@@ -156,10 +160,13 @@ type Flights struct {
 	// prefetching counts Prefetch calls in progress: foreground work the
 	// fill yields to like a waiting read.
 	prefetching atomic.Int32
-	lastWait    atomic.Int64 // unix ns of the latest foreground network wait
-	lastMount   atomic.Int64 // unix ns of the latest yielding Layer's creation
-	lastOp      atomic.Int64 // unix ns of the latest NoteActivity
-	lastRead    atomic.Int64 // unix ns of the latest ReadChunk
+	// gate orders the prefetch requests of every layer by when their
+	// frames were first needed (see Prefetch).
+	gate      prefetchGate
+	lastWait  atomic.Int64 // unix ns of the latest foreground network wait
+	lastMount atomic.Int64 // unix ns of the latest yielding Layer's creation
+	lastOp    atomic.Int64 // unix ns of the latest NoteActivity
+	lastRead  atomic.Int64 // unix ns of the latest ReadChunk
 }
 
 // NewFlights returns an empty set of shared flights.
@@ -270,10 +277,11 @@ type Layer struct {
 	flights *Flights
 
 	// The footprint: frames in the order foreground reads first asked for
-	// them (Footprint).
+	// them, and when (Footprint).
+	created   time.Time
 	fpMu      sync.Mutex
 	fpSeen    []bool // by frame index
-	footprint []int
+	footprint []layerfmt.PrefetchEntry
 }
 
 var layerSeq atomic.Uint64
@@ -322,6 +330,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	}
 	l.owner = fmt.Sprintf("%s#%d", l.label, layerSeq.Add(1))
 	l.fpSeen = make([]bool, toc.NumFrames())
+	l.created = time.Now()
 
 	for i := 0; i < toc.Len(); i++ {
 		for k := range toc.NumChunks(i) {
@@ -1087,28 +1096,32 @@ func (l *Layer) noteFootprint(k int) {
 	l.fpMu.Lock()
 	if k >= 0 && k < len(l.fpSeen) && !l.fpSeen[k] {
 		l.fpSeen[k] = true
-		l.footprint = append(l.footprint, k)
+		l.footprint = append(l.footprint, layerfmt.PrefetchEntry{Frame: k, AtMS: time.Since(l.created).Milliseconds()})
 	}
 	l.fpMu.Unlock()
 }
 
 // Footprint returns the frames foreground reads have asked for since the
-// layer was created, in the order of their first read: what a workload
-// needs of the layer, and what layerfmt.AnnotationPrefetch carries to the
-// next node.
-func (l *Layer) Footprint() []int {
+// layer was created, in the order of their first read, with its time: what
+// a workload needs of the layer and when, which layerfmt.AnnotationPrefetch
+// carries to the next node.
+func (l *Layer) Footprint() []layerfmt.PrefetchEntry {
 	l.fpMu.Lock()
 	defer l.fpMu.Unlock()
-	return append([]int(nil), l.footprint...)
+	return append([]layerfmt.PrefetchEntry(nil), l.footprint...)
 }
 
-// Prefetch fetches the frames (indexes into the TOC's frame table, in the
-// order they will be needed; layerfmt.AnnotationPrefetch) that are not
-// cached yet, at foreground priority: a few large requests in parallel
-// instead of one round trip per first read. Reads of frames it is fetching
-// wait for it. It returns when every request has finished, or ctx ends;
-// failures are logged, not returned (reads fetch on demand as before).
-func (l *Layer) Prefetch(ctx context.Context, frames []int) {
+// Prefetch fetches the listed frames (layerfmt.AnnotationPrefetch) that are
+// not cached yet, at foreground priority: a few large requests instead of
+// one round trip per first read. Each window of the list is sorted by
+// offset and coalesced; each request is due when its first frame was first
+// read in the recorded run, after this layer's creation, and requests of
+// every layer sharing the Flights go out in that order, prefetchInflight at
+// a time, so the frames an image needs first arrive first whichever of
+// its layers holds them. Reads of frames being prefetched wait for them.
+// It returns when every request has finished, or ctx ends; failures are
+// logged, not returned (reads fetch on demand as before).
+func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) {
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
@@ -1123,37 +1136,49 @@ func (l *Layer) Prefetch(ctx context.Context, frames []int) {
 	l.flights.prefetching.Add(1)
 	defer l.flights.prefetching.Add(-1)
 	start := time.Now()
-	var batches [][]int
-	var window []int
+
+	type batch struct {
+		spans []int
+		due   time.Time
+	}
+	var batches []batch
+	type item struct {
+		j  int
+		at int64
+	}
+	var window []item
 	var windowBytes int64
 	flush := func() {
-		sort.Slice(window, func(a, b int) bool { return l.spans[window[a]].off < l.spans[window[b]].off })
-		var cur []int
+		sort.Slice(window, func(a, b int) bool { return l.spans[window[a].j].off < l.spans[window[b].j].off })
+		var cur batch
 		var curStart, curEnd int64
-		for _, j := range window {
-			s := l.spans[j]
-			if len(cur) > 0 && (s.off-curEnd > l.o.maxGap || s.off+s.csize-curStart > prefetchBatch) {
+		for _, it := range window {
+			s := l.spans[it.j]
+			if len(cur.spans) > 0 && (s.off-curEnd > l.o.maxGap || s.off+s.csize-curStart > prefetchBatch) {
 				batches = append(batches, cur)
-				cur = nil
+				cur = batch{}
 			}
-			if len(cur) == 0 {
-				curStart = s.off
+			due := l.created.Add(time.Duration(it.at) * time.Millisecond)
+			if len(cur.spans) == 0 {
+				curStart, cur.due = s.off, due
+			} else if due.Before(cur.due) {
+				cur.due = due
 			}
-			cur = append(cur, j)
+			cur.spans = append(cur.spans, it.j)
 			curEnd = s.off + s.csize
 		}
-		if len(cur) > 0 {
+		if len(cur.spans) > 0 {
 			batches = append(batches, cur)
 		}
 		window, windowBytes = nil, 0
 	}
-	seen := make(map[int]bool, len(frames))
+	seen := make(map[int]bool, len(entries))
 	l.mu.Lock()
-	for _, k := range frames {
-		if k < 0 || k >= l.toc.NumFrames() {
+	for _, e := range entries {
+		if e.Frame < 0 || e.Frame >= l.toc.NumFrames() {
 			continue
 		}
-		fr := l.toc.Frame(k)
+		fr := l.toc.Frame(e.Frame)
 		j := l.find(layerfmt.Chunk{Offset: fr.Offset, CompressedSize: fr.CompressedSize})
 		if j < 0 {
 			continue
@@ -1163,7 +1188,7 @@ func (l *Layer) Prefetch(ctx context.Context, frames []int) {
 			continue
 		}
 		seen[j] = true
-		window = append(window, j)
+		window = append(window, item{j, e.AtMS})
 		windowBytes += l.spans[j].csize
 		if windowBytes >= prefetchWindow {
 			flush()
@@ -1171,10 +1196,11 @@ func (l *Layer) Prefetch(ctx context.Context, frames []int) {
 	}
 	l.mu.Unlock()
 	flush()
+	sort.SliceStable(batches, func(a, b int) bool { return batches[a].due.Before(batches[b].due) })
 
 	var (
 		wg      sync.WaitGroup
-		work    = make(chan []int)
+		work    = make(chan batch)
 		fetched atomic.Int64
 		failed  atomic.Int32
 	)
@@ -1183,10 +1209,11 @@ func (l *Layer) Prefetch(ctx context.Context, frames []int) {
 		go func() {
 			defer wg.Done()
 			for b := range work {
-				if ctx.Err() != nil {
+				if ctx.Err() != nil || l.flights.gate.acquire(ctx, b.due) != nil {
 					continue
 				}
-				err := l.fetchSpans(ctx, b, "prefetch", func(n int64) { fetched.Add(n) })
+				err := l.fetchSpans(ctx, b.spans, "prefetch", func(n int64) { fetched.Add(n) })
+				l.flights.gate.release()
 				if err != nil && ctx.Err() == nil {
 					failed.Add(1)
 					log.G(ctx).WithError(err).WithField("layer", l.label).Debug("prefetch request failed; reads fetch on demand")
@@ -1207,4 +1234,77 @@ feed:
 	log.G(ctx).WithField("layer", l.label).WithField("frames", len(seen)).WithField("requests", len(batches)).
 		WithField("bytes", fetched.Load()).WithField("failed", failed.Load()).
 		WithField("elapsed", time.Since(start).Round(time.Millisecond)).Info("prefetched the layer's listed frames")
+}
+
+// prefetchGate lets prefetchInflight prefetch requests out at a time,
+// node-wide, the earliest due first.
+type prefetchGate struct {
+	mu       sync.Mutex
+	inflight int
+	waiters  gateWaiters
+}
+
+type gateWaiter struct {
+	due   time.Time
+	ready chan struct{}
+	index int // in the heap; -1 once granted
+}
+
+type gateWaiters []*gateWaiter
+
+func (h gateWaiters) Len() int           { return len(h) }
+func (h gateWaiters) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h gateWaiters) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+func (h *gateWaiters) Push(x any) {
+	w := x.(*gateWaiter)
+	w.index = len(*h)
+	*h = append(*h, w)
+}
+func (h *gateWaiters) Pop() any {
+	old := *h
+	w := old[len(old)-1]
+	*h = old[:len(old)-1]
+	w.index = -1
+	return w
+}
+
+func (g *prefetchGate) acquire(ctx context.Context, due time.Time) error {
+	g.mu.Lock()
+	if g.inflight < prefetchInflight && len(g.waiters) == 0 {
+		g.inflight++
+		g.mu.Unlock()
+		return nil
+	}
+	w := &gateWaiter{due: due, ready: make(chan struct{})}
+	heap.Push(&g.waiters, w)
+	g.mu.Unlock()
+	select {
+	case <-w.ready:
+		return nil
+	case <-ctx.Done():
+		g.mu.Lock()
+		granted := w.index < 0
+		if !granted {
+			heap.Remove(&g.waiters, w.index)
+		}
+		g.mu.Unlock()
+		if granted {
+			g.release()
+		}
+		return ctx.Err()
+	}
+}
+
+// release hands the slot to the earliest waiter, if any.
+func (g *prefetchGate) release() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if len(g.waiters) > 0 {
+		close(heap.Pop(&g.waiters).(*gateWaiter).ready)
+		return
+	}
+	g.inflight--
 }

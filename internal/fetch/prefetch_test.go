@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -33,11 +35,18 @@ func TestFootprintThenPrefetch(t *testing.T) {
 		}
 	}
 	fp := fx.layer.Footprint()
-	if !slices.Equal(fp, want) {
+	var got []int
+	for i, e := range fp {
+		got = append(got, e.Frame)
+		if e.AtMS < 0 || (i > 0 && e.AtMS < fp[i-1].AtMS) {
+			t.Errorf("footprint times not in read order: %v", fp)
+		}
+	}
+	if !slices.Equal(got, want) {
 		t.Fatalf("footprint %v, want frames in first-read order %v", fp, want)
 	}
 	// Through the annotation and back, as the next node gets it.
-	frames, err := layerfmt.ParseFrameList(layerfmt.FormatFrameList(fp), fx.toc.NumFrames())
+	frames, err := layerfmt.ParsePrefetch(layerfmt.FormatPrefetch(fp), fx.toc.NumFrames())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +80,7 @@ func TestFootprintThenPrefetch(t *testing.T) {
 		t.Errorf("read of a frame not listed sent %d requests, want 1", n)
 	}
 	// A list naming frames that do not exist is ignored past them.
-	fresh.layer.Prefetch(context.Background(), []int{-1, fx.toc.NumFrames() + 3})
+	fresh.layer.Prefetch(context.Background(), []layerfmt.PrefetchEntry{{Frame: -1}, {Frame: fx.toc.NumFrames() + 3}})
 }
 
 // TestWriteFileFromCache: a file is written whole only when every chunk is
@@ -106,4 +115,75 @@ func TestWriteFileFromCache(t *testing.T) {
 	if err := fx.layer.WriteFile(context.Background(), idx, &buf); err != nil || !bytes.Equal(buf.Bytes(), fx.files["big.bin"]) {
 		t.Fatalf("WriteFile: %v (equal %v)", err, bytes.Equal(buf.Bytes(), fx.files["big.bin"]))
 	}
+}
+
+// TestPrefetchGateOrder: with every slot taken, waiting requests get the
+// next free slot earliest due first, whichever layer they come from; a
+// cancelled waiter gives up its place.
+func TestPrefetchGateOrder(t *testing.T) {
+	var g prefetchGate
+	ctx := context.Background()
+	for range prefetchInflight {
+		if err := g.acquire(ctx, time.Time{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := time.Now()
+	order := make(chan int, 4)
+	var wg sync.WaitGroup
+	start := func(due int) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := g.acquire(ctx, base.Add(time.Duration(due)*time.Millisecond)); err == nil {
+				order <- due
+			}
+		}()
+		for {
+			g.mu.Lock()
+			queued := hasDue(g.waiters, base, due)
+			g.mu.Unlock()
+			if queued {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancelled := make(chan error, 1)
+	go func() { cancelled <- g.acquire(cctx, base) }()
+	for {
+		g.mu.Lock()
+		n := len(g.waiters)
+		g.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	start(30)
+	start(10)
+	start(20)
+	cancel()
+	if err := <-cancelled; err == nil {
+		t.Fatal("a cancelled waiter was granted a slot")
+	}
+	var got []int
+	for range 3 {
+		g.release()
+		got = append(got, <-order)
+	}
+	wg.Wait()
+	if !slices.Equal(got, []int{10, 20, 30}) {
+		t.Errorf("slots granted in order %v, want earliest due first", got)
+	}
+}
+
+func hasDue(ws gateWaiters, base time.Time, due int) bool {
+	for _, w := range ws {
+		if w.due.Equal(base.Add(time.Duration(due) * time.Millisecond)) {
+			return true
+		}
+	}
+	return false
 }

@@ -234,7 +234,7 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 		// Started before the FUSE mount: the container needs these
 		// frames within a second, and the mount and container set-up
 		// are time the link can use. The layer's Close stops it.
-		if frames, err := layerfmt.ParseFrameList(v, toc.NumFrames()); err != nil {
+		if frames, err := layerfmt.ParsePrefetch(v, toc.NumFrames()); err != nil {
 			log.G(ctx).WithError(err).WithField("layer", ldgst).Warn("ignoring the layer's prefetch list")
 		} else if len(frames) > 0 {
 			go layer.Prefetch(context.WithoutCancel(ctx), frames)
@@ -487,12 +487,13 @@ type LayerStatus struct {
 }
 
 // Footprints returns, for every mounted layer, the frames its readers
-// have asked for in the order of their first read (fetch.Layer.Footprint):
-// what a workload needs of each layer, for layerfmt.AnnotationPrefetch.
-func (s *Store) Footprints() map[digest.Digest][]int {
+// have asked for in the order of their first read, with its time
+// (fetch.Layer.Footprint): what a workload needs of each layer and when,
+// for layerfmt.AnnotationPrefetch.
+func (s *Store) Footprints() map[digest.Digest][]layerfmt.PrefetchEntry {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make(map[digest.Digest][]int, len(s.mounts))
+	out := make(map[digest.Digest][]layerfmt.PrefetchEntry, len(s.mounts))
 	for _, m := range s.mounts {
 		if fp := m.layer.Footprint(); len(fp) > 0 {
 			out[m.desc.Digest] = fp
