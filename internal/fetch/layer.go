@@ -66,6 +66,11 @@ const (
 	prefetchBatch    = 4 << 20
 	prefetchParallel = 4
 	prefetchInflight = 6
+	// prefetchLead: a request waits until this long before it is due.
+	// Frames the recorded run read seconds after the start (a test
+	// build) would otherwise be fetched, verified and written while the
+	// container starts, taking CPU and link from what the start needs.
+	prefetchLead = 1500 * time.Millisecond
 )
 
 // LayerOption configures a Layer.
@@ -1209,6 +1214,14 @@ func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) 
 		go func() {
 			defer wg.Done()
 			for b := range work {
+				if d := time.Until(b.due.Add(-prefetchLead)); d > 0 && ctx.Err() == nil {
+					t := time.NewTimer(d)
+					select {
+					case <-ctx.Done():
+					case <-t.C:
+					}
+					t.Stop()
+				}
 				if ctx.Err() != nil || l.flights.gate.acquire(ctx, b.due) != nil {
 					continue
 				}
