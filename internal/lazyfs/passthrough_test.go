@@ -259,7 +259,11 @@ func TestTakeoverPassthrough(t *testing.T) {
 	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
 		"LAZYFS_STUCK_FRAME=-1", "LAZYFS_STUCK_OFF=-1",
 		fmt.Sprintf("LAZYFS_COPIES=%d=%s", bigIdx, bigCopy), "LAZYFS_STATE="+state)
-	cmd.ExtraFiles = []*os.File{os.NewFile(uintptr(childFD), "fuse")}
+	// Closed through its *os.File only: a unix.Close of the number would
+	// leave the File's finalizer to close it again later, by then maybe
+	// another test's descriptor (TestGoRootRoundTrip read EBADF).
+	childFile := os.NewFile(uintptr(childFD), "fuse")
+	cmd.ExtraFiles = []*os.File{childFile}
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -268,7 +272,7 @@ func TestTakeoverPassthrough(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	unix.Close(childFD)
+	childFile.Close()
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })

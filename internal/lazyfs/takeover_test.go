@@ -147,7 +147,11 @@ func TestTakeover(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
 	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
 		fmt.Sprintf("LAZYFS_STUCK_FRAME=%d", stuck.Offset), fmt.Sprintf("LAZYFS_STUCK_OFF=%d", stuck.FrameOffset))
-	cmd.ExtraFiles = []*os.File{os.NewFile(uintptr(childFD), "fuse")}
+	// Closed through its *os.File only: a unix.Close of the number would
+	// leave the File's finalizer to close it again later, by then maybe
+	// another test's descriptor (TestGoRootRoundTrip read EBADF).
+	childFile := os.NewFile(uintptr(childFD), "fuse")
+	cmd.ExtraFiles = []*os.File{childFile}
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -156,7 +160,7 @@ func TestTakeover(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	unix.Close(childFD)
+	childFile.Close()
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
