@@ -70,6 +70,11 @@ const (
 // Mount returns an error for layers it cannot serve lazily (errdefs
 // ErrNotImplemented for "not in our format"); the snapshotter then unpacks
 // them normally.
+//
+// A Mount made while the snapshotter restores its layers at start-up
+// carries a context for which Restoring reports true: containerd's calls
+// fail until the snapshotter is up, so such a Mount must not wait for more
+// than the layer's metadata (no whole-layer download).
 type FileSystem interface {
 	Mount(ctx context.Context, mountpoint string, labels map[string]string) error
 	// Check reports whether the mount at mountpoint still serves its layer.
@@ -193,6 +198,7 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 	// hundreds of lazy layers should not pay them one after another.
 	var g errgroup.Group
 	g.SetLimit(restoreParallel)
+	ctx = context.WithValue(ctx, restoringKey{}, true)
 	for d, labels := range labelsOf {
 		l := s.layers[d]
 		g.Go(func() error {
@@ -205,6 +211,15 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 		})
 	}
 	return g.Wait()
+}
+
+type restoringKey struct{}
+
+// Restoring reports whether ctx is that of a Mount the snapshotter makes
+// while restoring its layers at start-up (see FileSystem).
+func Restoring(ctx context.Context) bool {
+	v, _ := ctx.Value(restoringKey{}).(bool)
+	return v
 }
 
 // ref returns the layer for d with its reference count incremented.

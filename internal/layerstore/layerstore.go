@@ -226,7 +226,11 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 			layer.Close()
 		}
 	}()
-	if s.cfg.Eager && takeover == nil {
+	// A restore at start-up must not hold the daemon's socket back for
+	// whole-layer downloads (containerd fails its calls meanwhile): it
+	// mounts at once and fills in the background below.
+	restoring := snapshotter.Restoring(ctx)
+	if s.cfg.Eager && takeover == nil && !restoring {
 		if err := s.fetchAll(ctx, layer, ldgst); err != nil {
 			return nil, err
 		}
@@ -263,9 +267,12 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	}
 	fillCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	m := &mounted{ref: ref, desc: desc, layer: layer, srv: srv, cancel: cancel}
-	if s.cfg.Fill && !s.cfg.Eager {
+	switch {
+	case s.cfg.Fill && !s.cfg.Eager:
 		timer := time.AfterFunc(s.cfg.FillDelay, func() { layer.StartFill(fillCtx) })
 		m.cancel = func() { timer.Stop(); cancel() }
+	case s.cfg.Eager && (restoring || takeover != nil):
+		layer.StartFill(fillCtx)
 	}
 
 	s.mu.Lock()
