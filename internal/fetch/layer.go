@@ -14,6 +14,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -285,7 +286,7 @@ type Layer struct {
 	// them, and when (Footprint).
 	created   time.Time
 	fpMu      sync.Mutex
-	fpSeen    []bool // by frame index
+	fpSeen    []atomic.Bool // by frame index; read without fpMu on every ReadChunk
 	footprint []layerfmt.PrefetchEntry
 }
 
@@ -334,7 +335,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		flights: o.flights,
 	}
 	l.owner = fmt.Sprintf("%s#%d", l.label, layerSeq.Add(1))
-	l.fpSeen = make([]bool, toc.NumFrames())
+	l.fpSeen = make([]atomic.Bool, toc.NumFrames())
 	l.created = time.Now()
 
 	for i := 0; i < toc.Len(); i++ {
@@ -909,9 +910,7 @@ feed:
 // fillPlan groups the chunks not cached yet into batches of span indexes in
 // blob order.
 func (l *Layer) fillPlan() [][]int {
-	var batches [][]int
-	var cur []int
-	var curStart, curEnd int64
+	var todo []int
 	for j := range l.spans {
 		if l.canonical(j) != j {
 			continue
@@ -927,8 +926,21 @@ func (l *Layer) fillPlan() [][]int {
 			l.markCached(j)
 			continue
 		}
+		todo = append(todo, j)
+	}
+	return l.coalesce(todo, fillGap, l.o.fillBatch)
+}
+
+// coalesce groups spans (indexes in blob order) into requests: a request
+// ends at a hole larger than maxGap or before it would span more than
+// maxBytes.
+func (l *Layer) coalesce(spans []int, maxGap, maxBytes int64) [][]int {
+	var batches [][]int
+	var cur []int
+	var curStart, curEnd int64
+	for _, j := range spans {
 		s := l.spans[j]
-		if len(cur) > 0 && (s.off-curEnd > fillGap || s.off+s.csize-curStart > l.o.fillBatch) {
+		if len(cur) > 0 && (s.off-curEnd > maxGap || s.off+s.csize-curStart > maxBytes) {
 			batches = append(batches, cur)
 			cur = nil
 		}
@@ -1098,11 +1110,14 @@ func (l *Layer) WriteFile(ctx context.Context, idx int, w io.Writer) error {
 
 // noteFootprint records frame k as read, the first time it is.
 func (l *Layer) noteFootprint(k int) {
-	l.fpMu.Lock()
-	if k >= 0 && k < len(l.fpSeen) && !l.fpSeen[k] {
-		l.fpSeen[k] = true
-		l.footprint = append(l.footprint, layerfmt.PrefetchEntry{Frame: k, AtMS: time.Since(l.created).Milliseconds()})
+	// ReadChunk is the FUSE read path: frames already noted cost one
+	// atomic load, not a lock.
+	if k < 0 || k >= len(l.fpSeen) || l.fpSeen[k].Load() || !l.fpSeen[k].CompareAndSwap(false, true) {
+		return
 	}
+	at := time.Since(l.created).Milliseconds()
+	l.fpMu.Lock()
+	l.footprint = append(l.footprint, layerfmt.PrefetchEntry{Frame: k, AtMS: at})
 	l.fpMu.Unlock()
 }
 
@@ -1147,37 +1162,22 @@ func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) 
 		due   time.Time
 	}
 	var batches []batch
-	type item struct {
-		j  int
-		at int64
-	}
-	var window []item
+	due := map[int]time.Time{} // span -> when its frame was first read
+	var window []int
 	var windowBytes int64
 	flush := func() {
-		sort.Slice(window, func(a, b int) bool { return l.spans[window[a].j].off < l.spans[window[b].j].off })
-		var cur batch
-		var curStart, curEnd int64
-		for _, it := range window {
-			s := l.spans[it.j]
-			if len(cur.spans) > 0 && (s.off-curEnd > l.o.maxGap || s.off+s.csize-curStart > prefetchBatch) {
-				batches = append(batches, cur)
-				cur = batch{}
+		sort.Slice(window, func(a, b int) bool { return l.spans[window[a]].off < l.spans[window[b]].off })
+		for _, spans := range l.coalesce(window, l.o.maxGap, prefetchBatch) {
+			b := batch{spans: spans, due: due[spans[0]]}
+			for _, j := range spans[1:] {
+				if due[j].Before(b.due) {
+					b.due = due[j]
+				}
 			}
-			due := l.created.Add(time.Duration(it.at) * time.Millisecond)
-			if len(cur.spans) == 0 {
-				curStart, cur.due = s.off, due
-			} else if due.Before(cur.due) {
-				cur.due = due
-			}
-			cur.spans = append(cur.spans, it.j)
-			curEnd = s.off + s.csize
-		}
-		if len(cur.spans) > 0 {
-			batches = append(batches, cur)
+			batches = append(batches, b)
 		}
 		window, windowBytes = nil, 0
 	}
-	seen := make(map[int]bool, len(entries))
 	l.mu.Lock()
 	for _, e := range entries {
 		if e.Frame < 0 || e.Frame >= l.toc.NumFrames() {
@@ -1189,11 +1189,11 @@ func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) 
 			continue
 		}
 		j = l.canonical(j)
-		if seen[j] || l.cached[j] {
+		if _, seen := due[j]; seen || l.cached[j] {
 			continue
 		}
-		seen[j] = true
-		window = append(window, item{j, e.AtMS})
+		due[j] = l.created.Add(time.Duration(e.AtMS) * time.Millisecond)
+		window = append(window, j)
 		windowBytes += l.spans[j].csize
 		if windowBytes >= prefetchWindow {
 			flush()
@@ -1203,48 +1203,37 @@ func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) 
 	flush()
 	sort.SliceStable(batches, func(a, b int) bool { return batches[a].due.Before(batches[b].due) })
 
-	var (
-		wg      sync.WaitGroup
-		work    = make(chan batch)
-		fetched atomic.Int64
-		failed  atomic.Int32
-	)
-	for range prefetchParallel {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for b := range work {
-				if d := time.Until(b.due.Add(-prefetchLead)); d > 0 && ctx.Err() == nil {
-					t := time.NewTimer(d)
-					select {
-					case <-ctx.Done():
-					case <-t.C:
-					}
-					t.Stop()
-				}
-				if ctx.Err() != nil || l.flights.gate.acquire(ctx, b.due) != nil {
-					continue
-				}
-				err := l.fetchSpans(ctx, b.spans, "prefetch", func(n int64) { fetched.Add(n) })
-				l.flights.gate.release()
-				if err != nil && ctx.Err() == nil {
-					failed.Add(1)
-					log.G(ctx).WithError(err).WithField("layer", l.label).Debug("prefetch request failed; reads fetch on demand")
-				}
-			}
-		}()
-	}
-feed:
+	var fetched atomic.Int64
+	var failed atomic.Int32
+	var g errgroup.Group
+	g.SetLimit(prefetchParallel)
 	for _, b := range batches {
-		select {
-		case work <- b:
-		case <-ctx.Done():
-			break feed
+		if ctx.Err() != nil {
+			break
 		}
+		g.Go(func() error {
+			if d := time.Until(b.due.Add(-prefetchLead)); d > 0 {
+				t := time.NewTimer(d)
+				select {
+				case <-ctx.Done():
+				case <-t.C:
+				}
+				t.Stop()
+			}
+			if ctx.Err() != nil || l.flights.gate.acquire(ctx, b.due) != nil {
+				return nil
+			}
+			err := l.fetchSpans(ctx, b.spans, "prefetch", func(n int64) { fetched.Add(n) })
+			l.flights.gate.release()
+			if err != nil && ctx.Err() == nil {
+				failed.Add(1)
+				log.G(ctx).WithError(err).WithField("layer", l.label).Debug("prefetch request failed; reads fetch on demand")
+			}
+			return nil
+		})
 	}
-	close(work)
-	wg.Wait()
-	log.G(ctx).WithField("layer", l.label).WithField("frames", len(seen)).WithField("requests", len(batches)).
+	g.Wait()
+	log.G(ctx).WithField("layer", l.label).WithField("frames", len(due)).WithField("requests", len(batches)).
 		WithField("bytes", fetched.Load()).WithField("failed", failed.Load()).
 		WithField("elapsed", time.Since(start).Round(time.Millisecond)).Info("prefetched the layer's listed frames")
 }
