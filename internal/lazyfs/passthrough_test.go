@@ -1,14 +1,11 @@
 package lazyfs
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -215,91 +212,11 @@ func TestTakeoverPassthrough(t *testing.T) {
 	f := newFixture(t)
 	bigIdx, bigCopy, bigWant := writeCopy(t, f, "data/big")
 	pwIdx, pwCopy, pwWant := writeCopy(t, f, "etc/passwd")
-	blobPath := filepath.Join(t.TempDir(), "blob")
-	if err := os.WriteFile(blobPath, f.blob, 0o600); err != nil {
-		t.Fatal(err)
-	}
 	state := filepath.Join(t.TempDir(), "state")
-
-	mnt := t.TempDir()
-	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read=%d", fd, maxRequest)
-	if err := unix.Mount("envsnap-takeover", mnt, "fuse.envsnap", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
-		unix.Close(fd)
-		t.Fatal(err)
-	}
-	var (
-		srv    *Server
-		opened []*os.File
-	)
-	t.Cleanup(func() {
-		if srv == nil {
-			unix.Close(fd)
-		} else if t.Failed() {
-			abortConnection(t, srv.dev)
-		}
-		for _, f := range opened {
-			f.Close()
-		}
-		if srv != nil {
-			cleanupMount(t, mnt, srv)
-		} else {
-			_ = forceUnmount(mnt)
-		}
-	})
-	childFD, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
 	// The predecessor has a copy of data/big only.
-	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
-		"LAZYFS_STUCK_FRAME=-1", "LAZYFS_STUCK_OFF=-1",
+	rig := startTakeoverRig(t, f, "LAZYFS_STUCK_FRAME=-1", "LAZYFS_STUCK_OFF=-1",
 		fmt.Sprintf("LAZYFS_COPIES=%d=%s", bigIdx, bigCopy), "LAZYFS_STATE="+state)
-	// Closed through its *os.File only: a unix.Close of the number would
-	// leave the File's finalizer to close it again later, by then maybe
-	// another test's descriptor (TestGoRootRoundTrip read EBADF).
-	childFile := os.NewFile(uintptr(childFD), "fuse")
-	cmd.ExtraFiles = []*os.File{childFile}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	childFile.Close()
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
-	sc := bufio.NewScanner(out)
-	var init []byte
-	for sc.Scan() {
-		if l, ok := strings.CutPrefix(sc.Text(), "INIT "); ok {
-			if init, err = hex.DecodeString(strings.TrimSpace(l)); err != nil {
-				t.Fatal(err)
-			}
-			break
-		}
-	}
-	if init == nil {
-		t.Fatal("first server printed no INIT")
-	}
-	go io.Copy(io.Discard, out)
-
-	open := func(p string) *os.File {
-		t.Helper()
-		f, err := os.Open(filepath.Join(mnt, p))
-		if err != nil {
-			t.Fatalf("open %s: %v", p, err)
-		}
-		opened = append(opened, f)
-		return f
-	}
+	mnt, open := rig.mnt, rig.open
 	big := open("data/big") // passthrough, by the predecessor
 	m, err := unix.Mmap(int(big.Fd()), 0, len(bigWant), unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
@@ -313,19 +230,11 @@ func TestTakeoverPassthrough(t *testing.T) {
 		t.Fatalf("state file %q, %v: want data/big's inode recorded", st, err)
 	}
 
-	if err := cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	<-exited
 	// The successor has copies of both.
 	b := newFileBacking()
 	b.set(bigIdx, bigCopy)
 	b.set(pwIdx, pwCopy)
-	src := newBlobSource(bytes.NewReader(f.blob))
-	srv, err = Mount(context.Background(), mnt, f.toc, src, WithTakeover(Handover{FD: fd, Init: init}), WithBacking(b, state))
-	if err != nil {
-		t.Fatalf("take over: %v", err)
-	}
+	srv := rig.takeOver(WithBacking(b, state))
 	for range 2 {
 		for name, want := range map[string][]byte{"data/big": bigWant, "etc/passwd": pwWant} {
 			if got, err := os.ReadFile(filepath.Join(mnt, name)); err != nil || !bytes.Equal(got, want) {
@@ -340,10 +249,10 @@ func TestTakeoverPassthrough(t *testing.T) {
 		t.Errorf("%d passthrough opens after takeover, want 2 (data/big only)", s.BackedOpens)
 	}
 	unix.Munmap(m)
-	for _, f := range opened {
+	for _, f := range rig.opened {
 		f.Close()
 	}
-	opened = nil
+	rig.opened = nil
 	if err := srv.Unmount(); err != nil {
 		t.Fatal(err)
 	}

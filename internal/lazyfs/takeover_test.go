@@ -87,114 +87,11 @@ func TestTakeoverChild(t *testing.T) {
 func TestTakeover(t *testing.T) {
 	requireFUSE(t)
 	f := newFixture(t)
-	blobPath := filepath.Join(t.TempDir(), "blob")
-	if err := os.WriteFile(blobPath, f.blob, 0o600); err != nil {
-		t.Fatal(err)
-	}
 	idx, _ := f.toc.Lookup("data/big")
 	chunks := f.toc.Chunks(idx)
 	stuck := chunks[5]
-
-	// Mount as a privileged parent would, keeping the connection's fd.
-	mnt := t.TempDir()
-	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read=%d", fd, maxRequest)
-	if err := unix.Mount("envsnap-takeover", mnt, "fuse.envsnap", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
-		unix.Close(fd)
-		t.Fatal(err)
-	}
-	// One cleanup, in the only safe order: files open on a connection
-	// nobody serves would hang in close, so either the new server is
-	// there (close files, then unmount) or the connection is aborted
-	// first (closing the last /dev/fuse descriptor does that).
-	var (
-		srv    *Server
-		opened []*os.File
-	)
-	t.Cleanup(func() {
-		if srv == nil {
-			unix.Close(fd)
-		} else if t.Failed() {
-			// A request may be left unanswered (that is what failed).
-			abortConnection(t, srv.dev)
-		}
-		for _, f := range opened {
-			f.Close()
-		}
-		if srv != nil {
-			cleanupMount(t, mnt, srv)
-		} else {
-			_ = forceUnmount(mnt)
-		}
-	})
-	open := func(p string) *os.File {
-		t.Helper()
-		f, err := os.Open(filepath.Join(mnt, p))
-		if err != nil {
-			t.Fatal(err)
-		}
-		opened = append(opened, f)
-		return f
-	}
-
-	childFD, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
-	cmd.Env = append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+mnt,
-		fmt.Sprintf("LAZYFS_STUCK_FRAME=%d", stuck.Offset), fmt.Sprintf("LAZYFS_STUCK_OFF=%d", stuck.FrameOffset))
-	// Closed through its *os.File only: a unix.Close of the number would
-	// leave the File's finalizer to close it again later, by then maybe
-	// another test's descriptor (TestGoRootRoundTrip read EBADF).
-	childFile := os.NewFile(uintptr(childFD), "fuse")
-	cmd.ExtraFiles = []*os.File{childFile}
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	childFile.Close()
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
-
-	lines := make(chan string, 16)
-	go func() {
-		sc := bufio.NewScanner(out)
-		sc.Buffer(nil, 1<<20)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-		close(lines)
-	}()
-	waitLine := func(prefix string) string {
-		t.Helper()
-		timeout := time.After(60 * time.Second)
-		for {
-			select {
-			case l, ok := <-lines:
-				if !ok {
-					t.Fatalf("first server exited before printing %q", prefix)
-				}
-				if strings.HasPrefix(l, prefix) {
-					return strings.TrimPrefix(l, prefix)
-				}
-			case <-timeout:
-				t.Fatalf("first server did not print %q", prefix)
-			}
-		}
-	}
-	init, err := hex.DecodeString(strings.TrimSpace(waitLine("INIT ")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	rig := startTakeoverRig(t, f, fmt.Sprintf("LAZYFS_STUCK_FRAME=%d", stuck.Offset), fmt.Sprintf("LAZYFS_STUCK_OFF=%d", stuck.FrameOffset))
+	mnt, open := rig.mnt, rig.open
 
 	// State the kernel builds with the first server.
 	passwd := open("etc/passwd")
@@ -227,19 +124,10 @@ func TestTakeover(t *testing.T) {
 		_, err := big.ReadAt(b, stuck.FileOffset+10)
 		stuckRead <- result{b, err}
 	}()
-	waitLine("STUCK")
+	rig.waitLine("STUCK")
 
 	// The first daemon dies; the test process still holds the connection.
-	if err := cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	<-exited
-
-	src := newBlobSource(bytes.NewReader(f.blob))
-	srv, err = Mount(context.Background(), mnt, f.toc, src, WithTakeover(Handover{FD: fd, Init: init}))
-	if err != nil {
-		t.Fatalf("take over: %v", err)
-	}
+	srv := rig.takeOver()
 
 	select {
 	case r := <-stuckRead:
@@ -337,4 +225,144 @@ func TestTakeoverUnknownIDs(t *testing.T) {
 	if st := tfs.Lookup(nil, &fuse.InHeader{NodeId: uint64(f.toc.Len()) + 10}, "x", &out); st.Ok() {
 		t.Error("lookup under a node ID beyond the TOC succeeded")
 	}
+}
+
+// takeoverRig is a FUSE mount served by a first server in a child process
+// (TestTakeoverChild, configured by env), which the test kills and
+// replaces with a server taking the live connection over.
+type takeoverRig struct {
+	t      *testing.T
+	f      fixtureLayer
+	mnt    string
+	fd     int // the test's own descriptor of the connection
+	init   []byte
+	srv    *Server // the successor, once takeOver has run
+	opened []*os.File
+	cmd    *exec.Cmd
+	exited chan struct{}
+	lines  chan string
+}
+
+// startTakeoverRig mounts f as a privileged parent would, keeping the
+// connection's descriptor, and starts the first server on it.
+func startTakeoverRig(t *testing.T, f fixtureLayer, env ...string) *takeoverRig {
+	t.Helper()
+	blobPath := filepath.Join(t.TempDir(), "blob")
+	if err := os.WriteFile(blobPath, f.blob, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := &takeoverRig{t: t, f: f, mnt: t.TempDir(), exited: make(chan struct{}), lines: make(chan string, 16)}
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.fd = fd
+	data := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,max_read=%d", fd, maxRequest)
+	if err := unix.Mount("envsnap-takeover", r.mnt, "fuse.envsnap", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	// One cleanup, in the only safe order: files open on a connection
+	// nobody serves would hang in close, so either the new server is
+	// there (close files, then unmount) or the connection is aborted
+	// first (closing the last /dev/fuse descriptor does that).
+	t.Cleanup(func() {
+		if r.srv == nil {
+			unix.Close(r.fd)
+		} else if t.Failed() {
+			// A request may be left unanswered (that is what failed).
+			abortConnection(t, r.srv.dev)
+		}
+		for _, f := range r.opened {
+			f.Close()
+		}
+		if r.srv != nil {
+			cleanupMount(t, r.mnt, r.srv)
+		} else {
+			_ = forceUnmount(r.mnt)
+		}
+	})
+
+	childFD, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.cmd = exec.Command(os.Args[0], "-test.run=^TestTakeoverChild$")
+	r.cmd.Env = append(append(os.Environ(), "LAZYFS_TAKEOVER_CHILD=1", "LAZYFS_BLOB="+blobPath, "LAZYFS_MNT="+r.mnt), env...)
+	// Closed through its *os.File only: a unix.Close of the number would
+	// leave the File's finalizer to close it again later, by then maybe
+	// another test's descriptor (TestGoRootRoundTrip read EBADF).
+	childFile := os.NewFile(uintptr(childFD), "fuse")
+	r.cmd.ExtraFiles = []*os.File{childFile}
+	r.cmd.Stderr = os.Stderr
+	out, err := r.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	childFile.Close()
+	go func() { r.cmd.Wait(); close(r.exited) }()
+	t.Cleanup(func() { _ = r.cmd.Process.Kill(); <-r.exited })
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			r.lines <- sc.Text()
+		}
+		close(r.lines)
+	}()
+	if r.init, err = hex.DecodeString(strings.TrimSpace(r.waitLine("INIT "))); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// waitLine returns the rest of the first server's next output line that
+// starts with prefix.
+func (r *takeoverRig) waitLine(prefix string) string {
+	r.t.Helper()
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case l, ok := <-r.lines:
+			if !ok {
+				r.t.Fatalf("first server exited before printing %q", prefix)
+			}
+			if rest, ok := strings.CutPrefix(l, prefix); ok {
+				return rest
+			}
+		case <-timeout:
+			r.t.Fatalf("first server did not print %q", prefix)
+		}
+	}
+}
+
+// open opens p on the mount, closed at cleanup.
+func (r *takeoverRig) open(p string) *os.File {
+	r.t.Helper()
+	f, err := os.Open(filepath.Join(r.mnt, p))
+	if err != nil {
+		r.t.Fatalf("open %s: %v", p, err)
+	}
+	r.opened = append(r.opened, f)
+	return f
+}
+
+// takeOver kills the first server (the test still holds the connection)
+// and serves the mount from this process with opts.
+func (r *takeoverRig) takeOver(opts ...Option) *Server {
+	r.t.Helper()
+	if err := r.cmd.Process.Kill(); err != nil {
+		r.t.Fatal(err)
+	}
+	<-r.exited
+	src := newBlobSource(bytes.NewReader(r.f.blob))
+	srv, err := Mount(context.Background(), r.mnt, r.f.toc, src, append([]Option{WithTakeover(Handover{FD: r.fd, Init: r.init})}, opts...)...)
+	if err != nil {
+		r.t.Fatalf("take over: %v", err)
+	}
+	r.srv = srv
+	return srv
 }
