@@ -5,7 +5,6 @@ package layerstore
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"math/rand/v2"
 	"os"
@@ -13,14 +12,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/opencontainers/image-spec/specs-go"
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/opencontainers/go-digest"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
-	"github.com/envsnap/envsnap/snapshotter"
 )
 
 // TestPassthroughCopyAfterFill: once the fill has every chunk of a big
@@ -44,19 +41,8 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 			for i := range big {
 				big[i] = byte(rng.Uint32())
 			}
-			var blob bytes.Buffer
-			res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"big.bin": string(big), "small.txt": "small"})))
-			if err != nil {
-				t.Fatal(err)
-			}
-			desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
-			mb, _ := json.Marshal(ocispec.Manifest{
-				Versioned: specs.Versioned{SchemaVersion: 2},
-				MediaType: ocispec.MediaTypeImageManifest,
-				Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
-				Layers:    []ocispec.Descriptor{desc},
-			})
-			mdgst := r.add(mb)
+			desc, blob := r.addLazyLayer(t, tarOf(t, map[string]string{"big.bin": string(big), "small.txt": "small"}))
+			labels := r.addManifest(t, "test/big:1", desc)[0]
 			cacheDir := t.TempDir()
 			cache, err := chunkcache.Open(cacheDir, 256<<20)
 			if err != nil {
@@ -78,11 +64,7 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 				t.Fatal(err)
 			}
 			mp := t.TempDir()
-			if err := s.Mount(t.Context(), mp, map[string]string{
-				snapshotter.LabelImageRef:       r.host() + "/test/big:1",
-				snapshotter.LabelManifestDigest: mdgst.String(),
-				snapshotter.LabelLayerDigest:    desc.Digest.String(),
-			}); err != nil {
+			if err := s.Mount(t.Context(), mp, labels); err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { s.Unmount(context.Background(), mp) })
@@ -144,7 +126,7 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 			if st.Builds != 1 || st.Entries != 1 || st.Size != int64(len(big)) || st.Hits == 0 {
 				t.Fatalf("unpacked stats %+v, want one copy of big.bin handed out", st)
 			}
-			toc, err := layerfmt.ReadTOC(t.Context(), bytes.NewReader(blob.Bytes()), int64(blob.Len()), res.TOCDigest)
+			toc, err := layerfmt.ReadTOC(t.Context(), bytes.NewReader(blob), int64(len(blob)), digest.Digest(desc.Annotations[layerfmt.AnnotationTOCDigest]))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -78,6 +78,44 @@ func (r *fakeRegistry) add(b []byte) digest.Digest {
 	return d
 }
 
+// addLazyLayer converts tarStream to an envsnap layer, stores it and
+// returns its descriptor and blob.
+func (r *fakeRegistry) addLazyLayer(tb testing.TB, tarStream []byte) (ocispec.Descriptor, []byte) {
+	tb.Helper()
+	var blob bytes.Buffer
+	res, err := layerfmt.Convert(context.Background(), &blob, bytes.NewReader(tarStream))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}, blob.Bytes()
+}
+
+// addManifest stores an image manifest of layers (empty config) and
+// returns the labels a snapshotter Prepare of each layer would carry for
+// the image name (a path under the registry).
+func (r *fakeRegistry) addManifest(tb testing.TB, name string, layers ...ocispec.Descriptor) []map[string]string {
+	tb.Helper()
+	mb, err := json.Marshal(ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
+		Layers:    layers,
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	mdgst := r.add(mb)
+	var out []map[string]string
+	for _, l := range layers {
+		out = append(out, map[string]string{
+			snapshotter.LabelImageRef:       r.host() + "/" + name,
+			snapshotter.LabelManifestDigest: mdgst.String(),
+			snapshotter.LabelLayerDigest:    l.Digest.String(),
+		})
+	}
+	return out
+}
+
 func tarOfB(t testing.TB, name string, data []byte) []byte {
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -109,43 +147,16 @@ func tarOf(t *testing.T, files map[string]string) []byte {
 // testImage pushes a manifest with one envsnap layer, one layer whose TOC
 // annotation is wrong, and one plain layer, and returns the labels of each.
 func testImage(t *testing.T, r *fakeRegistry) (lazy, badTOC, plain map[string]string) {
-	var blob bytes.Buffer
-	res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"hello.txt": "hello, lazy world\n"})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lazyDesc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
+	lazyDesc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"hello.txt": "hello, lazy world\n"}))
 
-	var blob2 bytes.Buffer
-	res2, err := layerfmt.Convert(t.Context(), &blob2, bytes.NewReader(tarOf(t, map[string]string{"other.txt": "x"})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	badAnn := res2.Annotations()
-	badAnn[layerfmt.AnnotationTOCDigest] = digest.FromString("not the TOC").String()
-	badDesc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob2.Bytes()), Size: res2.Size, Annotations: badAnn}
+	badDesc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"other.txt": "x"}))
+	badDesc.Annotations[layerfmt.AnnotationTOCDigest] = digest.FromString("not the TOC").String()
 
 	plainBytes := tarOf(t, map[string]string{"plain.txt": "plain"})
 	plainDesc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer, Digest: r.add(plainBytes), Size: int64(len(plainBytes))}
 
-	mb, err := json.Marshal(ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
-		Layers:    []ocispec.Descriptor{lazyDesc, badDesc, plainDesc},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mdgst := r.add(mb)
-	labels := func(d digest.Digest) map[string]string {
-		return map[string]string{
-			snapshotter.LabelImageRef:       r.host() + "/test/app:1",
-			snapshotter.LabelManifestDigest: mdgst.String(),
-			snapshotter.LabelLayerDigest:    d.String(),
-		}
-	}
-	return labels(lazyDesc.Digest), labels(badDesc.Digest), labels(plainDesc.Digest)
+	labels := r.addManifest(t, "test/app:1", lazyDesc, badDesc, plainDesc)
+	return labels[0], labels[1], labels[2]
 }
 
 func newTestStore(t *testing.T) *Store { return newStoreB(t) }
@@ -251,33 +262,19 @@ func TestTOCPrefetch(t *testing.T) {
 	r := newFakeRegistry(t)
 	var layers []ocispec.Descriptor
 	for i := range 3 {
-		var blob bytes.Buffer
-		res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"f": strings.Repeat("x", i+1)})))
-		if err != nil {
-			t.Fatal(err)
-		}
-		layers = append(layers, ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()})
+		d, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"f": strings.Repeat("x", i+1)}))
+		layers = append(layers, d)
 	}
-	mb, err := json.Marshal(ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
-		Layers:    layers,
-	})
-	if err != nil {
-		t.Fatal(err)
+	labels := map[digest.Digest]map[string]string{}
+	for i, l := range r.addManifest(t, "test/app:1", layers...) {
+		labels[layers[i].Digest] = l
 	}
-	mdgst := r.add(mb)
 	s := newTestStore(t)
 	s.cfg.Fill = false
 	ctx := t.Context()
 	mount := func(d digest.Digest) {
 		mp := t.TempDir()
-		if err := s.Mount(ctx, mp, map[string]string{
-			snapshotter.LabelImageRef:       r.host() + "/test/app:1",
-			snapshotter.LabelManifestDigest: mdgst.String(),
-			snapshotter.LabelLayerDigest:    d.String(),
-		}); err != nil {
+		if err := s.Mount(ctx, mp, labels[d]); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { s.Unmount(context.Background(), mp) })
@@ -323,20 +320,10 @@ func TestSharedFramesFetchedOnce(t *testing.T) {
 	shared := strings.Repeat("shared between two layers\n", 2<<20/26+1)[:2<<20]
 	var descs []ocispec.Descriptor
 	for _, other := range []string{"a", "b"} {
-		var blob bytes.Buffer
-		res, err := layerfmt.Convert(t.Context(), &blob, bytes.NewReader(tarOf(t, map[string]string{"shared.txt": shared, other + ".txt": other})))
-		if err != nil {
-			t.Fatal(err)
-		}
-		descs = append(descs, ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()})
+		d, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"shared.txt": shared, other + ".txt": other}))
+		descs = append(descs, d)
 	}
-	mb, _ := json.Marshal(ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
-		Layers:    descs,
-	})
-	mdgst := r.add(mb)
+	layerLabels := r.addManifest(t, "test/shared:1", descs...)
 	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
 	if err != nil {
 		t.Fatal(err)
@@ -346,13 +333,8 @@ func TestSharedFramesFetchedOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	var mps []string
-	for _, d := range descs {
+	for _, labels := range layerLabels {
 		mp := t.TempDir()
-		labels := map[string]string{
-			snapshotter.LabelImageRef:       r.host() + "/test/shared:1",
-			snapshotter.LabelManifestDigest: mdgst.String(),
-			snapshotter.LabelLayerDigest:    d.Digest.String(),
-		}
 		if err := s.Mount(t.Context(), mp, labels); err != nil {
 			t.Fatal(err)
 		}

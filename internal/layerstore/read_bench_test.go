@@ -3,8 +3,6 @@
 package layerstore
 
 import (
-	"bytes"
-	"encoding/json"
 	"io"
 	"math/rand"
 	"os"
@@ -12,13 +10,8 @@ import (
 	"testing"
 
 	"github.com/opencontainers/go-digest"
-	specs "github.com/opencontainers/image-spec/specs-go"
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
-
-	"github.com/envsnap/envsnap/layerfmt"
-	"github.com/envsnap/envsnap/snapshotter"
 )
 
 // BenchmarkCachedRead reads a 64 MiB file through a lazy mount whose
@@ -33,23 +26,8 @@ func BenchmarkCachedRead(b *testing.B) {
 	data := make([]byte, size)
 	rand.New(rand.NewSource(1)).Read(data)
 	r := newFakeRegistryB(b)
-	var blob bytes.Buffer
-	res, err := layerfmt.Convert(b.Context(), &blob, bytes.NewReader(tarOfB(b, "big.bin", data)))
-	if err != nil {
-		b.Fatal(err)
-	}
-	desc := ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: r.add(blob.Bytes()), Size: res.Size, Annotations: res.Annotations()}
-	mb, _ := json.Marshal(ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: r.add([]byte("{}")), Size: 2},
-		Layers:    []ocispec.Descriptor{desc},
-	})
-	labels := map[string]string{
-		snapshotter.LabelImageRef:       r.host() + "/bench/app:1",
-		snapshotter.LabelManifestDigest: r.add(mb).String(),
-		snapshotter.LabelLayerDigest:    desc.Digest.String(),
-	}
+	desc, _ := r.addLazyLayer(b, tarOfB(b, "big.bin", data))
+	labels := r.addManifest(b, "bench/app:1", desc)[0]
 	s := newStoreB(b)
 	reg := prometheus.NewRegistry()
 	s.cfg.Registerer = reg
