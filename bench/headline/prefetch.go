@@ -28,7 +28,6 @@ func (b *bench) recordPrefetch(ctx context.Context, pub *episode.Published, t ep
 		return "", fmt.Errorf("compose the profiling environment: %w", err)
 	}
 	e := envs[0]
-	e.name = "profile-" + e.name
 	if err := b.useSystem(Envsnap); err != nil {
 		return "", err
 	}

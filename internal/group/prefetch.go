@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"maps"
 
 	"github.com/containerd/containerd/v2/core/images"
@@ -13,11 +12,9 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/layerfmt"
 )
-
-// maxManifestSize bounds the manifest SetPrefetch reads.
-const maxManifestSize = 4 << 20
 
 // SetPrefetch republishes the group at ref with the prefetch lists
 // (layerfmt.AnnotationPrefetch values, by layer digest) on the layers they
@@ -26,32 +23,16 @@ const maxManifestSize = 4 << 20
 // environments composed from the group afterwards carry the lists. It
 // returns the new manifest and how many layers got a list.
 func (p *Publisher) SetPrefetch(ctx context.Context, ref string, lists map[digest.Digest]string) (ocispec.Descriptor, int, error) {
-	resolver := docker.NewResolver(docker.ResolverOptions{Hosts: p.Hosts})
-	name, desc, err := resolver.Resolve(ctx, ref)
+	_, desc, err := docker.NewResolver(docker.ResolverOptions{Hosts: p.Hosts}).Resolve(ctx, ref)
 	if err != nil {
 		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: %w", ref, err)
 	}
 	if !images.IsManifestType(desc.MediaType) {
 		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: a %s, not an image manifest: %w", ref, desc.MediaType, errdefs.ErrNotImplemented)
 	}
-	if desc.Size > maxManifestSize {
-		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: manifest of %d bytes", ref, desc.Size)
-	}
-	fetcher, err := resolver.Fetcher(ctx, name)
+	b, err := fetch.FetchManifest(ctx, p.Hosts, ref, desc.Digest)
 	if err != nil {
 		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: %w", ref, err)
-	}
-	rc, err := fetcher.Fetch(ctx, desc)
-	if err != nil {
-		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: fetch manifest: %w", ref, err)
-	}
-	b, err := io.ReadAll(io.LimitReader(rc, desc.Size+1))
-	rc.Close()
-	if err != nil {
-		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: read manifest: %w", ref, err)
-	}
-	if digest.FromBytes(b) != desc.Digest {
-		return ocispec.Descriptor{}, 0, fmt.Errorf("set prefetch lists on %s: manifest does not match %s", ref, desc.Digest)
 	}
 	var mf ocispec.Manifest
 	if err := json.Unmarshal(b, &mf); err != nil {
