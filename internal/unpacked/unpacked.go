@@ -89,9 +89,25 @@ func Open(dir string, maxBytes int64) (*Store, error) {
 	if maxBytes <= 0 {
 		return nil, fmt.Errorf("open unpacked file store %s: max size must be positive, got %d", dir, maxBytes)
 	}
-	if err := os.RemoveAll(dir); err != nil {
-		return nil, fmt.Errorf("open unpacked file store: remove copies of an earlier run: %w", err)
+	// Copies of an earlier run are moved aside and deleted in the
+	// background: a daemon restarting under running containers should
+	// not wait for thousands of unlinks before it serves.
+	stale, err := os.MkdirTemp(filepath.Dir(dir), filepath.Base(dir)+".stale-")
+	if err != nil {
+		return nil, fmt.Errorf("open unpacked file store: %w", err)
 	}
+	if err := os.Rename(dir, filepath.Join(stale, "copies")); err != nil && !errors.Is(err, os.ErrNotExist) {
+		os.Remove(stale)
+		return nil, fmt.Errorf("open unpacked file store: move copies of an earlier run aside: %w", err)
+	}
+	leftovers, _ := filepath.Glob(filepath.Join(filepath.Dir(dir), filepath.Base(dir)+".stale-*"))
+	go func() {
+		for _, d := range leftovers { // this run's, and any a crash left
+			if err := os.RemoveAll(d); err != nil {
+				log.L.WithError(err).WithField("dir", d).Warn("remove unpacked copies of an earlier run")
+			}
+		}
+	}()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("open unpacked file store: %w", err)
 	}

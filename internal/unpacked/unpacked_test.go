@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/opencontainers/go-digest"
 )
@@ -146,6 +147,17 @@ func TestOpenStartsEmpty(t *testing.T) {
 	}
 	if left, _ := os.ReadDir(dir); len(left) != 0 {
 		t.Errorf("files kept from the previous run: %v", left)
+	}
+	// They are deleted in the background.
+	for i := 0; ; i++ {
+		stale, _ := filepath.Glob(dir + ".stale-*")
+		if len(stale) == 0 {
+			break
+		}
+		if i == 500 {
+			t.Fatalf("copies of the previous run still on disk: %v", stale)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
