@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -419,13 +418,4 @@ func checkGoroutines(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	})
-}
-
-func readAllBytes(t *testing.T, r io.Reader) []byte {
-	t.Helper()
-	b, err := io.ReadAll(r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
 }
