@@ -212,3 +212,42 @@ func TestExampleConfigsDocumentEveryKey(t *testing.T) {
 		t.Errorf("envlet.toml shows a policy other than the defaults:\n got %+v\nwant %+v", got, want)
 	}
 }
+
+// TestExampleConfigHasDropIn: config.toml.example (a whole containerd
+// config) and deploy/containerd/envsnap.toml (the drop-in) both claim to be
+// complete, so every setting of the drop-in must be in the example with the
+// same value; the example may only add main-config settings. containerd
+// must load the example as it is.
+func TestExampleConfigHasDropIn(t *testing.T) {
+	var dropin, example map[string]any
+	if err := toml.Unmarshal(repoFile(t, "deploy/containerd/envsnap.toml"), &dropin); err != nil {
+		t.Fatal(err)
+	}
+	exampleText := repoFile(t, "config.toml.example")
+	if err := toml.Unmarshal(exampleText, &example); err != nil {
+		t.Fatal(err)
+	}
+	var walk func(path string, want, got any)
+	walk = func(path string, want, got any) {
+		if wm, ok := want.(map[string]any); ok {
+			gm, ok := got.(map[string]any)
+			if !ok {
+				t.Errorf("config.toml.example: %s is %T, the drop-in has a table", path, got)
+				return
+			}
+			for k, v := range wm {
+				walk(path+"."+k, v, gm[k])
+			}
+			return
+		}
+		if !reflect.DeepEqual(want, got) {
+			t.Errorf("config.toml.example: %s = %v, the drop-in has %v", path, got, want)
+		}
+	}
+	walk("", dropin, example)
+
+	dumped := dumpConfig(t, string(exampleText))
+	if v, _ := lookup(dumped, "plugins", "io.containerd.cri.v1.runtime", "containerd", "runtimes", "envlet", "snapshotter"); v != "envsnap" {
+		t.Errorf("containerd config dump of the example: envlet runtime snapshotter %v", v)
+	}
+}
