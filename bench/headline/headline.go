@@ -139,7 +139,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	if err != nil {
 		return nil, err
 	}
-	rep.Workload = cfg.Tasks
+	rep.Workload = reportPath(cfg.Tasks)
 
 	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(cfg.Rate))
 	if err != nil {
@@ -543,4 +543,18 @@ func measureLink(ctx context.Context, env *devenv.Env, pub *episode.Published) (
 		return 0, fmt.Errorf("downloaded %d of %d bytes (%s)", n, best, resp.Status)
 	}
 	return float64(n) * 8 / time.Since(start).Seconds() / 1e6, nil
+}
+
+// reportPath names a file for the committed report: relative to the
+// repository when it is inside it, else by its base name. The report is
+// read on other machines, where this one's absolute paths mean nothing.
+func reportPath(p string) string {
+	if root, err := devenv.RepoRoot(); err == nil {
+		if abs, err := filepath.Abs(p); err == nil {
+			if rel, err := filepath.Rel(root, abs); err == nil && filepath.IsLocal(rel) {
+				return rel
+			}
+		}
+	}
+	return filepath.Base(p)
 }

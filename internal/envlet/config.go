@@ -26,8 +26,8 @@ const (
 )
 
 // Config holds every policy knob. DefaultConfig gives the published
-// defaults (DESIGN.md "Elastic policy", research "(c) Recommended
-// defaults"); ApplyAnnotations overrides them per container.
+// defaults (docs/envlet.md, "Defaults"); ApplyAnnotations overrides
+// them per container.
 type Config struct {
 	// Initial is the quota a container starts with and the floor no shrink
 	// goes below (the admitted base). Cap is the per-environment ceiling.

@@ -12,7 +12,7 @@ func TestDefaultConfigValid(t *testing.T) {
 		t.Fatal(err)
 	}
 	if cfg.Initial != (Resources{CPU: 2, Memory: 8 * GiB}) || cfg.Cap != (Resources{CPU: 64, Memory: 32 * GiB}) {
-		t.Fatalf("defaults %v / %v differ from DESIGN.md", cfg.Initial, cfg.Cap)
+		t.Fatalf("defaults %v / %v differ from docs/envlet.md", cfg.Initial, cfg.Cap)
 	}
 }
 

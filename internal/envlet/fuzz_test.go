@@ -10,7 +10,7 @@ import (
 )
 
 // FuzzPolicy replays arbitrary workloads through a controller and checks
-// the invariants of the research test plan (b): never above the cap or the
+// the policy's invariants: never above the cap or the
 // node, memory never lowered below 1.25x the working set, at most one
 // policy shrink per window per resource, grants within the node.
 func FuzzPolicy(f *testing.F) {

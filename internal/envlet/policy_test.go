@@ -19,7 +19,7 @@ func testConfig() Config {
 	return cfg
 }
 
-// A task's CPU demand jumps 47x within one second (DESIGN.md): x4 under
+// A task's CPU demand can jump 47x within one second: x4 under
 // heavy throttling, then x2, reaching the demand in 4 ticks (0.8 s).
 func TestTrace47xCPUBurst(t *testing.T) {
 	cfg := testConfig()

@@ -12,7 +12,7 @@ import (
 
 // BenchmarkSequentialScan reads every chunk of a layer of many small files in
 // blob order through a registry that adds 20 ms per request (the round trip
-// of the link in DESIGN.md), once without read-ahead and once with the
+// of the benchmark link, docs/benchmarks.md), once without read-ahead and once with the
 // default, and reports the speed-up and the request counts side by side.
 func BenchmarkSequentialScan(b *testing.B) {
 	r := rand.New(rand.NewPCG(41, 42))

@@ -28,7 +28,7 @@ func registryBinary(t *testing.T) string {
 	if d := os.Getenv("ENVSNAP_TOOLS"); d != "" {
 		candidates = append(candidates, filepath.Join(d, "registry"))
 	}
-	candidates = append(candidates, "../../bin/tools/registry", "/work/main/bin/tools/registry")
+	candidates = append(candidates, "../../bin/tools/registry")
 	for _, c := range candidates {
 		if fi, err := os.Stat(c); err == nil && fi.Mode()&0o111 != 0 {
 			abs, _ := filepath.Abs(c)

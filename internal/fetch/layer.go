@@ -21,7 +21,7 @@ import (
 )
 
 // Defaults of a Layer. The coalescing numbers come from the link we are
-// measured on (DESIGN.md: 1 Gbit/s, 20 ms round trip): one round trip is
+// measured on (docs/benchmarks.md: 1 Gbit/s, 20 ms round trip): one round trip is
 // worth ~2.5 MB of transfer, so fetching a few hundred KiB of bytes nobody
 // asked for costs less than one extra request, and the measured failure
 // mode was ~440 serial 50 kB requests.

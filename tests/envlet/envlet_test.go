@@ -100,8 +100,8 @@ func TestCPUBurst(t *testing.T) {
 	cfg := envlet.DefaultConfig()
 	cfg.Initial = envlet.Resources{CPU: 0.25, Memory: 256 * MiB}
 	cfg.Cap = envlet.Resources{CPU: 2, Memory: 1 * GiB}
-	// Alone on the node, capped at the whole 2-core machine (the research
-	// plan's setup): no admission reserve, or the arbiter would hold it at
+	// Alone on the node, capped at the whole 2-core machine: no admission
+	// reserve, or the arbiter would hold it at
 	// 1.7 cores and 8 busy threads would be throttled 15% by design.
 	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, 0)
 	// 1 thread at 15% duty: 0.15 cores, 60% of the quota, no grow.

@@ -16,7 +16,7 @@ type pollOnly struct{ envlet.Cgroup }
 
 func (pollOnly) Events() <-chan envlet.Event { return nil }
 
-// TestBenchMemoryRace repeats the research "memrace" experiment: a 3 GiB
+// TestBenchMemoryRace is the "memrace" experiment: a 3 GiB
 // burst from a 128 MiB start, allocated as fast as the child can, with and
 // without the threshold eventfds, counting OOM-killed runs.
 func TestBenchMemoryRace(t *testing.T) {

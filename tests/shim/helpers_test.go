@@ -432,7 +432,7 @@ func (s *suite) watch(t testing.TB) func() []event {
 // prioritize raises the CPU weight of the container and of its namespace's
 // parent cgroup to the maximum: the test machines are shared with other
 // builds, and a container that cannot get CPU time below its quota shows
-// the controller no demand (research §4, "host starvation"). The weight
+// the controller no demand ("host starvation"). The weight
 // only orders contention; the quota under test still applies.
 func (c *ctr) prioritize(t testing.TB) {
 	t.Helper()

@@ -65,7 +65,7 @@ func TestCPUJump(t *testing.T) {
 	}
 	// The controller grows on demand it can see: usage near the quota or
 	// throttling. On a saturated host the container gets less than its
-	// quota without being throttled (research §4, "host starvation"):
+	// quota without being throttled ("host starvation"):
 	// then this run cannot tell whether the controller is fast enough.
 	if !demandVisible(t, timeline, jump, jump.Add(time.Second)) {
 		t.Skipf("host saturated (load %s): no throttling or quota-bound usage within 1 s of the jump; timeline:\n%s", loadavg(), timeline)

@@ -22,7 +22,7 @@ import (
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
-// The link the benchmarks pull through (DESIGN.md "Measured here"): 10 ms
+// The link the benchmarks pull through (docs/benchmarks.md): 10 ms
 // each way and 1 Gbit/s shared by all connections in each direction.
 const (
 	linkDelay = 10 * time.Millisecond
