@@ -8,7 +8,6 @@ import (
 	"os"
 	"time"
 
-	"github.com/containerd/log"
 	"github.com/urfave/cli/v3"
 	"golang.org/x/sys/unix"
 
@@ -27,7 +26,6 @@ var convertCommand = &cli.Command{
 		&cli.IntFlag{Name: "parallel", Value: 2, Usage: "layers converted at once"},
 		&cli.StringFlag{Name: "address", Value: "/run/containerd/containerd.sock", Usage: "containerd socket, for containerd:IMAGE sources"},
 		&cli.StringFlag{Name: "namespace", Value: "default", Usage: "containerd namespace, for containerd:IMAGE sources"},
-		&cli.BoolFlag{Name: "debug", Usage: "log containerd library diagnostics"},
 	),
 	Action: runConvert,
 }
@@ -37,12 +35,6 @@ func init() { commands = append(commands, convertCommand) }
 func runConvert(ctx context.Context, c *cli.Command) error {
 	if c.NArg() != 2 {
 		return errors.New("convert needs SRC and DST")
-	}
-	if !c.Bool("debug") {
-		// containerd's local content store (our staging area) warns on
-		// every start that the file system lacks fs-verity; irrelevant
-		// for a temporary store, and noise in a CLI.
-		_ = log.SetLevel("error")
 	}
 	src, err := convert.ParseLocation(c.Args().Get(0))
 	if err != nil {

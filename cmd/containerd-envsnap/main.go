@@ -16,9 +16,16 @@ import (
 var commands []*cli.Command
 
 func main() {
+	for _, c := range commands {
+		if c.Before != nil {
+			panic("command " + c.Name + " has its own Before; chain it with setupLogging")
+		}
+		c.Before = setupLogging
+	}
 	app := &cli.Command{
 		Name:     "containerd-envsnap",
 		Usage:    "lazy, composable environments for containerd",
+		Flags:    []cli.Flag{verboseFlag},
 		Commands: commands,
 	}
 	if err := app.Run(context.Background(), os.Args); err != nil {
