@@ -3,7 +3,9 @@
 # (base, task, harness, evaluator) plus a task list, from what these machines
 # can reach (Debian's mirror, the Go module proxy, the npm registry).
 #
-# Usage: bench/workload/build.sh [--small] [--no-verify] [--clean]
+# Usage: bench/workload/build.sh [--small] [--no-verify] [--clean] [-v]
+#
+# -v also prints, for every bug patch kept, the test failures it causes.
 #
 # Every stage leaves a marker holding a hash of its inputs; a stage whose
 # marker matches is skipped, so re-running is cheap. Outputs land in
@@ -21,13 +23,15 @@ repo_root=$(cd "$here/../.." && pwd)
 variant=full
 verify=1
 clean=0
+verbose=0
 for arg in "$@"; do
 	case "$arg" in
 	--small) variant=small ;;
 	--no-verify) verify=0 ;;
 	--clean) clean=1 ;;
+	-v | --verbose) verbose=1 ;;
 	-h | --help)
-		sed -n '2,16p' "$0"
+		sed -n '2,17p' "$0"
 		exit 0
 		;;
 	*)
@@ -159,6 +163,9 @@ in_root_env=(
 	GOCACHE=/root/.cache/go-build GOMODCACHE=/root/go/pkg/mod GOPATH=/root/go
 	LANG=C.UTF-8
 )
+# Read by chroot/build-task.sh only; no test reads it, so the warm test
+# cache still matches the evaluator's environment.
+[[ $verbose == 1 ]] && in_root_env+=(BUILD_VERBOSE=1)
 
 # --------------------------------------------------------------------- base
 base_dir=$work/base
