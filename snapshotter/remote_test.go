@@ -133,10 +133,17 @@ const testManifest = "sha256:111111111111111111111111111111111111111111111111111
 // remoteOpts are the labels containerd's unpacker sends for one layer of a
 // pull with remote-snapshot annotations.
 func remoteOpts(chainID string, layer digest.Digest) snapshots.Opt {
+	return remoteOptsFor(testRef, chainID, layer)
+}
+
+const testRef = "registry.test/envsnap/app:v1"
+
+// remoteOptsFor are the labels of a pull of image ref.
+func remoteOptsFor(ref, chainID string, layer digest.Digest) snapshots.Opt {
 	return snapshots.WithLabels(map[string]string{
 		snapshots.LabelSnapshotRef:                   chainID,
 		"containerd.io/snapshot/diff-id":             layer.String(),
-		"containerd.io/snapshot/cri.image-ref":       "registry.test/envsnap/app:v1",
+		"containerd.io/snapshot/cri.image-ref":       ref,
 		"containerd.io/snapshot/cri.manifest-digest": testManifest,
 		"containerd.io/snapshot/cri.layer-digest":    layer.String(),
 		"containerd.io/gc.root":                      "now",
@@ -147,9 +154,15 @@ func remoteOpts(chainID string, layer digest.Digest) snapshots.Opt {
 // checks that the snapshotter took it lazily.
 func prepareLazy(t *testing.T, s *Snapshotter, chainID, parent string, layer digest.Digest) {
 	t.Helper()
+	prepareLazyFor(t, s, testRef, chainID, parent, layer)
+}
+
+// prepareLazyFor is prepareLazy for a pull of image ref.
+func prepareLazyFor(t *testing.T, s *Snapshotter, ref, chainID, parent string, layer digest.Digest) {
+	t.Helper()
 	ctx := testContext(t)
 	key := "extract-1-" + chainID
-	_, err := s.Prepare(ctx, key, parent, remoteOpts(chainID, layer))
+	_, err := s.Prepare(ctx, key, parent, remoteOptsFor(ref, chainID, layer))
 	if !errdefs.IsAlreadyExists(err) {
 		t.Fatalf("Prepare %s: got %v, want ErrAlreadyExists", chainID, err)
 	}
@@ -618,4 +631,68 @@ func mountsAt(t *testing.T, p string) int {
 		}
 	}
 	return n
+}
+
+// TestLayerRefsFollowUsers: a layer's Refs name the images whose snapshots
+// still use it, the most recent pull first, not the image that mounted it
+// first (status showed that one long after it was gone).
+func TestLayerRefsFollowUsers(t *testing.T) {
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { s.Close() }()
+	base1, base2, shared, solo := layerDigest(1), layerDigest(2), layerDigest(3), layerDigest(4)
+	const a, b, c, d = "registry.test/a:1", "registry.test/b:1", "registry.test/c:1", "registry.test/d:1"
+	refsOf := func(l digest.Digest) []string {
+		t.Helper()
+		for _, ls := range s.Layers() {
+			if ls.Digest == l {
+				return ls.Refs
+			}
+		}
+		t.Fatalf("layer %s not listed", l)
+		return nil
+	}
+	check := func(l digest.Digest, want ...string) {
+		t.Helper()
+		if got := refsOf(l); strings.Join(got, " ") != strings.Join(want, " ") {
+			t.Errorf("layer %s: refs %q, want %q", l.Encoded()[:8], got, want)
+		}
+	}
+
+	// The shared layer on two bases: image a mounts it, image b uses it too.
+	prepareLazyFor(t, s, a, "a1", "", base1)
+	prepareLazyFor(t, s, a, "a2", "a1", shared)
+	prepareLazyFor(t, s, b, "b1", "", base2)
+	prepareLazyFor(t, s, b, "b2", "b1", shared)
+	check(shared, b, a)
+	check(base1, a)
+
+	// Image a is gone (containerd's GC removes its snapshots): the layer
+	// stays mounted for b and names b alone.
+	for _, key := range []string{"a2", "a1"} {
+		if err := s.Remove(ctx, key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(shared, b)
+
+	// One chain pulled by two images is one snapshot: it names the last.
+	prepareLazyFor(t, s, c, "c1", "", solo)
+	prepareLazyFor(t, s, d, "c1", "", solo)
+	check(solo, d)
+
+	// After a restart the snapshots' labels tell who created them.
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = New(ctx, root, fsys); err != nil {
+		t.Fatal(err)
+	}
+	check(shared, b)
+	check(solo, c)
 }

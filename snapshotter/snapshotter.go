@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 
@@ -87,8 +88,13 @@ type LayerStatus struct {
 	Digest     digest.Digest `json:"digest"`
 	Mountpoint string        `json:"mountpoint"`
 	Snapshots  int           `json:"snapshots"` // committed snapshots that use it
-	Mounted    bool          `json:"mounted"`
-	Error      string        `json:"error,omitempty"` // last mount failure
+	// Refs are the images those snapshots were pulled for, the most recent
+	// pull first, each once. A snapshot shared by several images (same
+	// chain) counts for the one that pulled it last; after a restart, for
+	// the one that created it.
+	Refs    []string `json:"refs,omitempty"`
+	Mounted bool     `json:"mounted"`
+	Error   string   `json:"error,omitempty"` // last mount failure
 }
 
 type config struct {
@@ -116,11 +122,12 @@ type Snapshotter struct {
 
 	mu     sync.Mutex
 	layers map[digest.Digest]*layer
+	useSeq uint64
 	closed bool
 }
 
 // layer is one shared layer mount. mu serialises mounting and unmounting it;
-// refs is guarded by Snapshotter.mu.
+// refs and users are guarded by Snapshotter.mu.
 type layer struct {
 	mu         sync.Mutex
 	dgst       digest.Digest
@@ -128,6 +135,15 @@ type layer struct {
 	refs       int
 	mounted    bool
 	lastErr    error
+	// users maps each committed snapshot of the layer to the image it was
+	// last pulled for, so status names images that still use the layer,
+	// not the first one that mounted it.
+	users map[string]user
+}
+
+type user struct {
+	ref string
+	seq uint64 // Snapshotter.useSeq when noted: higher is more recent
 }
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
@@ -186,6 +202,7 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 			return nil //nolint:nilerr // not a lazy snapshot
 		}
 		s.ref(d)
+		s.noteUser(d, info.Name, info.Labels[LabelImageRef])
 		if _, ok := labelsOf[d]; !ok {
 			labelsOf[d] = lazyLabels(info.Labels)
 		}
@@ -233,6 +250,50 @@ func (s *Snapshotter) ref(d digest.Digest) *layer {
 	}
 	l.refs++
 	return l
+}
+
+// noteUser records that the committed snapshot name of layer d was (last)
+// pulled for image ref.
+func (s *Snapshotter) noteUser(d digest.Digest, name, ref string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l, ok := s.layers[d]
+	if !ok || ref == "" {
+		return
+	}
+	if l.users == nil {
+		l.users = make(map[string]user)
+	}
+	s.useSeq++
+	l.users[name] = user{ref: ref, seq: s.useSeq}
+}
+
+// dropUser forgets the removed snapshot name of layer d.
+func (s *Snapshotter) dropUser(d digest.Digest, name string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if l, ok := s.layers[d]; ok {
+		delete(l.users, name)
+	}
+}
+
+// refsLocked lists the images of l's users, most recent first, each once.
+// s.mu is held.
+func refsLocked(l *layer) []string {
+	us := make([]user, 0, len(l.users))
+	for _, u := range l.users {
+		us = append(us, u)
+	}
+	sort.Slice(us, func(i, j int) bool { return us[i].seq > us[j].seq })
+	var refs []string
+	seen := make(map[string]bool, len(us))
+	for _, u := range us {
+		if !seen[u.ref] {
+			seen[u.ref] = true
+			refs = append(refs, u.ref)
+		}
+	}
+	return refs
 }
 
 // unref drops one reference to d and unmounts the layer when none is left.
@@ -348,6 +409,9 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 	// Another namespace (or an earlier pull) already made this layer lazily.
 	if info, err := s.Snapshotter.Stat(ctx, target); err == nil {
 		if info.Kind == snapshots.KindCommitted && info.Parent == parent {
+			if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil {
+				s.noteUser(d, target, labels[LabelImageRef])
+			}
 			return nil, fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
 		}
 	}
@@ -448,6 +512,7 @@ func (s *Snapshotter) prepareLazy(ctx context.Context, key, target, parent strin
 		return fmt.Errorf("commit lazy snapshot %s: name taken by another chain: %v", target, err)
 	}
 	refHeld = false // now owned by the committed snapshot
+	s.noteUser(d, target, labels[LabelImageRef])
 	return nil
 }
 
@@ -532,6 +597,7 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 		return err
 	}
 	if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil && info.Kind == snapshots.KindCommitted {
+		s.dropUser(d, key)
 		s.unref(ctx, d)
 	}
 	return nil
@@ -551,15 +617,17 @@ func (s *Snapshotter) Layers() []LayerStatus {
 	s.mu.Lock()
 	ls := make([]*layer, 0, len(s.layers))
 	refs := make([]int, 0, len(s.layers))
+	images := make([][]string, 0, len(s.layers))
 	for _, l := range s.layers {
 		ls = append(ls, l)
 		refs = append(refs, l.refs)
+		images = append(images, refsLocked(l))
 	}
 	s.mu.Unlock()
 	out := make([]LayerStatus, len(ls))
 	for i, l := range ls {
 		l.mu.Lock()
-		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Mounted: l.mounted}
+		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Refs: images[i], Mounted: l.mounted}
 		if l.lastErr != nil {
 			out[i].Error = l.lastErr.Error()
 		}

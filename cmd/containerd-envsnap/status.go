@@ -45,7 +45,11 @@ var statusCommand = &cli.Command{
 					mounted = "error: " + l.Error
 				}
 			}
-			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), l.Ref)
+			ref := l.Ref
+			if n := len(l.Refs); n > 1 {
+				ref = fmt.Sprintf("%s (+%d more)", ref, n-1)
+			}
+			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), ref)
 		}
 		if err := w.Flush(); err != nil {
 			return err

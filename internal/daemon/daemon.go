@@ -269,9 +269,13 @@ type Status struct {
 }
 
 // LayerStatus joins the snapshotter's view of a layer mount (which
-// snapshots use it) with the data plane's (what has been fetched).
+// snapshots and images use it) with the data plane's (what has been
+// fetched).
 type LayerStatus struct {
 	snapshotter.LayerStatus
+	// Ref is the image that most recently pulled a snapshot still using
+	// the layer (Refs[0]); the image the layer was first mounted for may
+	// be long gone.
 	Ref          string  `json:"ref,omitempty"`
 	BlobSize     int64   `json:"blob_size"`
 	FetchedBytes int64   `json:"fetched_bytes"`
@@ -287,8 +291,10 @@ func (d *daemon) status() Status {
 	data := d.store.Status()
 	for _, l := range d.sn.Layers() {
 		ls := LayerStatus{LayerStatus: l}
+		if len(l.Refs) > 0 {
+			ls.Ref = l.Refs[0]
+		}
 		if m, ok := data[l.Mountpoint]; ok {
-			ls.Ref = m.Ref
 			ls.BlobSize = m.BlobSize
 			ls.FetchedBytes = m.CachedBytes
 			if m.TotalBytes > 0 {

@@ -485,7 +485,6 @@ func (s *Store) Unmount(ctx context.Context, mountpoint string) error {
 // LayerStatus describes one mounted layer.
 type LayerStatus struct {
 	Mountpoint string
-	Ref        string
 	Digest     digest.Digest
 	BlobSize   int64
 	// CachedBytes of TotalBytes (compressed bytes of the layer's chunks)
@@ -515,7 +514,7 @@ func (s *Store) Status() map[string]LayerStatus {
 	defer s.mu.Unlock()
 	out := make(map[string]LayerStatus, len(s.mounts))
 	for mp, m := range s.mounts {
-		ls := LayerStatus{Mountpoint: mp, Ref: m.ref, Digest: m.desc.Digest, BlobSize: m.desc.Size}
+		ls := LayerStatus{Mountpoint: mp, Digest: m.desc.Digest, BlobSize: m.desc.Size}
 		ls.CachedBytes, ls.TotalBytes = m.layer.Progress()
 		out[mp] = ls
 	}
