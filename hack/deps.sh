@@ -13,7 +13,8 @@ RUNC_VERSION=v1.5.3
 REGISTRY_VERSION=v3.1.2
 CRITOOLS_VERSION=v1.37.0
 
-apt_pkgs=(fuse3 libseccomp-dev busybox-static zstd iproute2 pkg-config)
+# systemd: systemd-analyze verifies the shipped units (tests/deploy).
+apt_pkgs=(fuse3 libseccomp-dev busybox-static zstd iproute2 pkg-config systemd)
 missing=()
 for p in "${apt_pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,6 +16,8 @@ import (
 	"testing"
 
 	"github.com/klauspost/compress/zstd"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // tarDir writes a tar of dir (names relative to dir's parent, like
@@ -259,7 +261,7 @@ func roundTrip(t *testing.T, in []byte, opts ...WriteOption) ([]byte, *WriteResu
 
 func TestRoundTripGoRoot(t *testing.T) {
 	if testing.Short() {
-		t.Skip("converts all of GOROOT")
+		prereq.Skip(t, prereq.Short, "converts all of GOROOT")
 	}
 	in := goRootTar(t)
 	blob, res := roundTrip(t, in)

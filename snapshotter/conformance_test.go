@@ -9,6 +9,8 @@ import (
 
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/core/snapshots/testsuite"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // TestConformance runs containerd's snapshotter suite. It exercises the
@@ -16,7 +18,7 @@ import (
 // "overlayfs" selects the suite's overlay expectations for rename.
 func TestConformance(t *testing.T) {
 	if os.Getuid() != 0 {
-		t.Skip("the snapshotter suite mounts overlayfs: needs root")
+		prereq.Missing(t, "the snapshotter suite mounts overlayfs: needs root")
 	}
 	testsuite.SnapshotterSuite(t, "overlayfs", func(ctx context.Context, root string) (snapshots.Snapshotter, func() error, error) {
 		s, err := New(ctx, root, newFakeFS())

@@ -19,6 +19,8 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // fakeFS stands in for the FUSE data plane. As root it mounts a tmpfs per
@@ -579,7 +581,7 @@ func TestRestoreFailure(t *testing.T) {
 // detached before the layer is mounted again, not stacked on.
 func TestRestoreDetachesStaleMount(t *testing.T) {
 	if !isRoot() {
-		t.Skip("mounts: needs root")
+		prereq.Missing(t, "mounts: needs root")
 	}
 	fsys := newFakeFS()
 	root := t.TempDir()

@@ -9,16 +9,16 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 func requireNetAdmin(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to create network namespaces")
-	}
+	prereq.RequireRoot(t) // to create network namespaces
 	for _, tool := range []string{"ip", "tc"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s: %v", tool, err)
+			prereq.Missing(t, "needs %s: %v", tool, err)
 		}
 	}
 }
@@ -57,7 +57,7 @@ func TestLinkShapesBandwidth(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newTestLink(t, WithLinkRate(tc.bits))
 			if !l.Shaped {
-				t.Skipf("htb unavailable (%v); benches fall back to WithRateLimit in the proxy", l.ShapeErr)
+				prereq.Missing(t, "htb unavailable (%v); benches fall back to WithRateLimit in the proxy", l.ShapeErr)
 			}
 			ln, err := l.Listen(context.Background(), 0)
 			if err != nil {

@@ -16,6 +16,8 @@ import (
 	"testing"
 
 	"github.com/bluekeyes/go-gitdiff/gitdiff"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 type task struct {
@@ -35,7 +37,7 @@ func builtTaskLists(t *testing.T) []string {
 	}
 	lists, _ := filepath.Glob(filepath.Join(cache, "workload", "*", "tasks.jsonl"))
 	if len(lists) == 0 {
-		t.Skip("no workload built (run bench/workload/build.sh --small)")
+		prereq.Skip(t, prereq.WorkloadNotBuilt, "run bench/workload/build.sh --small")
 	}
 	return lists
 }

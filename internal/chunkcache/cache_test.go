@@ -17,6 +17,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 func blob(seed uint64, n int) ([]byte, digest.Digest) {
@@ -257,12 +259,10 @@ func TestCorruptFileDropped(t *testing.T) {
 // must fail with ErrFull (callers then serve uncached), never corrupt the
 // index, and work again once space returns.
 func TestENOSPC(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a tmpfs")
-	}
+	prereq.RequireRoot(t) // to mount a tmpfs
 	dir := t.TempDir()
 	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", dir).CombinedOutput(); err != nil {
-		t.Skipf("mount tmpfs: %v: %s", err, out)
+		prereq.Missing(t, "mount tmpfs: %v: %s", err, out)
 	}
 	t.Cleanup(func() {
 		if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
@@ -452,7 +452,7 @@ func TestPrefetch(t *testing.T) {
 	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
 	f.Close()
 	if in, _ := resident(t, p); in != 0 {
-		t.Skipf("the file system kept %d pages after FADV_DONTNEED", in)
+		prereq.Skip(t, prereq.PageCacheKept, "%d pages kept", in)
 	}
 	c.Prefetch([]digest.Digest{d, digest.FromString("not cached")})
 	deadline := time.Now().Add(5 * time.Second)

@@ -19,6 +19,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/tests/testenv"
@@ -251,7 +252,7 @@ func TestConvertLayoutToLayout(t *testing.T) {
 
 func TestConvertArchiveAndRegistry(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(testenv.ToolsDir(t), "registry")); err != nil {
-		t.Skipf("registry binary not installed (run make deps): %v", err)
+		prereq.Missing(t, "registry binary not installed (run make deps): %v", err)
 	}
 	ctx := context.Background()
 	srcDir, tars := sourceLayout(t)

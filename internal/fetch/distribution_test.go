@@ -18,6 +18,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -35,7 +36,7 @@ func registryBinary(t *testing.T) string {
 			return abs
 		}
 	}
-	t.Skip("distribution registry binary not found (run `make deps`); looked in", candidates)
+	prereq.Missing(t, "distribution registry binary not found (run `make deps`); looked in %v", candidates)
 	return ""
 }
 

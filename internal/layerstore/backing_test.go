@@ -15,6 +15,7 @@ import (
 	"github.com/opencontainers/go-digest"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -26,12 +27,7 @@ import (
 // A chunk corrupted on disk fails the build, never the reads, and never
 // ends up in a copy.
 func TestPassthroughCopyAfterFill(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
+	prereq.RequireFUSE(t)
 	for _, corrupt := range []bool{false, true} {
 		name := map[bool]string{false: "intact", true: "corrupt chunk"}[corrupt]
 		t.Run(name, func(t *testing.T) {

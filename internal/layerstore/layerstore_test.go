@@ -23,6 +23,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -178,12 +179,7 @@ func newStoreB(t testing.TB) *Store {
 }
 
 func TestMountTrustChain(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
+	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	lazy, badTOC, plain := testImage(t, r)
 	s := newTestStore(t)
@@ -253,12 +249,7 @@ func TestMountTrustChain(t *testing.T) {
 // TestTOCPrefetch: the first Mount of an image reads the TOCs of all its
 // lazy layers at once, and later Mounts use them without a registry trip.
 func TestTOCPrefetch(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
+	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	var layers []ocispec.Descriptor
 	for i := range 3 {
@@ -308,12 +299,7 @@ func TestTOCPrefetch(t *testing.T) {
 // (same frames) read at the same moment fetch its frame once: the store
 // gives every layer one node-wide flight group.
 func TestSharedFramesFetchedOnce(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
+	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	// Whole chunks (the default chunk size is 1 MiB): small files are
 	// packed into frames with their neighbours, which differ here.

@@ -12,6 +12,8 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // BenchmarkCachedRead reads a 64 MiB file through a lazy mount whose
@@ -20,7 +22,7 @@ import (
 // with -cpuprofile; the FUSE server runs in this process).
 func BenchmarkCachedRead(b *testing.B) {
 	if os.Getuid() != 0 {
-		b.Skip("mounts FUSE: needs root")
+		prereq.Missing(b, "mounts FUSE: needs root")
 	}
 	const size = 64 << 20
 	data := make([]byte, size)

@@ -16,18 +16,15 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
-// requireFUSE skips tests that need to mount.
+// requireFUSE stops tests that need to mount FUSE and overlayfs unless
+// they can.
 func requireFUSE(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount FUSE and overlayfs")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skipf("no /dev/fuse: %v", err)
-	}
+	prereq.RequireFUSE(t)
 }
 
 // tarFile is one entry of a synthetic layer.

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // TestOverlayLowerLayer stacks the FUSE mount over a plain lower directory
@@ -160,7 +162,7 @@ func TestOverlaySetuidExec(t *testing.T) {
 	requireFUSE(t)
 	id, err := exec.LookPath("id")
 	if err != nil {
-		t.Skip("no id(1)")
+		prereq.Missing(t, "id(1): %v", err)
 	}
 	bin, err := os.ReadFile(id)
 	if err != nil {

@@ -15,6 +15,8 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // fileBacking offers local copies of some entries.
@@ -71,7 +73,7 @@ func writeCopy(t *testing.T, f fixtureLayer, name string) (int, string, []byte) 
 func requirePassthrough(t *testing.T, srv *Server) {
 	t.Helper()
 	if srv.srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH == 0 {
-		t.Skip("kernel without FUSE passthrough")
+		prereq.Skip(t, prereq.NoFUSEPassthrough, "")
 	}
 }
 

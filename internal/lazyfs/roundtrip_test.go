@@ -12,6 +12,7 @@ import (
 	"testing/fstest"
 	"time"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -97,10 +98,10 @@ func convertDir(t testing.TB, dir string) (*os.File, *layerfmt.TOC) {
 func TestGoRootRoundTrip(t *testing.T) {
 	requireFUSE(t)
 	if _, err := os.Stat(goroot); err != nil {
-		t.Skipf("no %s: %v", goroot, err)
+		prereq.Missing(t, "no %s: %v", goroot, err)
 	}
 	if testing.Short() {
-		t.Skip("converts and reads ~270 MB")
+		prereq.Skip(t, prereq.Short, "converts and reads ~270 MB")
 	}
 	blob, toc := convertDir(t, goroot)
 	src := newBlobSource(blob)

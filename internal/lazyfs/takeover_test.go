@@ -21,6 +21,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -44,7 +45,7 @@ func (s *stuckSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, 
 // process so that it can die the way a daemon does.
 func TestTakeoverChild(t *testing.T) {
 	if os.Getenv("LAZYFS_TAKEOVER_CHILD") == "" {
-		t.Skip("helper process of TestTakeover")
+		prereq.Skip(t, prereq.HelperProcess, "of TestTakeover")
 	}
 	blob, err := os.ReadFile(os.Getenv("LAZYFS_BLOB"))
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/envsnap/envsnap/internal/daemon"
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/internal/prereq"
 	shimconfig "github.com/envsnap/envsnap/shim/config"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
@@ -121,7 +122,7 @@ func TestFilesAgreeOnPaths(t *testing.T) {
 func TestSystemdUnitsVerify(t *testing.T) {
 	analyze, err := exec.LookPath("systemd-analyze")
 	if err != nil {
-		t.Skip("systemd-analyze not installed")
+		prereq.Missing(t, "systemd-analyze: %v", err)
 	}
 	for _, unit := range []string{"containerd-envsnap.service", "envsnap-arbiter.service"} {
 		// verify wants the unit file under its own name.

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -175,7 +176,7 @@ func TestInstallNodeIdempotentAndUpgrade(t *testing.T) {
 	// Run the installed "shim" (a copy of sleep), then upgrade it.
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
-		t.Skip("no sleep binary")
+		prereq.Missing(t, "no sleep binary: %v", err)
 	}
 	sleepBin, err := os.ReadFile(sleep)
 	if err != nil {

@@ -25,6 +25,7 @@ import (
 	nodev1 "k8s.io/api/node/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -575,7 +576,7 @@ func writeConfigMap(t *testing.T) {
 func TestKustomizeBuild(t *testing.T) {
 	kubectl, err := exec.LookPath("kubectl")
 	if err != nil {
-		t.Skip("kubectl not installed")
+		prereq.Missing(t, "kubectl: %v", err)
 	}
 	cmd := exec.Command(kubectl, "kustomize", filepath.Join(testenv.RepoRoot(t), "deploy/kubernetes"))
 	var stderr bytes.Buffer

@@ -3,7 +3,6 @@ package envlet_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -12,12 +11,12 @@ import (
 	"github.com/envsnap/envsnap/internal/envlet"
 	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
 	"github.com/envsnap/envsnap/internal/envlet/envlettest"
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 func requireBench(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		t.Skip("set ENVSNAP_BENCH=1 to run the envlet benchmarks")
-	}
+	t.Helper()
+	prereq.RequireBench(t)
 }
 
 // burstyTask is an agent-like episode: three rounds of a parallel CPU

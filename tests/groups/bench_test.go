@@ -20,6 +20,7 @@ import (
 
 	"github.com/envsnap/envsnap/internal/group"
 	"github.com/envsnap/envsnap/internal/plan"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -28,9 +29,7 @@ import (
 // against rebuilding one full image per task, measured in the same run.
 // Run with ENVSNAP_BENCH=1 (make bench).
 func TestBenchComposition(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") == "" {
-		t.Skip("benchmark: set ENVSNAP_BENCH=1")
-	}
+	prereq.RequireBench(t)
 	const N, R, H = 200, 5, 2
 	env := testenv.New(t, testenv.WithEnvsnap())
 	ctx := env.Context()

@@ -15,6 +15,7 @@ import (
 	"github.com/klauspost/compress/zstd"
 
 	"github.com/envsnap/envsnap/internal/lazyfs"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -75,12 +76,7 @@ func fuzzSeedLayer(t testing.TB) (blob, rawTOC []byte) {
 // bounded time without crashing the server; reads return the verified
 // bytes or an error, never hang.
 func FuzzMountTOC(f *testing.F) {
-	if os.Geteuid() != 0 {
-		f.Skip("needs root for FUSE")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		f.Skip("no /dev/fuse")
-	}
+	prereq.RequireFUSE(f)
 	blob, raw := fuzzSeedLayer(f)
 	f.Add(raw)
 	ze, err := zstd.NewWriter(nil)

@@ -3,12 +3,12 @@ package reliability_test
 import (
 	"fmt"
 	"math/rand"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -19,9 +19,7 @@ import (
 // fetched at most once, whatever the concurrency); the daemon's peak RSS
 // under 200 MiB; no FUSE read slower than the read timeout (none failed).
 func TestBenchLoad50(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") == "" {
-		t.Skip("set ENVSNAP_BENCH=1 (make bench)")
-	}
+	prereq.RequireBench(t)
 	const (
 		envs    = 50
 		nFiles  = 2000

@@ -12,6 +12,7 @@ import (
 
 	"github.com/containerd/containerd/v2/core/images"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -22,9 +23,7 @@ import (
 // Every byte must be right, every container must survive the restarts,
 // and the daemon's goroutines and memory must not grow over time.
 func TestBenchSoak(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") == "" {
-		t.Skip("set ENVSNAP_BENCH=1 (make bench)")
-	}
+	prereq.RequireBench(t)
 	dur := 30 * time.Minute
 	if v := os.Getenv("ENVSNAP_SOAK"); v != "" {
 		d, err := time.ParseDuration(v)

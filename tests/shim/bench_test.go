@@ -1,7 +1,6 @@
 package shim_test
 
 import (
-	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -10,6 +9,7 @@ import (
 	"github.com/containerd/containerd/v2/pkg/oci"
 
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // BenchmarkBurstyTask runs one bursty CPU+memory task (two bursts of 4
@@ -20,9 +20,7 @@ import (
 //
 //	ENVSNAP_BENCH=1 go test -run '^$' -bench BurstyTask -benchtime 1x ./tests/shim/
 func BenchmarkBurstyTask(b *testing.B) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		b.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
-	}
+	prereq.RequireBench(b)
 	s := newSuite(b, node{})
 	args := []string{"-mode", "bench", "-threads", "4", "-work", "200", "-to", "768", "-bursts", "2", "-gap", "1s"}
 	runs := []struct {

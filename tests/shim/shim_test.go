@@ -18,6 +18,7 @@ import (
 	"github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // TestCPUJump: an idle container at 0.25 cores whose demand jumps to 8
@@ -68,7 +69,7 @@ func TestCPUJump(t *testing.T) {
 	// quota without being throttled ("host starvation"):
 	// then this run cannot tell whether the controller is fast enough.
 	if !demandVisible(t, timeline, jump, jump.Add(time.Second)) {
-		t.Skipf("host saturated (load %s): no throttling or quota-bound usage within 1 s of the jump; timeline:\n%s", loadavg(), timeline)
+		prereq.Skip(t, prereq.HostSaturated, "load %s: no throttling or quota-bound usage within 1 s of the jump; timeline:\n%s", loadavg(), timeline)
 	}
 	if reached == nil {
 		t.Fatalf("quota never reached 1.6 cores after the jump (at %s); controller timeline:\n%s",

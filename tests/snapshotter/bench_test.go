@@ -19,6 +19,7 @@ import (
 	"github.com/opencontainers/image-spec/identity"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -30,9 +31,8 @@ const (
 )
 
 func requireBench(tb testing.TB) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		tb.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
-	}
+	tb.Helper()
+	prereq.RequireBench(tb)
 }
 
 // bucket is a token bucket shared by every connection in one direction.

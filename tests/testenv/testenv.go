@@ -17,6 +17,7 @@ import (
 	"github.com/containerd/containerd/v2/client"
 
 	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 // The harness's types and options are devenv's.
@@ -141,12 +142,12 @@ func (e *Env) Crictl(t testing.TB, args ...string) (string, error) {
 	return e.Env.Crictl(args...)
 }
 
-// RequireRoot skips t unless it runs as root on a machine with /dev/fuse
-// and overlayfs, which every end-to-end test needs.
+// RequireRoot stops t (prereq.Missing) unless it runs as root on a
+// machine with /dev/fuse and overlayfs, which every end-to-end test needs.
 func RequireRoot(t testing.TB) {
 	t.Helper()
 	if err := devenv.CheckMachine(); err != nil {
-		t.Skip(err)
+		prereq.Missing(t, "%v", err)
 	}
 }
 

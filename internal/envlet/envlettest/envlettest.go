@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
+	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 const helperEnv = "ENVLET_TEST_HELPER"
@@ -224,12 +225,10 @@ var seq atomic.Int64
 // memory hierarchies mounted.
 func RequireV1(t testing.TB) cgroupfs.V1Mounts {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to create cgroups")
-	}
+	prereq.RequireRoot(t) // to create cgroups
 	m, err := cgroupfs.FindV1Mounts()
 	if err != nil {
-		t.Skipf("no cgroup v1 cpu/cpuacct/memory: %v", err)
+		prereq.Skip(t, prereq.NoCgroupV1, "%v", err)
 	}
 	return m
 }
