@@ -20,6 +20,11 @@ E2E_PKGS  := ./tests/...
 # deadline on a loaded machine and fails with a bare "context deadline
 # exceeded" (golang/go#75804). Any -fuzztime value works (e.g. FUZZTIME=30s).
 FUZZTIME  ?= 50000x
+# go test runs with -json through hack/testsummary, which prints what go
+# test prints without -v and records the events; `make test` ends with the
+# counts per package and one line "N passed, N failed, N skipped".
+TESTSUMMARY := $(BIN)/testsummary
+RESULTS     := $(BIN)/test-results
 
 .PHONY: all deps build test unit e2e fuzz vet demo bench clean
 
@@ -35,16 +40,22 @@ vet:
 	$(GO) vet ./...
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
 
-unit:
-	$(GO) test -count=1 -timeout 15m $(UNIT_PKGS)
+$(TESTSUMMARY): hack/testsummary/main.go
+	$(GO) build -o $@ ./hack/testsummary
 
-e2e: build
-	$(GO) test -count=1 -p 1 -timeout 25m $(E2E_PKGS)
+unit: $(TESTSUMMARY)
+	@mkdir -p $(RESULTS)
+	$(GO) test -json -count=1 -timeout 15m $(UNIT_PKGS) | $(TESTSUMMARY) -record $(RESULTS)/unit.json
+
+e2e: build $(TESTSUMMARY)
+	@mkdir -p $(RESULTS)
+	$(GO) test -json -count=1 -p 1 -timeout 25m $(E2E_PKGS) | $(TESTSUMMARY) -record $(RESULTS)/e2e.json
 
 fuzz:
 	@hack/fuzz.sh $(FUZZTIME)
 
 test: deps build vet unit e2e fuzz
+	@$(TESTSUMMARY) -report $(RESULTS)/unit.json $(RESULTS)/e2e.json
 
 demo: deps build
 	$(GO) run ./bench/cmd/envsnap-demo
