@@ -16,9 +16,9 @@ import (
 	"github.com/containerd/containerd/v2/pkg/snapshotters"
 )
 
-// Pull pulls ref with the Go client path nerdctl uses: client.Pull with
-// unpack and the image-info labels that let a remote snapshotter serve
-// layers lazily.
+// Pull pulls ref with client.Pull, unpack and the image-info labels that
+// let a remote snapshotter serve layers lazily (the path CRI's local pull
+// mode and Go clients using snapshotters.AppendInfoHandlerWrapper take).
 func (e *Env) Pull(ctx context.Context, ref, snapshotter string) (client.Image, error) {
 	img, err := e.Client.Pull(ctx, ref,
 		client.WithResolver(e.Resolver()),

@@ -104,8 +104,8 @@ func (e *Env) PushImageLayers(t testing.TB, name string, layers [][]File, opts .
 	return img
 }
 
-// Pull pulls ref the way nerdctl does (client.Pull with the image-info
-// labels that let a remote snapshotter serve layers lazily).
+// Pull pulls ref with client.Pull and the image-info labels that let a
+// remote snapshotter serve layers lazily (snapshotters.AppendInfoHandlerWrapper).
 func (e *Env) Pull(t testing.TB, ref, snapshotter string) client.Image {
 	t.Helper()
 	img, err := e.Env.Pull(e.Context(), ref, snapshotter)
