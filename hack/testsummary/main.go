@@ -126,7 +126,7 @@ func (r *run) add(e event) {
 		delete(r.pending, k)
 	case "fail":
 		p.failed++
-		r.print(strings.Join(r.pending[k], ""))
+		r.print(failureText(r.pending[k]))
 		delete(r.pending, k)
 	case "skip":
 		p.skipped++
@@ -150,6 +150,20 @@ func (r *run) flushRunning(pkg string) {
 		r.pkg(pkg).failed++
 		delete(r.pending, k)
 	}
+}
+
+// failureText is a failed test's output as go test prints it without -v:
+// the "--- FAIL" line first, then what the test logged.
+func failureText(lines []string) string {
+	var head, rest []string
+	for _, l := range lines {
+		if strings.HasPrefix(strings.TrimLeft(l, " "), "--- FAIL") && len(head) == 0 {
+			head = append(head, l)
+			continue
+		}
+		rest = append(rest, l)
+	}
+	return strings.Join(append(head, rest...), "")
 }
 
 // skipReason is the message t.Skip logged: the last output line before

@@ -37,6 +37,10 @@ func TestFailingRun(t *testing.T) {
 			t.Errorf("output has %q, which go test without -v does not print:\n%s", not, out.String())
 		}
 	}
+	// As without -v: the FAIL line heads what the test logged.
+	if strings.Index(out.String(), "--- FAIL: TestBad") > strings.Index(out.String(), "a_test.go:6: why it failed") {
+		t.Errorf("log printed before the --- FAIL line:\n%s", out.String())
+	}
 	// The timeout's panic comes before the package's verdict.
 	if strings.Index(out.String(), "panic: test timed out") > strings.Index(out.String(), "FAIL\tx/a\t") {
 		t.Errorf("panic printed after the package's FAIL line:\n%s", out.String())
