@@ -8,7 +8,10 @@
 // verified against it; the layer descriptor in it carries the TOC digest
 // (layerfmt.AnnotationTOCDigest), against which the TOC read from the blob's
 // tail is verified; the TOC holds the digest of every chunk, verified on
-// every fetch. Nothing unverified is ever served.
+// every fetch. Nothing unverified is ever served. The manifest and the TOC
+// are also kept in the node cache, where a restarted daemon finds them
+// without the registry (metadata.go); they are verified the same way when
+// loaded from there.
 package layerstore
 
 import (
