@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -50,7 +51,9 @@ func get(ctx context.Context, target, path string, v any) error {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("query daemon %s: %s", path, resp.Status)
+		// The body says why (503: "not ready: restoring layer mounts").
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return fmt.Errorf("query daemon %s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
 	}
 	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
 		return fmt.Errorf("decode daemon %s: %w", path, err)
