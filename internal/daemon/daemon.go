@@ -59,40 +59,41 @@ func Run(ctx context.Context, cfg Config) error {
 	reg := prometheus.NewRegistry()
 	d := &daemon{}
 	d.phase.Store("restoring layer mounts")
-	httpSrv := &http.Server{Handler: d.handler(reg), ReadHeaderTimeout: 10 * time.Second}
-	var listeners []net.Listener
-	defer func() {
-		for _, l := range listeners {
-			l.Close()
-		}
-	}()
+	var servers []*http.Server
 	errc := make(chan error, 3)
-	serveHTTP := func(l net.Listener) {
-		listeners = append(listeners, l)
+	serveHTTP := func(l net.Listener, h http.Handler) {
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, srv)
 		go func() {
-			if err := httpSrv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				errc <- fmt.Errorf("serve http on %s: %w", l.Addr(), err)
 			}
 		}()
 	}
+	defer func() {
+		shutCtx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+		defer cancel()
+		for _, srv := range servers {
+			srv.Shutdown(shutCtx)
+		}
+		os.Remove(StatusSocket(cfg.Address))
+	}()
 	statusL, err := listenUnix(StatusSocket(cfg.Address))
 	if err != nil {
 		return err
 	}
-	serveHTTP(statusL)
+	serveHTTP(statusL, d.handler(reg))
 	if cfg.MetricsAddress != "" {
+		// Only the metrics: the TCP address is reachable from wherever
+		// the node's address is (containers included, under host
+		// networking), and status and footprints name the images of the
+		// node and what their workloads read.
 		l, err := net.Listen("tcp", cfg.MetricsAddress)
 		if err != nil {
 			return fmt.Errorf("listen on metrics address: %w", err)
 		}
-		serveHTTP(l)
+		serveHTTP(l, metricsHandler(reg))
 	}
-	defer func() {
-		shutCtx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
-		defer cancel()
-		httpSrv.Shutdown(shutCtx)
-		os.Remove(StatusSocket(cfg.Address))
-	}()
 
 	cache, err := chunkcache.Open(cfg.CacheDir, int64(cfg.CacheSize))
 	if err != nil {
@@ -279,7 +280,16 @@ func listenUnix(path string) (net.Listener, error) {
 	return l, nil
 }
 
-// daemon serves the HTTP endpoints. Its fields are set before ready is
+// metricsHandler serves the Prometheus metrics alone, for the TCP metrics
+// address: counters and gauges of the cache, fetches and FUSE operations
+// (per layer digest), no image references, paths or footprints.
+func metricsHandler(reg *prometheus.Registry) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// daemon serves the HTTP endpoints of the status socket. Its fields are set before ready is
 // first stored true, and read only when ready is true.
 type daemon struct {
 	sn    *snapshotter.Snapshotter
