@@ -289,8 +289,8 @@ func metricsHandler(reg *prometheus.Registry) http.Handler {
 	return mux
 }
 
-// daemon serves the HTTP endpoints of the status socket. Its fields are set before ready is
-// first stored true, and read only when ready is true.
+// daemon serves the HTTP endpoints of the status socket. Its fields are
+// set before ready is first stored true, and read only when ready is true.
 type daemon struct {
 	sn    *snapshotter.Snapshotter
 	store *layerstore.Store

@@ -39,7 +39,7 @@ if cat /data/uncached.bin >/dev/null; then echo uncached-ok; else echo uncached-
 echo outage-done
 while [ ! -e /signal/2 ]; do sleep 0.05; done
 if sha256sum /data/uncached.bin; then echo recovered-ok; else echo recovered-failed; fi
-echo done`
+echo finished`
 
 // outageRig is a container running outageScript on lazy layers, whose
 // daemon is SIGKILLed and restarted while the registry is unreachable.
@@ -83,6 +83,13 @@ func newOutageRig(t *testing.T) *outageRig {
 		return true
 	})
 	r.rc = startContainer(t, r.env, image, r.signals, "/bin/sh", "-c", outageScript)
+	// Runs before the container's clean-up: a daemon that left the
+	// container hung would hang its deletion too, until it dies.
+	t.Cleanup(func() {
+		if t.Failed() {
+			r.env.Envsnap.Kill()
+		}
+	})
 	r.rc.waitOutput(t, "ready", time.Minute)
 	for _, mp := range testenv.MountsBelow(filepath.Join(r.env.EnvsnapRoot, "layers")) {
 		if _, err := os.Stat(filepath.Join(mp, r.cached.Path)); err == nil {
@@ -172,7 +179,7 @@ func TestRestartDuringRegistryOutage(t *testing.T) {
 	if n := strings.Count(out, sum); n != 3 {
 		t.Errorf("sha256 of the cached file printed %d times, want 3 (before, open fd, fresh open): %q", n, out)
 	}
-	if e := r.rc.errOut.String(); !strings.Contains(e, "I/O error") {
+	if e := r.rc.errOut.String(); !strings.Contains(e, "Input/output error") {
 		t.Errorf("uncached read during the outage: stderr %q, want an I/O error", e)
 	}
 	if !r.env.Envsnap.LogContains("took over layer mounts of the previous daemon") || r.env.Envsnap.LogContains("cannot take over") {
@@ -189,7 +196,7 @@ func TestRestartDuringRegistryOutage(t *testing.T) {
 	r.checkFUSEDescriptors(t)
 
 	r.down.Store(false)
-	r.step(t, "2", "done")
+	r.step(t, "2", "finished")
 	if out := r.rc.out.String(); !strings.Contains(out, "recovered-ok") || !strings.Contains(out, r.uncached.Digest().Encoded()) {
 		t.Errorf("read after the registry came back: stdout %q stderr %q", out, r.rc.errOut)
 	}
