@@ -8,7 +8,6 @@ package headline
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -26,6 +25,7 @@ import (
 
 	"github.com/envsnap/envsnap/bench/episode"
 	"github.com/envsnap/envsnap/bench/netshape"
+	"github.com/envsnap/envsnap/internal/daemon"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/plan"
 )
@@ -327,27 +327,14 @@ func (b *bench) reset() error {
 // on startup, and its layer (with fill or --eager) downloaded into the
 // emptied cache before the run starts counting registry bytes.
 func (b *bench) checkCold() error {
-	resp, err := http.Get(strings.TrimSuffix(b.metrics, "/metrics") + "/status")
+	st, err := daemon.GetStatus(context.Background(), b.env.SnapshotterSocket)
 	if err != nil {
 		return fmt.Errorf("check the node is cold: %w", err)
-	}
-	defer resp.Body.Close()
-	var st struct {
-		Layers []struct {
-			Digest string `json:"digest"`
-		} `json:"layers"`
-		Cache struct {
-			Size    int64
-			Entries int
-		} `json:"cache"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
-		return fmt.Errorf("check the node is cold: decode /status: %w", err)
 	}
 	if len(st.Layers) > 0 || st.Cache.Entries > 0 {
 		var layers []string
 		for _, l := range st.Layers {
-			layers = append(layers, l.Digest)
+			layers = append(layers, l.Digest.String())
 		}
 		return fmt.Errorf("node not cold after reset: the daemon restored %d layers of deleted images [%s] and caches %d chunks (%s)",
 			len(st.Layers), strings.Join(layers, " "), st.Cache.Entries, mib(st.Cache.Size))

@@ -38,7 +38,7 @@ func (b *bench) recordPrefetch(ctx context.Context, pub *episode.Published, t ep
 	if r.Error != "" {
 		return "", fmt.Errorf("profiling episode of %s: %s", t.ID, r.Error)
 	}
-	fps, err := daemon.GetFootprints(ctx, strings.TrimSuffix(b.metrics, "/metrics"))
+	fps, err := daemon.GetFootprints(ctx, b.env.SnapshotterSocket)
 	if err != nil {
 		return "", err
 	}

@@ -17,7 +17,7 @@ var footprintsCommand = &cli.Command{
 	Name:  "footprints",
 	Usage: "print what the running environments have read of each lazy layer (layer digest -> prefetch list), for `group prefetch`",
 	Flags: []cli.Flag{
-		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "the daemon's gRPC socket, or http://host:port of its metrics address"},
+		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "the daemon's gRPC socket (status is read from the root-only socket beside it)"},
 		&cli.StringFlag{Name: "output", Aliases: []string{"o"}, Usage: "write the JSON to this file instead of stdout"},
 	},
 	Action: func(ctx context.Context, c *cli.Command) error {

@@ -26,7 +26,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "unix socket containerd connects to"},
 		&cli.StringFlag{Name: "hosts-dir", Value: daemon.DefaultHostsDir, Usage: "containerd certs.d directory for registry hosts"},
 		&cli.StringFlag{Name: "docker-config", Usage: "docker config.json (or its directory) with registry credentials"},
-		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics, /healthz and /status (off when empty)"},
+		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics only (off when empty; a port alone listens on 127.0.0.1)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
 		&cli.BoolFlag{Name: "passthrough", Value: true, Usage: "let the kernel read fully cached files from unpacked copies (FUSE passthrough)"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},

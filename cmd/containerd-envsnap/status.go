@@ -20,7 +20,7 @@ var statusCommand = &cli.Command{
 	Name:  "status",
 	Usage: "show the layers a running daemon serves and how much of each is fetched",
 	Flags: []cli.Flag{
-		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "the daemon's gRPC socket, or http://host:port of its metrics address"},
+		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "the daemon's gRPC socket (status is read from the root-only socket beside it)"},
 		&cli.BoolFlag{Name: "json", Usage: "print the raw JSON status"},
 	},
 	Action: func(ctx context.Context, c *cli.Command) error {

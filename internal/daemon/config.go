@@ -5,6 +5,7 @@ package daemon
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -43,8 +44,9 @@ const (
 	DefaultFillDelay = Duration(0)
 	DefaultLogLevel  = "info"
 	// StatusSocketSuffix is appended to the gRPC address for the local
-	// HTTP socket that serves /status, /healthz and /metrics, so the
-	// status command finds a daemon from its address alone.
+	// HTTP socket that serves /status, /footprints, /healthz and
+	// /metrics, so the status command finds a daemon from its address
+	// alone.
 	StatusSocketSuffix = ".http"
 )
 
@@ -59,9 +61,12 @@ type Config struct {
 	// DockerConfig is a docker config.json for registry credentials;
 	// empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
 	DockerConfig string `toml:"docker_config"`
-	// MetricsAddress is a TCP address (host:port) for /metrics, /healthz
-	// and /status; empty disables it. The same handlers are always served
-	// on the unix socket Address+StatusSocketSuffix.
+	// MetricsAddress is a TCP address (host:port) serving /metrics alone;
+	// empty disables it. A port without a host (":9166") listens on
+	// 127.0.0.1, not on every interface: give the host (e.g.
+	// "0.0.0.0:9166") to expose it. /status, /footprints and /healthz are
+	// served only on the root-only unix socket Address+StatusSocketSuffix
+	// (with /metrics).
 	MetricsAddress string `toml:"metrics_address"`
 	// CacheDir defaults to <Root>/cache.
 	CacheDir string `toml:"cache_dir"`
@@ -165,6 +170,15 @@ func (c *Config) Validate() error {
 	}
 	if c.ReadTimeout <= 0 {
 		return fmt.Errorf("read_timeout must be positive")
+	}
+	if c.MetricsAddress != "" {
+		host, port, err := net.SplitHostPort(c.MetricsAddress)
+		if err != nil {
+			return fmt.Errorf("metrics_address %q: %w", c.MetricsAddress, err)
+		}
+		if host == "" {
+			c.MetricsAddress = net.JoinHostPort("127.0.0.1", port)
+		}
 	}
 	return nil
 }

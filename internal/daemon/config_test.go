@@ -97,3 +97,25 @@ func TestDeployedConfigLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestMetricsAddressDefaultsToLoopback: a metrics address without a host
+// listens on loopback, not on every interface.
+func TestMetricsAddressDefaultsToLoopback(t *testing.T) {
+	for in, want := range map[string]string{
+		"":             "",
+		":9166":        "127.0.0.1:9166",
+		"0.0.0.0:9166": "0.0.0.0:9166",
+		"[::1]:9166":   "[::1]:9166",
+	} {
+		c := DefaultConfig()
+		c.MetricsAddress = in
+		if err := c.Validate(); err != nil || c.MetricsAddress != want {
+			t.Errorf("metrics_address %q: got %q, %v; want %q", in, c.MetricsAddress, err, want)
+		}
+	}
+	c := DefaultConfig()
+	c.MetricsAddress = "9166"
+	if err := c.Validate(); err == nil {
+		t.Error("metrics_address without a port accepted")
+	}
+}

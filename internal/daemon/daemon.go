@@ -17,10 +17,12 @@ import (
 
 	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
 	"github.com/containerd/containerd/v2/contrib/snapshotservice"
+	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
@@ -46,11 +48,57 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := os.MkdirAll(cfg.Root, 0o700); err != nil {
 		return fmt.Errorf("create root: %w", err)
 	}
+	lock, err := claimAddress(cfg.Address)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+
+	// The status socket answers from the start, /healthz with 503 until
+	// the restore below is done; the gRPC socket appears only then.
+	reg := prometheus.NewRegistry()
+	d := &daemon{}
+	d.phase.Store("restoring layer mounts")
+	var servers []*http.Server
+	errc := make(chan error, 3)
+	serveHTTP := func(l net.Listener, h http.Handler) {
+		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		servers = append(servers, srv)
+		go func() {
+			if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("serve http on %s: %w", l.Addr(), err)
+			}
+		}()
+	}
+	defer func() {
+		shutCtx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+		defer cancel()
+		for _, srv := range servers {
+			srv.Shutdown(shutCtx)
+		}
+		os.Remove(StatusSocket(cfg.Address))
+	}()
+	statusL, err := listenUnix(StatusSocket(cfg.Address))
+	if err != nil {
+		return err
+	}
+	serveHTTP(statusL, d.handler(reg))
+	if cfg.MetricsAddress != "" {
+		// Only the metrics: the TCP address is reachable from wherever
+		// the node's address is (containers included, under host
+		// networking), and status and footprints name the images of the
+		// node and what their workloads read.
+		l, err := net.Listen("tcp", cfg.MetricsAddress)
+		if err != nil {
+			return fmt.Errorf("listen on metrics address: %w", err)
+		}
+		serveHTTP(l, metricsHandler(reg))
+	}
+
 	cache, err := chunkcache.Open(cfg.CacheDir, int64(cfg.CacheSize))
 	if err != nil {
 		return err
 	}
-	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), cache.Collector())
 
 	fetchMetrics, err := fetch.NewMetrics(reg)
@@ -115,50 +163,24 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}()
 
-	d := &daemon{sn: sn, store: store, cache: cache, files: files}
-	httpSrv := &http.Server{Handler: d.handler(reg), ReadHeaderTimeout: 10 * time.Second}
-	var listeners []net.Listener
-	defer func() {
-		for _, l := range listeners {
-			l.Close()
-		}
-	}()
-	statusL, err := listenUnix(StatusSocket(cfg.Address))
-	if err != nil {
-		return err
-	}
-	listeners = append(listeners, statusL)
-	if cfg.MetricsAddress != "" {
-		l, err := net.Listen("tcp", cfg.MetricsAddress)
-		if err != nil {
-			return fmt.Errorf("listen on metrics address: %w", err)
-		}
-		listeners = append(listeners, l)
-	}
+	d.sn, d.store, d.cache, d.files = sn, store, cache, files
 
-	// The gRPC socket appears last: containerd and the test harness take
-	// its existence to mean the daemon is ready.
+	// The gRPC socket appears last: containerd and start scripts take its
+	// existence to mean the daemon is ready, so /healthz says so first.
 	grpcSrv := grpc.NewServer()
 	snapshotsapi.RegisterSnapshotsServer(grpcSrv, snapshotservice.FromSnapshotter(sn))
+	d.ready.Store(true)
 	grpcL, err := listenUnix(cfg.Address)
 	if err != nil {
+		d.phase.Store("failed to listen")
+		d.ready.Store(false)
 		return err
-	}
-
-	errc := make(chan error, len(listeners)+1)
-	for _, l := range listeners {
-		go func() {
-			if err := httpSrv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				errc <- fmt.Errorf("serve http on %s: %w", l.Addr(), err)
-			}
-		}()
 	}
 	go func() {
 		if err := grpcSrv.Serve(grpcL); err != nil {
 			errc <- fmt.Errorf("serve grpc: %w", err)
 		}
 	}()
-	d.ready.Store(true)
 	log.G(ctx).WithField("address", cfg.Address).WithField("root", cfg.Root).WithField("metrics", cfg.MetricsAddress).Info("containerd-envsnap serving")
 
 	var runErr error
@@ -168,6 +190,7 @@ func Run(ctx context.Context, cfg Config) error {
 	case runErr = <-errc:
 		log.G(ctx).WithError(runErr).Error("server failed; shutting down")
 	}
+	d.phase.Store("shutting down")
 	d.ready.Store(false)
 
 	stopped := make(chan struct{})
@@ -177,11 +200,7 @@ func Run(ctx context.Context, cfg Config) error {
 	case <-time.After(shutdownGrace):
 		grpcSrv.Stop()
 	}
-	shutCtx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
-	defer cancel()
-	httpSrv.Shutdown(shutCtx)
 	os.Remove(cfg.Address)
-	os.Remove(StatusSocket(cfg.Address))
 	return runErr
 }
 
@@ -208,15 +227,48 @@ func unmountOrphans(ctx context.Context, sn *snapshotter.Snapshotter, store *lay
 	}
 }
 
-// listenUnix listens on a fresh unix socket readable only by root: the
-// snapshot API can mount anything anywhere.
-func listenUnix(path string) (net.Listener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+// claimAddress makes this process the only daemon serving address, for as
+// long as the returned lock file stays open (the kernel releases it when
+// the process dies, SIGKILL included). A second daemon fails here with a
+// clear error instead of taking the sockets of the first. The socket files
+// a killed daemon left are removed at once: the restore that follows can
+// take a while, and until the new sockets are created their existence must
+// not suggest that something listens.
+func claimAddress(address string) (*os.File, error) {
+	if err := os.MkdirAll(filepath.Dir(address), 0o700); err != nil {
 		return nil, fmt.Errorf("create socket dir: %w", err)
 	}
-	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
-		return nil, fmt.Errorf("remove stale socket: %w", err)
+	lockPath := address + ".lock"
+	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open lock %s: %w", lockPath, err)
 	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("another containerd-envsnap serves %s (it holds %s): %w", address, lockPath, errdefs.ErrAlreadyExists)
+		}
+		return nil, fmt.Errorf("lock %s: %w", lockPath, err)
+	}
+	for _, p := range []string{address, StatusSocket(address)} {
+		// A daemon that does not take the lock (an older version) may
+		// still be serving: never remove a socket that answers.
+		if c, err := net.DialTimeout("unix", p, time.Second); err == nil {
+			c.Close()
+			f.Close()
+			return nil, fmt.Errorf("another process serves %s: %w", p, errdefs.ErrAlreadyExists)
+		}
+		if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
+			f.Close()
+			return nil, fmt.Errorf("remove stale socket %s: %w", p, err)
+		}
+	}
+	return f, nil
+}
+
+// listenUnix listens on a unix socket readable only by root (the snapshot
+// API can mount anything anywhere), at a path claimAddress cleared.
+func listenUnix(path string) (net.Listener, error) {
 	l, err := net.Listen("unix", path)
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: %w", path, err)
@@ -228,37 +280,57 @@ func listenUnix(path string) (net.Listener, error) {
 	return l, nil
 }
 
+// metricsHandler serves the Prometheus metrics alone, for the TCP metrics
+// address: counters and gauges of the cache, fetches and FUSE operations
+// (per layer digest), no image references, paths or footprints.
+func metricsHandler(reg *prometheus.Registry) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// daemon serves the HTTP endpoints of the status socket. Its fields are
+// set before ready is first stored true, and read only when ready is true.
 type daemon struct {
 	sn    *snapshotter.Snapshotter
 	store *layerstore.Store
 	cache *chunkcache.Cache
 	files *unpacked.Store // nil without passthrough
 	ready atomic.Bool
+	phase atomic.Value // string: why not ready
 }
 
 func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
-		if !d.ready.Load() {
-			http.Error(w, "not ready", http.StatusServiceUnavailable)
-			return
-		}
+	mux.HandleFunc("/healthz", d.whenReady(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("/footprints", func(w http.ResponseWriter, r *http.Request) {
+	}))
+	mux.HandleFunc("/footprints", d.whenReady(func(w http.ResponseWriter, r *http.Request) {
 		out := map[string]string{}
 		for d, frames := range d.store.Footprints() {
 			out[d.String()] = layerfmt.FormatPrefetch(frames)
 		}
 		w.Header().Set("Content-Type", "application/json")
 		json.NewEncoder(w).Encode(out)
-	})
-	mux.HandleFunc("/status", func(w http.ResponseWriter, r *http.Request) {
+	}))
+	mux.HandleFunc("/status", d.whenReady(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		json.NewEncoder(w).Encode(d.status())
-	})
+	}))
 	return mux
+}
+
+// whenReady answers 503 with the reason, like /healthz, until the daemon
+// serves (the state h reads does not exist before).
+func (d *daemon) whenReady(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if !d.ready.Load() {
+			http.Error(w, "not ready: "+d.phase.Load().(string), http.StatusServiceUnavailable)
+			return
+		}
+		h(w, r)
+	}
 }
 
 // Status is what /status serves and `containerd-envsnap status` prints.

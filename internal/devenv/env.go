@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -328,7 +329,6 @@ func (e *Env) SetEnvsnapArgs(args ...string) {
 
 // StartEnvsnap starts the envsnap daemon (again, after a Kill or Stop).
 func (e *Env) StartEnvsnap() (*Process, error) {
-	_ = os.Remove(e.SnapshotterSocket)
 	bin, err := Binary("containerd-envsnap")
 	if err != nil {
 		return nil, err
@@ -344,11 +344,16 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		return nil, err
 	}
 	e.Envsnap = p
+	// A socket file alone may be the one a killed daemon left (the new
+	// one removes it as it starts): wait for an answer.
 	if err := waitFor(20*time.Second, "envsnap socket", func() error {
 		if exited, err := p.Exited(); exited {
 			return fmt.Errorf("containerd-envsnap exited: %v", err)
 		}
-		_, err := os.Stat(e.SnapshotterSocket)
+		c, err := net.Dial("unix", e.SnapshotterSocket)
+		if err == nil {
+			c.Close()
+		}
 		return err
 	}); err != nil {
 		return nil, fmt.Errorf("start envsnap: %w\n%s", err, p.LogTail(40))

@@ -8,7 +8,10 @@
 // verified against it; the layer descriptor in it carries the TOC digest
 // (layerfmt.AnnotationTOCDigest), against which the TOC read from the blob's
 // tail is verified; the TOC holds the digest of every chunk, verified on
-// every fetch. Nothing unverified is ever served.
+// every fetch. Nothing unverified is ever served. The manifest and the TOC
+// are also kept in the node cache, where a restarted daemon finds them
+// without the registry (metadata.go); they are verified the same way when
+// loaded from there.
 package layerstore
 
 import (
@@ -159,14 +162,18 @@ func New(cfg Config) (*Store, error) {
 
 // Mount makes the layer named by labels readable at mountpoint. Layers
 // without our TOC annotation fail with errdefs.ErrNotImplemented.
-func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]string) (retErr error) {
+func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]string) error {
 	s.mu.Lock()
 	_, busy := s.mounts[mountpoint]
 	s.mu.Unlock()
 	if busy {
 		return fmt.Errorf("mount layer %s at %s: %w", labels[snapshotter.LabelLayerDigest], mountpoint, errdefs.ErrAlreadyExists)
 	}
-	m, err := s.mount(ctx, mountpoint, labels, nil)
+	o, err := s.open(ctx, labels, snapshotter.Restoring(ctx))
+	if err != nil {
+		return err
+	}
+	m, err := s.serve(ctx, mountpoint, o, nil)
 	if err != nil {
 		return err
 	}
@@ -174,9 +181,23 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	return nil
 }
 
-// mount opens the layer named by labels and serves it at mountpoint: a new
-// FUSE mount, or, with takeover, the live connection of a predecessor.
-func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]string, takeover *lazyfs.Handover) (_ *mounted, retErr error) {
+// opened is a layer whose metadata is known and verified, ready to be
+// served.
+type opened struct {
+	ref       string
+	manifest  digest.Digest
+	desc      ocispec.Descriptor
+	tocDigest digest.Digest
+	blob      *fetch.BlobReader
+	toc       *layerfmt.TOC
+}
+
+// open finds the layer named by labels: its descriptor in the manifest and
+// its TOC, from memory, the node cache or the registry, in that order.
+// With bounded, a registry round trip may take no longer than one read
+// may: a restore or a takeover holds containers (their requests wait in
+// the kernel) or containerd (the socket is not up yet) meanwhile.
+func (s *Store) open(ctx context.Context, labels map[string]string, bounded bool) (*opened, error) {
 	ref := labels[snapshotter.LabelImageRef]
 	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
 	if err != nil {
@@ -185,6 +206,11 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
 	if err != nil {
 		return nil, fmt.Errorf("layer digest label: %w", err)
+	}
+	if bounded {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.cfg.ReadTimeout)
+		defer cancel()
 	}
 
 	mf, err := s.manifest(ctx, ref, mdgst)
@@ -209,6 +235,14 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 			return nil, err
 		}
 	}
+	return &opened{ref: ref, manifest: mdgst, desc: desc, tocDigest: tocDigest, blob: blob, toc: toc}, nil
+}
+
+// serve serves the opened layer at mountpoint: a new FUSE mount, or, with
+// takeover, the live connection of a predecessor (lazyfs.WithTakeover:
+// lazyfs owns takeover.FD from this call on, also when it fails).
+func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeover *lazyfs.Handover) (_ *mounted, retErr error) {
+	ref, desc, toc, ldgst := o.ref, o.desc, o.toc, o.desc.Digest
 	layerOpts := []fetch.LayerOption{
 		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
 		// Eager mounts wait for their fill: nothing to yield to.
@@ -220,7 +254,7 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	if s.cfg.FrameCache != nil {
 		layerOpts = append(layerOpts, fetch.WithSharedFrameCache(s.cfg.FrameCache))
 	}
-	layer := fetch.NewLayer(blob, toc, s.cfg.Cache, layerOpts...)
+	layer := fetch.NewLayer(o.blob, toc, s.cfg.Cache, layerOpts...)
 	defer func() {
 		if retErr != nil {
 			layer.Close()
@@ -278,6 +312,8 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	s.mu.Lock()
 	s.mounts[mountpoint] = m
 	s.mu.Unlock()
+	// Kept for a successor while mounted; see metadata.go.
+	s.cfg.Cache.Pin(metaPinOwner(mountpoint), []digest.Digest{o.manifest, o.tocDigest})
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
 }
@@ -314,7 +350,8 @@ func (s *Store) fetchAll(ctx context.Context, layer *fetch.Layer, ldgst digest.D
 	}
 }
 
-// manifest fetches (or recalls) the manifest dgst of ref, verified by digest.
+// manifest recalls the manifest dgst of ref from memory or the node cache,
+// or fetches it; verified by digest either way.
 func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*ocispec.Manifest, error) {
 	s.mu.Lock()
 	mf, ok := s.manifests[dgst]
@@ -322,9 +359,13 @@ func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*
 	if ok {
 		return mf, nil
 	}
-	b, err := fetch.FetchManifest(ctx, s.cfg.Hosts, ref, dgst)
-	if err != nil {
-		return nil, fmt.Errorf("fetch manifest %s of %s: %w", dgst, ref, err)
+	b, ok := s.cachedManifest(dgst)
+	if !ok {
+		var err error
+		if b, err = fetch.FetchManifest(ctx, s.cfg.Hosts, ref, dgst); err != nil {
+			return nil, fmt.Errorf("fetch manifest %s of %s: %w", dgst, ref, err)
+		}
+		s.keepManifest(ctx, dgst, b)
 	}
 	mf = new(ocispec.Manifest)
 	if err := json.Unmarshal(b, mf); err != nil {
@@ -347,16 +388,22 @@ func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*
 	return mf, nil
 }
 
-// readTOC reads and verifies the TOC of desc from the registry.
+// readTOC returns the TOC of desc, verified against tocDigest: from the
+// node cache, or read from the registry (and then kept in the cache).
 func (s *Store) readTOC(ctx context.Context, ref string, desc ocispec.Descriptor, tocDigest digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, error) {
 	blob, err := fetch.NewBlobReader(s.cfg.Hosts, ref, desc, fetch.WithRequestMetrics(s.cfg.FetchMetrics))
 	if err != nil {
 		return nil, nil, fmt.Errorf("open blob %s of %s: %w", desc.Digest, ref, err)
 	}
-	toc, err := layerfmt.ReadTOC(ctx, blob.ReaderAt(ctx), desc.Size, tocDigest)
+	if toc := s.cachedTOC(ctx, desc, tocDigest); toc != nil {
+		return blob, toc, nil
+	}
+	tail := &tailRecorder{ra: blob.ReaderAt(ctx)}
+	toc, err := layerfmt.ReadTOC(ctx, tail, desc.Size, tocDigest)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read TOC of layer %s: %w", desc.Digest, err)
 	}
+	s.keepTOC(ctx, desc, tocDigest, tail)
 	return blob, toc, nil
 }
 
@@ -468,6 +515,7 @@ func (s *Store) Unmount(ctx context.Context, mountpoint string) error {
 		return fmt.Errorf("unmount layer %s: %w", m.desc.Digest, err)
 	}
 	m.cancel()
+	s.cfg.Cache.Unpin(metaPinOwner(mountpoint))
 	// Overlay mounts keep private references to their lower layers, so
 	// the FUSE connection may go on serving a container after Unmount:
 	// the chunk source stays open until the kernel lets go (Wait).

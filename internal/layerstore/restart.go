@@ -16,7 +16,7 @@ import (
 )
 
 // restoreParallel bounds the layers taken over at once on startup (each
-// costs a manifest and a TOC round trip).
+// may cost a manifest and a TOC round trip).
 const restoreParallel = 8
 
 // keeperMeta is what a successor needs, besides the descriptor, to serve a
@@ -68,9 +68,17 @@ func (s *Store) forget(ctx context.Context, mountpoint string) {
 // Restore takes over the layer mounts a previous daemon left with the
 // keeper: each is served again on its live FUSE connection, so containers
 // reading it never notice the restart (requests they made meanwhile wait
-// in the kernel's queue). It returns the mountpoints now served. Mounts
-// that cannot be taken over are logged and their descriptors dropped; the
-// snapshotter then detaches and remounts them fresh.
+// in the kernel's queue). It returns the mountpoints now served.
+//
+// The layers' manifests and TOCs come from the node cache (metadata.go),
+// so a registry outage does not stop a takeover; reads of chunks not in
+// the cache then fail with EIO after the read timeout, as in an outage
+// without a restart. A mount that cannot be taken over (its metadata is
+// neither in the cache nor fetched within the read timeout, or is corrupt)
+// is logged and its connection aborted, so its containers get ENOTCONN
+// instead of waiting; the snapshotter then remounts the layer fresh. The
+// fetch is not retried in the background: the containers would wait in
+// the kernel meanwhile, with nothing to tell that wait from a hang.
 func (s *Store) Restore(ctx context.Context) ([]string, error) {
 	if s.cfg.Keeper == nil {
 		return nil, nil
@@ -85,7 +93,7 @@ func (s *Store) Restore(ctx context.Context) ([]string, error) {
 	for i, e := range entries {
 		g.Go(func() error {
 			if err := s.takeOver(ctx, e); err != nil {
-				log.G(ctx).WithError(err).WithField("mountpoint", e.Mountpoint).Error("cannot take over layer mount of the previous daemon; it will be remounted")
+				log.G(ctx).WithError(err).WithField("mountpoint", e.Mountpoint).Error("cannot take over layer mount of the previous daemon; its connection is aborted and the layer will be remounted")
 				s.forget(ctx, e.Key)
 				return nil
 			}
@@ -103,28 +111,61 @@ func (s *Store) Restore(ctx context.Context) ([]string, error) {
 	return out, nil
 }
 
-// takeOver serves one kept mount; it owns e.FD.
+// takeOver serves one kept mount. It owns e.FD until it hands it to
+// lazyfs, which closes it on failure. A kept connection that is not served
+// again is aborted (abandon): closing this process's descriptor alone
+// would leave the connection alive for as long as any other copy exists
+// (the keeper's, one in flight in a keeper message), and the containers
+// using it would wait forever for an answer no process gives.
 func (s *Store) takeOver(ctx context.Context, e fdstore.Entry) error {
+	fd := e.FD
+	defer func() {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}()
 	dev, err := fdstore.MountDev(e.Mountpoint)
 	if err != nil || dev != e.Dev {
-		unix.Close(e.FD)
+		// Not the kept connection's mount any more: nothing to abort.
 		return fmt.Errorf("mount is gone (now %q, was %s): %v", dev, e.Dev, err)
-	}
-	var meta keeperMeta
-	if err := json.Unmarshal(e.Meta, &meta); err != nil {
-		unix.Close(e.FD)
-		return fmt.Errorf("decode kept metadata: %w", err)
 	}
 	s.mu.Lock()
 	_, busy := s.mounts[e.Mountpoint]
 	s.mu.Unlock()
 	if busy {
-		unix.Close(e.FD)
+		// Ours already: never abort a connection this process serves.
 		return fmt.Errorf("already served")
 	}
-	// lazyfs owns the descriptor from here, also on error.
-	if _, err := s.mount(ctx, e.Mountpoint, meta.Labels, &lazyfs.Handover{FD: e.FD, Init: meta.Init}); err != nil {
+	var meta keeperMeta
+	if err := json.Unmarshal(e.Meta, &meta); err != nil {
+		s.abandon(ctx, e)
+		return fmt.Errorf("decode kept metadata: %w", err)
+	}
+	// The metadata normally comes from the node cache (metadata.go); a
+	// registry round trip here is bounded by the read timeout.
+	o, err := s.open(ctx, meta.Labels, true)
+	if err != nil {
+		s.abandon(ctx, e)
+		return err
+	}
+	h := lazyfs.Handover{FD: fd, Init: meta.Init}
+	fd = -1
+	if _, err := s.serve(ctx, e.Mountpoint, o, &h); err != nil {
+		s.abandon(ctx, e)
 		return err
 	}
 	return nil
+}
+
+// abandon aborts the FUSE connection of a kept mount that will not be
+// served again and detaches the mount (lazyfs.Abort): the requests waiting
+// in it, and every later one, fail with ENOTCONN. The snapshotter then
+// remounts the layer fresh for new containers.
+func (s *Store) abandon(ctx context.Context, e fdstore.Entry) {
+	if dev, err := fdstore.MountDev(e.Mountpoint); err != nil || dev != e.Dev {
+		return // already gone; whatever is mounted there now is not ours to abort
+	}
+	if err := lazyfs.Abort(e.Mountpoint); err != nil {
+		log.G(ctx).WithError(err).WithField("mountpoint", e.Mountpoint).Error("abort FUSE connection of the previous daemon; its containers may hang until it is aborted by hand")
+	}
 }

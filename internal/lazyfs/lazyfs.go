@@ -205,6 +205,9 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 	ctx = log.WithLogger(ctx, log.G(ctx).WithFields(log.Fields{"mountpoint": mountpoint, "fsname": o.fsName}))
 	l, err := newLayer(ctx, toc, src, o)
 	if err != nil {
+		if o.takeover != nil {
+			unix.Close(o.takeover.FD)
+		}
 		return nil, err
 	}
 	fsOpts := fsOptions(o)
@@ -278,11 +281,17 @@ func Mount(ctx context.Context, mountpoint string, toc *layerfmt.TOC, src ChunkS
 	}
 	go m.srv.Serve()
 
-	// Past this point a new mount is detached on failure; a taken-over one
-	// is left as it is (its containers may wait for another attempt).
+	// Past this point the server runs: a new mount is detached on
+	// failure, a taken-over connection aborted (which also ends the serve
+	// loop, blocked in a read of it).
 	failServing := func(err error) (*Server, error) {
 		if o.takeover == nil {
 			_ = forceUnmount(mountpoint)
+		} else {
+			if aerr := Abort(mountpoint); aerr != nil {
+				log.G(ctx).WithError(aerr).Error("lazyfs: abort the connection of a failed takeover")
+			}
+			unix.Close(m.fd)
 		}
 		return fail(err)
 	}
@@ -447,6 +456,22 @@ func (m *Server) Stats() Stats { return m.layer.stats.snapshot() }
 func setReadahead(dev uint64, bytes int) error {
 	p := fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(dev), unix.Minor(dev))
 	return os.WriteFile(p, []byte(strconv.Itoa(bytes>>10)), 0)
+}
+
+// Abort ends the FUSE connection mounted at mountpoint, whoever serves it,
+// and detaches the mount: every request waiting in the connection, and
+// every later one, fails with ENOTCONN, and a server reading it gets
+// ENODEV. It is for connections no server will answer (a takeover that
+// failed): closing descriptors would end the connection only once the
+// last copy anywhere is closed, and until then its callers wait in the
+// kernel, unkillable. MNT_FORCE makes the kernel abort the connection
+// (fuse_umount_begin) before it looks at whether the mount is busy, so
+// this works without the fusectl file system.
+func Abort(mountpoint string) error {
+	if err := unix.Unmount(mountpoint, unix.MNT_FORCE|unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("lazyfs: abort connection at %s: %w", mountpoint, err)
+	}
+	return nil
 }
 
 // forceUnmount is for tests and error paths: detach even if busy.

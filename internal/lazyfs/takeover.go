@@ -45,9 +45,11 @@ func (m *Server) Handover() (Handover, error) {
 
 // WithTakeover makes Mount serve the live connection of a previous server
 // (see Server.Handover) instead of mounting: the mount at mountpoint stays
-// as it is and open files keep working. Mount takes ownership of h.FD (it
-// is closed on failure too; take another duplicate to retry). A failed
-// takeover never unmounts.
+// as it is and open files keep working. Mount takes ownership of h.FD: it
+// is closed on failure too. A takeover that fails once its server has
+// started aborts the connection (Abort); one that fails before leaves the
+// connection to the caller, who must Abort it unless it retries: the
+// requests waiting in it are answered by no one.
 func WithTakeover(h Handover) Option {
 	return func(o *options) { o.takeover = &h }
 }
@@ -86,8 +88,12 @@ func takeOver(raw fuse.RawFileSystem, h Handover, mo *fuse.MountOptions) (*fuse.
 		return nil, fmt.Errorf("answer replayed INIT: %w", err)
 	}
 	// sp[0] now belongs to srv; make it (a duplicate of) the live
-	// connection. h.FD stays ours, for the next hand-over.
+	// connection. h.FD stays ours, for the next hand-over. srv is not
+	// serving yet, so on failure below sp[0] is closed here: the serve
+	// loop never runs, and a leaked duplicate of the live connection would
+	// keep it from ever being aborted by its last close.
 	if err := unix.Dup3(h.FD, sp[0], unix.O_CLOEXEC); err != nil {
+		unix.Close(sp[0])
 		return nil, fmt.Errorf("attach live connection: %w", err)
 	}
 	// Requests the previous server read but never answered (it died in
@@ -98,6 +104,7 @@ func takeOver(raw fuse.RawFileSystem, h Handover, mo *fuse.MountOptions) (*fuse.
 		hdr.Length = uint32(unsafe.Sizeof(hdr))
 		hdr.Status = -int32(fuse.NOTIFY_RESEND) // notify codes go positive on the wire
 		if _, err := unix.Write(sp[0], unsafe.Slice((*byte)(unsafe.Pointer(&hdr)), unsafe.Sizeof(hdr))); err != nil {
+			unix.Close(sp[0])
 			return nil, fmt.Errorf("ask the kernel to resend pending requests: %w", err)
 		}
 	}

@@ -86,8 +86,8 @@ func TestFilesAgreeOnPaths(t *testing.T) {
 	}
 
 	unit := string(repoFile(t, "deploy/systemd/containerd-envsnap.service"))
-	if !strings.Contains(unit, "[ -S "+cfg.Address+" ]") {
-		t.Errorf("containerd-envsnap.service does not wait for the socket %s", cfg.Address)
+	if !strings.Contains(unit, "containerd-envsnap status --address "+cfg.Address+" ") {
+		t.Errorf("containerd-envsnap.service does not wait for the daemon on %s to answer", cfg.Address)
 	}
 	for _, want := range []string{
 		"ExecStart=/usr/local/bin/containerd-envsnap serve --config /etc/envsnap/config.toml\n",

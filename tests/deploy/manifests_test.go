@@ -11,6 +11,7 @@ import (
 	"bytes"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path"
@@ -413,32 +414,30 @@ func TestDaemonSetEssentials(t *testing.T) {
 		t.Errorf("config.toml is not mounted from the ConfigMap at /etc/envsnap/config.toml: %+v", m)
 	}
 
-	// Probes must hit /healthz on the port the daemon serves metrics on.
-	i := slices.Index(sn.Args, "--metrics-address")
-	if i < 0 || i+1 >= len(sn.Args) {
-		t.Fatalf("snapshotter args %v: no --metrics-address", sn.Args)
+	// Status and health are served only on the root-only unix socket (the
+	// pod's addresses are the node's): the probes run the status client
+	// against the daemon's configured socket, and the metrics address, if
+	// any, is loopback.
+	if slices.Contains(sn.Args, "--metrics-address") {
+		t.Errorf("snapshotter args %v: the metrics address belongs in config.toml (loopback)", sn.Args)
 	}
-	_, port, ok := strings.Cut(sn.Args[i+1], ":")
-	if !ok {
-		t.Fatalf("metrics address %q has no port", sn.Args[i+1])
+	var snCfg struct {
+		Address        string `toml:"address"`
+		MetricsAddress string `toml:"metrics_address"`
 	}
-	var metricsPort corev1.ContainerPort
-	for _, p := range sn.Ports {
-		if fmt.Sprint(p.ContainerPort) == port {
-			metricsPort = p
-		}
+	if err := toml.Unmarshal([]byte(o.configMaps[0].Data["config.toml"]), &snCfg); err != nil {
+		t.Fatal(err)
 	}
-	if metricsPort.Name == "" {
-		t.Fatalf("no named container port %s for the metrics address", port)
+	if host, _, err := net.SplitHostPort(snCfg.MetricsAddress); snCfg.MetricsAddress != "" && (err != nil || (host != "" && !net.ParseIP(host).IsLoopback())) {
+		t.Errorf("metrics_address %q is not loopback: under host networking every container reaching the node could read it", snCfg.MetricsAddress)
 	}
+	if len(sn.Ports) != 0 {
+		t.Errorf("snapshotter declares ports %v; it serves nothing on the pod's (the node's) addresses", sn.Ports)
+	}
+	want := []string{"/usr/local/bin/containerd-envsnap", "status", "--address", snCfg.Address}
 	for name, p := range map[string]*corev1.Probe{"readiness": sn.ReadinessProbe, "liveness": sn.LivenessProbe} {
-		switch {
-		case p == nil || p.HTTPGet == nil:
-			t.Errorf("%s probe is not an HTTP GET", name)
-		case p.HTTPGet.Path != "/healthz":
-			t.Errorf("%s probe path %q, want /healthz", name, p.HTTPGet.Path)
-		case p.HTTPGet.Port.String() != metricsPort.Name && p.HTTPGet.Port.String() != port:
-			t.Errorf("%s probe port %s, metrics are on %s (%s)", name, p.HTTPGet.Port.String(), metricsPort.Name, port)
+		if p == nil || p.Exec == nil || !slices.Equal(p.Exec.Command, want) {
+			t.Errorf("%s probe %+v, want exec %v", name, p, want)
 		}
 	}
 	if sn.Resources.Requests.Cpu().IsZero() || sn.Resources.Requests.Memory().IsZero() {

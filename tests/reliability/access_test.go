@@ -5,13 +5,18 @@ import (
 	"encoding/hex"
 	"errors"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/containerd/containerd/v2/pkg/oci"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/daemon"
@@ -139,4 +144,82 @@ func fileSHA(t *testing.T, p string) string {
 		t.Fatalf("read %s: %v", p, err)
 	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+// TestStatusNotOnNetwork: the TCP metrics address serves the Prometheus
+// metrics and nothing else. A container on the host's network (as the
+// DaemonSet's neighbours are, under host networking) gets 404 for /status
+// and /footprints, which name the node's images and what their workloads
+// read; the root-only unix socket still serves them. An address without a
+// host listens on loopback only.
+func TestStatusNotOnNetwork(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	l.Close()
+	env := testenv.New(t, testenv.WithEnvsnap("--metrics-address", ":"+port))
+	f := testenv.RandomFile("/data/f.bin", 64<<10, 33)
+	img := pushLazy(t, env, "rel/netstatus:1", []testenv.File{f})
+	image := env.Pull(t, img.Ref, "envsnap")
+
+	script := ""
+	for _, p := range []string{"/status", "/footprints", "/healthz", "/metrics"} {
+		script += "echo '=='" + p + "; wget -q -O - http://127.0.0.1:" + port + p + " 2>&1; "
+	}
+	res := env.RunContainer(t, image, testenv.RunOptions{
+		Snapshotter: "envsnap",
+		SpecOpts:    []oci.SpecOpts{oci.WithHostNamespace(specs.NetworkNamespace)},
+		Args:        []string{"/bin/sh", "-c", script},
+	})
+	out := res.Stdout
+	if res.ExitCode != 0 || !strings.Contains(out, "envsnap_chunkcache_size_bytes") {
+		t.Fatalf("the container did not read the metrics over the network (the test proves nothing): exit %d stdout %q stderr %q", res.ExitCode, out, res.Stderr)
+	}
+	for _, leak := range []string{img.Ref, f.Path, "\"layers\"", "mountpoint"} {
+		if strings.Contains(out, leak) {
+			t.Errorf("a container read %q over the network:\n%s", leak, out)
+		}
+	}
+	sections := map[string]string{}
+	for _, sec := range strings.Split(out, "==")[1:] {
+		p, body, _ := strings.Cut(sec, "\n")
+		sections[p] = body
+	}
+	for _, p := range []string{"/status", "/footprints", "/healthz"} {
+		if !strings.Contains(sections[p], "404 Not Found") {
+			t.Errorf("GET %s from a container on the host network: %q, want 404", p, sections[p])
+		}
+	}
+
+	for _, p := range []string{"/status", "/footprints", "/healthz"} {
+		resp, err := http.Get("http://127.0.0.1:" + port + p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNotFound {
+			t.Errorf("GET %s on the metrics address: %s, want 404", p, resp.Status)
+		}
+	}
+	st, err := daemon.GetStatus(env.Context(), env.SnapshotterSocket)
+	if err != nil || len(st.Layers) != len(img.Layers) {
+		t.Fatalf("status over the unix socket: %+v, %v", st.Layers, err)
+	}
+	if _, err := daemon.GetStatus(env.Context(), "http://127.0.0.1:"+port); err == nil {
+		t.Error("the status client accepted an HTTP address")
+	}
+	// Loopback only: not reachable on the node's other addresses.
+	addrs, _ := net.InterfaceAddrs()
+	for _, a := range addrs {
+		ipn, ok := a.(*net.IPNet)
+		if !ok || ipn.IP.IsLoopback() || ipn.IP.To4() == nil {
+			continue
+		}
+		if c, err := net.DialTimeout("tcp", net.JoinHostPort(ipn.IP.String(), port), 2*time.Second); err == nil {
+			c.Close()
+			t.Errorf("metrics address %q answers on %s", ":"+port, ipn.IP)
+		}
+	}
 }

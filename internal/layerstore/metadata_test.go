@@ -1,0 +1,89 @@
+//go:build linux
+
+package layerstore
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/opencontainers/go-digest"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/registry"
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// TestMetadataKeptInCache: a store opened on the node cache of an earlier
+// one (a restarted daemon) mounts a layer that was mounted before without
+// the registry, and serves the chunks in the cache; metadata that fails
+// verification is not used.
+func TestMetadataKeptInCache(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts FUSE: needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse")
+	}
+	r := newFakeRegistry(t)
+	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"a.txt": "kept across restarts\n"}))
+	labels := r.addManifest(t, "test/kept:1", desc)[0]
+	cacheDir := t.TempDir()
+	open := func() *Store {
+		cache, err := chunkcache.Open(cacheDir, 64<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := New(Config{Hosts: registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}), Cache: cache})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	ctx := t.Context()
+	mountAndRead := func(ctx context.Context, s *Store) error {
+		mp := t.TempDir()
+		if err := s.Mount(ctx, mp, labels); err != nil {
+			return err
+		}
+		defer s.Unmount(context.Background(), mp)
+		b, err := os.ReadFile(filepath.Join(mp, "a.txt"))
+		if err != nil || string(b) != "kept across restarts\n" {
+			t.Fatalf("read: %q, %v", b, err)
+		}
+		return nil
+	}
+
+	if err := mountAndRead(ctx, open()); err != nil {
+		t.Fatal(err)
+	}
+	r.srv.Close() // the registry is gone from here on
+	if err := mountAndRead(ctx, open()); err != nil {
+		t.Fatalf("mount with the registry gone and the metadata in the cache: %v", err)
+	}
+
+	// A damaged TOC copy is a miss, and without the registry the mount
+	// fails instead of serving another tree.
+	tocDigest := digest.Digest(desc.Annotations[layerfmt.AnnotationTOCDigest])
+	p := filepath.Join(cacheDir, tocDigest.Algorithm().String(), tocDigest.Encoded()[:2], tocDigest.Encoded())
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatalf("TOC not kept in the cache: %v", err)
+	}
+	b[len(b)/2] ^= 0xff
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := open()
+	// Bounded: the registry's absence is retried until the deadline.
+	short, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := mountAndRead(short, s); err == nil {
+		t.Fatal("mounted with a corrupt TOC in the cache and no registry")
+	}
+	if st := s.cfg.Cache.Stats(); st.Corrupt != 1 {
+		t.Fatalf("corrupt cache entries %d, want 1 (the TOC)", st.Corrupt)
+	}
+}
