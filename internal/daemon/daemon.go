@@ -27,6 +27,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/layerstore"
+	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -76,6 +77,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		defer files.Close()
 	}
+	var copies *native.Store
+	if cfg.NativeLowers {
+		if copies, err = native.Open(ctx, filepath.Join(cfg.Root, "native"), cache); err != nil {
+			return err
+		}
+		defer copies.Close()
+		cache.SetTenant(copies)
+	}
 	var frames *fetch.FrameCache
 	if cfg.FrameCacheSize > 0 {
 		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
@@ -93,6 +102,7 @@ func Run(ctx context.Context, cfg Config) error {
 		FrameCache:      frames,
 		Unpacked:        files,
 		UnpackedMinSize: int64(cfg.PassthroughMinSize),
+		Native:          copies,
 	})
 	if err != nil {
 		return err
@@ -108,6 +118,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}
+	if copies != nil {
+		copies.SetInUse(sn.NativeInUse)
+	}
 	unmountOrphans(ctx, sn, store, restored)
 	defer func() {
 		if err := sn.Close(); err != nil {
@@ -115,7 +128,7 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}()
 
-	d := &daemon{sn: sn, store: store, cache: cache, files: files}
+	d := &daemon{sn: sn, store: store, cache: cache, files: files, native: copies}
 	httpSrv := &http.Server{Handler: d.handler(reg), ReadHeaderTimeout: 10 * time.Second}
 	var listeners []net.Listener
 	defer func() {
@@ -229,11 +242,12 @@ func listenUnix(path string) (net.Listener, error) {
 }
 
 type daemon struct {
-	sn    *snapshotter.Snapshotter
-	store *layerstore.Store
-	cache *chunkcache.Cache
-	files *unpacked.Store // nil without passthrough
-	ready atomic.Bool
+	sn     *snapshotter.Snapshotter
+	store  *layerstore.Store
+	cache  *chunkcache.Cache
+	files  *unpacked.Store // nil without passthrough
+	native *native.Store   // nil without native lowers
+	ready  atomic.Bool
 }
 
 func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
@@ -266,6 +280,7 @@ type Status struct {
 	Layers   []LayerStatus    `json:"layers"`
 	Cache    chunkcache.Stats `json:"cache"`
 	Unpacked *unpacked.Stats  `json:"unpacked,omitempty"`
+	Native   *native.Stats    `json:"native,omitempty"`
 }
 
 // LayerStatus joins the snapshotter's view of a layer mount (which
@@ -283,6 +298,10 @@ func (d *daemon) status() Status {
 	if d.files != nil {
 		us := d.files.Stats()
 		st.Unpacked = &us
+	}
+	if d.native != nil {
+		ns := d.native.Stats()
+		st.Native = &ns
 	}
 	data := d.store.Status()
 	for _, l := range d.sn.Layers() {

@@ -364,19 +364,18 @@ func TreeSize(toc *layerfmt.TOC) int64 {
 // until want bytes are freed or none is left (chunkcache.Tenant: the
 // chunk cache asks before it evicts chunks). It returns the bytes freed.
 func (s *Store) Reclaim(want int64) int64 {
+	used, at := s.used()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.copies) == 0 {
-		return 0
-	}
-	used := s.inUseLocked()
 	type cand struct {
 		d digest.Digest
 		e *entry
 	}
 	var cands []cand
 	for d, e := range s.copies {
-		if !used[d] {
+		// A copy handed out after the oracle looked may belong to a
+		// snapshot it has not seen.
+		if used != nil && !used[d] && e.lastUsed.Before(at) {
 			cands = append(cands, cand{d, e})
 		}
 	}
@@ -396,26 +395,30 @@ func (s *Store) Reclaim(want int64) int64 {
 	return freed
 }
 
-// inUseLocked asks the oracle, at most once per inUseTTL. Without an
-// answer every copy counts as in use: a dropped copy under a running
-// container's overlay is worse than a full cache.
-func (s *Store) inUseLocked() map[digest.Digest]bool {
-	if s.inUse == nil {
-		return nil
+// used asks the oracle which copies are in use, at most once per
+// inUseTTL, without holding s.mu (the oracle may call Dir). nil means no
+// answer: every copy then counts as in use, since a copy dropped under a
+// running container's overlay is worse than a full cache.
+func (s *Store) used() (map[digest.Digest]bool, time.Time) {
+	s.mu.Lock()
+	f, cached, at, n := s.inUse, s.inUseMap, s.inUseAt, len(s.copies)
+	s.mu.Unlock()
+	if f == nil || n == 0 {
+		return nil, at
 	}
-	if s.inUseMap != nil && time.Since(s.inUseAt) < inUseTTL {
-		return s.inUseMap
+	if cached != nil && time.Since(at) < inUseTTL {
+		return cached, at
 	}
-	used, err := s.inUse(s.ctx)
+	at = time.Now()
+	used, err := f(s.ctx)
 	if err != nil {
 		log.G(s.ctx).WithError(err).Warn("cannot tell which native layer copies are in use; keeping them all")
-		used = map[digest.Digest]bool{}
-		for d := range s.copies {
-			used[d] = true
-		}
+		return nil, at
 	}
-	s.inUseMap, s.inUseAt = used, time.Now()
-	return used
+	s.mu.Lock()
+	s.inUseMap, s.inUseAt = used, at
+	s.mu.Unlock()
+	return used, at
 }
 
 // discard removes the marker of d's copy (from then on it is not used,
