@@ -128,3 +128,21 @@ func TestNativeLowers(t *testing.T) {
 		t.Errorf("in use with no active snapshot: %v, %v", used, err)
 	}
 }
+
+func TestFitsOnePage(t *testing.T) {
+	short := []string{"/r/snapshots/1/fs", "/r/snapshots/2/fs"}
+	if !fitsOnePage([]string{"lowerdir=" + strings.Join(short, ":")}, short) {
+		t.Error("two short lowers do not fit")
+	}
+	var long []string
+	for i := range 60 {
+		long = append(long, "/var/lib/envsnap/native/sha256/"+strings.Repeat(string(rune('a'+i%26)), 64))
+	}
+	opts := []string{"index=off", "lowerdir=" + strings.Join(long, ":")}
+	if fitsOnePage(opts, long) {
+		t.Error("60 native lowers of 64 hex digits fit in a page")
+	}
+	if !fitsOnePage([]string{"lowerdir=" + strings.Join(long[:40], ":")}, long[:40]) {
+		t.Error("40 native lowers do not fit although relative to their common parent they take 40*72 bytes")
+	}
+}

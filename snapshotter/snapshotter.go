@@ -536,11 +536,50 @@ func (s *Snapshotter) nativeMounts(ctx context.Context, mounts []mount.Mount) []
 					dirs[j] = native(dir)
 				}
 				opts[k] = "lowerdir=" + strings.Join(dirs, ":")
+				if !fitsOnePage(opts, dirs) {
+					// Native paths are longer than overlay's
+					// snapshots/<id>/fs: an image with very many
+					// layers keeps its FUSE lowers rather than fail
+					// to mount.
+					log.G(ctx).WithField("layers", len(dirs)).Info("lower directories too long for one mount call; keeping the FUSE lowers")
+					opts = m.Options
+				}
 			}
 			mounts[i].Options = opts
 		}
 	}
 	return mounts
+}
+
+// mountDataMax is what containerd's mount.All lets an overlay's options
+// take, after it has shortened the lower directories to paths relative to
+// their common parent (core/mount: one page, less a 512-byte reserve).
+const mountDataMax = 4096 - 512
+
+// fitsOnePage reports whether overlay options opts, whose lower
+// directories are dirs, fit in mountDataMax once containerd has made the
+// lower directories relative to their common parent, as it does for long
+// options.
+func fitsOnePage(opts, dirs []string) bool {
+	size := len(opts) - 1
+	for _, o := range opts {
+		size += len(o)
+	}
+	if size < mountDataMax {
+		return true
+	}
+	common := dirs[0]
+	for _, d := range dirs[1:] {
+		for !strings.HasPrefix(d, common) {
+			common = common[:len(common)-1]
+		}
+	}
+	common = filepath.Dir(common)
+	if common == "/" || common == "." {
+		return false
+	}
+	shorter := len(dirs) * (len(common) + 1)
+	return size-shorter < mountDataMax
 }
 
 // layerOfMountpoint is the inverse of layerMountpoint.
