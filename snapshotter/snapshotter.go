@@ -17,6 +17,14 @@
 // the shared FUSE mount. Layers that are not in our format, or that cannot be
 // prepared lazily for any reason, take overlay's normal path unchanged.
 //
+// Native lowers: when the FileSystem also implements NativeLayers and holds
+// a complete native copy of a layer (a plain directory tree, what overlay's
+// own applier would have unpacked), the mounts handed out for new active
+// snapshots and views name that directory instead of the symlink to the
+// FUSE mount, so containers started after the layer is fully present read
+// it at kernel speed. Overlayfs resolves its lower directories when it
+// mounts, so containers already running keep their FUSE lower.
+//
 // Invariant: a layer mount stays mounted while at least one committed
 // snapshot labelled with its digest exists; the snapshot labels are the only
 // record, so a restarted daemon rebuilds its mounts from overlay's metadata.
@@ -28,6 +36,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -81,6 +90,16 @@ type FileSystem interface {
 	// Check reports whether the mount at mountpoint still serves its layer.
 	Check(ctx context.Context, mountpoint string, labels map[string]string) error
 	Unmount(ctx context.Context, mountpoint string) error
+}
+
+// NativeLayers is implemented by a FileSystem that keeps kernel-native
+// copies of layers. NativeDir returns the directory of the complete copy
+// of layer d, ready to be an overlayfs lower directory. The copy must stay
+// in place while NativeInUse reports d: containerd mounts the lower
+// directories of a snapshot by the paths Prepare, View and Mounts return,
+// at any time while the snapshot exists.
+type NativeLayers interface {
+	NativeDir(d digest.Digest) (string, bool)
 }
 
 // LayerStatus describes one layer mount of this snapshotter.
@@ -393,8 +412,35 @@ func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
 
 // Prepare creates an active snapshot, or, on the remote-snapshot path,
 // commits a lazy snapshot named after the chainID and reports
-// ErrAlreadyExists.
+// ErrAlreadyExists. The mounts of an active snapshot name the native
+// copies of its lazy layers where they are ready.
 func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	mounts, err := s.prepare(ctx, key, parent, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return s.nativeMounts(ctx, mounts), nil
+}
+
+// View is overlay's View with native lowers (see Prepare).
+func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	mounts, err := s.Snapshotter.View(ctx, key, parent, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return s.nativeMounts(ctx, mounts), nil
+}
+
+// Mounts is overlay's Mounts with native lowers (see Prepare).
+func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
+	mounts, err := s.Snapshotter.Mounts(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	return s.nativeMounts(ctx, mounts), nil
+}
+
+func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
 	var base snapshots.Info
 	for _, o := range opts {
 		if err := o(&base); err != nil {
@@ -514,6 +560,172 @@ func (s *Snapshotter) prepareLazy(ctx context.Context, key, target, parent strin
 	refHeld = false // now owned by the committed snapshot
 	s.noteUser(d, target, labels[LabelImageRef])
 	return nil
+}
+
+// nativeMounts replaces, in overlay's mounts, every lower directory that is
+// a lazy layer's symlink to its FUSE mount by the layer's native copy, when
+// one is ready.
+func (s *Snapshotter) nativeMounts(ctx context.Context, mounts []mount.Mount) []mount.Mount {
+	nl, ok := s.fs.(NativeLayers)
+	if !ok {
+		return mounts
+	}
+	native := func(p string) string {
+		target, err := os.Readlink(p)
+		if err != nil {
+			return p // a directory of its own: not a lazy layer
+		}
+		d, ok := s.layerOfMountpoint(target)
+		if !ok {
+			return p
+		}
+		if dir, ok := nl.NativeDir(d); ok {
+			log.G(ctx).WithField("layer", d).Debug("native lower")
+			return dir
+		}
+		return p
+	}
+	for i, m := range mounts {
+		switch m.Type {
+		case "bind":
+			mounts[i].Source = native(m.Source)
+		case "overlay":
+			opts := slices.Clone(m.Options)
+			for k, o := range opts {
+				v, ok := strings.CutPrefix(o, "lowerdir=")
+				if !ok {
+					continue
+				}
+				dirs := strings.Split(v, ":")
+				for j, dir := range dirs {
+					dirs[j] = native(dir)
+				}
+				opts[k] = "lowerdir=" + strings.Join(dirs, ":")
+				if !fitsOnePage(opts, dirs) {
+					// Native paths are longer than overlay's
+					// snapshots/<id>/fs: an image with very many
+					// layers keeps its FUSE lowers rather than fail
+					// to mount.
+					log.G(ctx).WithField("layers", len(dirs)).Info("lower directories too long for one mount call; keeping the FUSE lowers")
+					opts = m.Options
+				}
+			}
+			mounts[i].Options = opts
+		}
+	}
+	return mounts
+}
+
+// mountDataMax is what containerd's mount.All lets an overlay's options
+// take, after it has shortened the lower directories to paths relative to
+// their common parent (core/mount: one page, less a 512-byte reserve).
+const mountDataMax = 4096 - 512
+
+// fitsOnePage reports whether overlay options opts, whose lower
+// directories are dirs, fit in mountDataMax once containerd has made the
+// lower directories relative to their common parent, as it does for long
+// options.
+func fitsOnePage(opts, dirs []string) bool {
+	size := len(opts) - 1
+	for _, o := range opts {
+		size += len(o)
+	}
+	if size < mountDataMax {
+		return true
+	}
+	common := dirs[0]
+	for _, d := range dirs[1:] {
+		for !strings.HasPrefix(d, common) {
+			common = common[:len(common)-1]
+		}
+	}
+	common = filepath.Dir(common)
+	if common == "/" || common == "." {
+		return false
+	}
+	shorter := len(dirs) * (len(common) + 1)
+	return size-shorter < mountDataMax
+}
+
+// layerOfMountpoint is the inverse of layerMountpoint.
+func (s *Snapshotter) layerOfMountpoint(p string) (digest.Digest, bool) {
+	rel, err := filepath.Rel(filepath.Join(s.root, "layers"), p)
+	if err != nil {
+		return "", false
+	}
+	parts := strings.Split(rel, string(filepath.Separator))
+	if len(parts) != 3 || parts[2] != "mnt" {
+		return "", false
+	}
+	d := digest.NewDigestFromEncoded(digest.Algorithm(parts[0]), parts[1])
+	if d.Validate() != nil {
+		return "", false
+	}
+	return d, true
+}
+
+// NativeInUse reports the lazy layers whose native copies may be in use:
+// those in the parent chain of an active snapshot or a view (containerd
+// may mount it by the paths it was given at any time), and those an
+// overlay mount on the node has as a lower directory. The FileSystem must
+// not remove these copies (see NativeLayers).
+func (s *Snapshotter) NativeInUse(ctx context.Context) (map[digest.Digest]bool, error) {
+	infos := map[string]snapshots.Info{}
+	err := s.Snapshotter.Walk(ctx, func(ctx context.Context, info snapshots.Info) error {
+		infos[info.Name] = info
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("walk snapshots: %w", err)
+	}
+	used := map[digest.Digest]bool{}
+	lazy := map[digest.Digest]bool{}
+	for _, info := range infos {
+		if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil && info.Kind == snapshots.KindCommitted {
+			lazy[d] = true
+		}
+		if info.Kind == snapshots.KindCommitted {
+			continue
+		}
+		for p, n := info.Parent, 0; p != "" && n <= len(infos); n++ {
+			pi, ok := infos[p]
+			if !ok {
+				break
+			}
+			if d, err := digest.Parse(pi.Labels[LabelLayerDigest]); err == nil {
+				used[d] = true
+			}
+			p = pi.Parent
+		}
+	}
+	nl, ok := s.fs.(NativeLayers)
+	if !ok {
+		return used, nil
+	}
+	byDir := map[string]digest.Digest{}
+	for d := range lazy {
+		if dir, ok := nl.NativeDir(d); ok {
+			byDir[dir] = d
+		}
+	}
+	infosM, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("overlay"))
+	if err != nil {
+		return nil, fmt.Errorf("read mountinfo: %w", err)
+	}
+	for _, m := range infosM {
+		for _, opt := range strings.Split(m.VFSOptions, ",") {
+			k, v, _ := strings.Cut(opt, "=")
+			if k != "lowerdir" && k != "lowerdir+" {
+				continue
+			}
+			for _, dir := range strings.Split(v, ":") {
+				if d, ok := byDir[dir]; ok {
+					used[d] = true
+				}
+			}
+		}
+	}
+	return used, nil
 }
 
 // remoteLabels extracts what the data plane needs from Prepare's labels; ok

@@ -29,6 +29,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics only (off when empty; a port alone listens on 127.0.0.1)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
 		&cli.BoolFlag{Name: "passthrough", Value: true, Usage: "let the kernel read fully cached files from unpacked copies (FUSE passthrough)"},
+		&cli.BoolFlag{Name: "native-lowers", Value: true, Usage: "give new containers a plain directory copy of layers whose chunks are all cached, instead of the FUSE mount"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
 		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},
 		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
@@ -85,6 +86,7 @@ func runServe(ctx context.Context, c *cli.Command) error {
 	set("docker-config", func() { cfg.DockerConfig = c.String("docker-config") })
 	set("metrics-address", func() { cfg.MetricsAddress = c.String("metrics-address") })
 	set("passthrough", func() { cfg.Passthrough = c.Bool("passthrough") })
+	set("native-lowers", func() { cfg.NativeLowers = c.Bool("native-lowers") })
 	set("fill", func() { cfg.Fill = c.Bool("fill") })
 	set("fill-delay", func() { cfg.FillDelay = daemon.Duration(c.Duration("fill-delay")) })
 	set("eager", func() { cfg.Eager = c.Bool("eager") })

@@ -57,6 +57,10 @@ var statusCommand = &cli.Command{
 		cs := st.Cache
 		fmt.Printf("cache: %s of %s in %d chunks (%d pinned), %d hits, %d misses, %d evictions, %d corrupt\n",
 			units.BytesSize(float64(cs.Size)), units.BytesSize(float64(cs.MaxBytes)), cs.Entries, cs.Pinned, cs.Hits, cs.Misses, cs.Evictions, cs.Corrupt)
+		if ns := st.Native; ns != nil {
+			fmt.Printf("native layer copies: %s in %d layers, %d built, %d failed, %d dropped for room\n",
+				units.BytesSize(float64(ns.Size)), ns.Copies, ns.Builds, ns.Failed, ns.Reclaimed)
+		}
 		if us := st.Unpacked; us != nil {
 			fmt.Printf("passthrough copies: %s of %s in %d files, %d opens served, %d built, %d failed, %d evicted\n",
 				units.BytesSize(float64(us.Size)), units.BytesSize(float64(us.MaxBytes)), us.Entries, us.Hits, us.Builds, us.Failed, us.Evicted)

@@ -10,7 +10,9 @@
 // instead of being served.
 //
 // The cache is bounded: Put evicts least recently used entries that are not
-// pinned. Layers pin the chunks they consist of while they are mounted, so a
+// pinned. The bound may be shared with a tenant (the native layer copies),
+// whose bytes are charged to it (Charge) and which is asked to give room
+// back before any chunk is evicted (SetTenant). Layers pin the chunks they consist of while they are mounted, so a
 // fully filled layer keeps working without the network. When nothing can be
 // evicted, or the file system is full, Put fails with ErrFull and callers serve
 // the bytes without caching them; later Puts try again, so the cache recovers
@@ -62,6 +64,15 @@ type Stats struct {
 	Evictions uint64
 	Corrupt   uint64 // entries dropped because their content did not match
 	PutErrors uint64 // Puts that failed (full, ENOSPC, I/O errors)
+	Charged   int64  // bytes of the tenant counted against MaxBytes
+}
+
+// Tenant shares the cache's bound (Charge). When a Put needs room, the
+// cache first asks the tenant to free want bytes, and evicts chunks only
+// for what Reclaim could not free. Reclaim is called without the cache's
+// lock held, and gives its bytes back through Discharge.
+type Tenant interface {
+	Reclaim(want int64) (freed int64)
 }
 
 type entry struct {
@@ -82,6 +93,8 @@ type Cache struct {
 	lru      *list.List // front: most recently used
 	size     int64      // committed entries
 	reserved int64      // bytes of Puts in progress
+	charged  int64      // the tenant's bytes
+	tenant   Tenant
 	pins     map[digest.Digest]int
 	owners   map[string][]digest.Digest
 	stats    Stats
@@ -310,6 +323,12 @@ func (c *Cache) put(d digest.Digest, b []byte) error {
 		c.mu.Unlock()
 		return nil
 	}
+	if over := c.size + c.reserved + c.charged + n - c.maxBytes; over > 0 && c.tenant != nil {
+		t := c.tenant
+		c.mu.Unlock()
+		t.Reclaim(over)
+		c.mu.Lock()
+	}
 	if !c.evictLocked(n) {
 		c.stats.PutErrors++
 		c.mu.Unlock()
@@ -385,11 +404,41 @@ func (c *Cache) evictLocked(n int64) bool {
 	if n > c.maxBytes {
 		return false
 	}
-	over := c.size + c.reserved + n - c.maxBytes
+	over := c.size + c.reserved + c.charged + n - c.maxBytes
 	if over <= 0 {
 		return true
 	}
 	return c.evictBytesLocked(over) >= over
+}
+
+// SetTenant makes t the cache's tenant (see Tenant).
+func (c *Cache) SetTenant(t Tenant) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.tenant = t
+}
+
+// Charge counts n bytes of the tenant against the bound, evicting
+// unpinned chunks if they do not fit otherwise. It fails with ErrFull,
+// charging nothing, when they cannot fit.
+func (c *Cache) Charge(n int64) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n < 0 {
+		return fmt.Errorf("charge %d bytes: negative", n)
+	}
+	if !c.evictLocked(n) {
+		return fmt.Errorf("charge %d bytes (%d chunks, %d charged, bound %d): %w", n, c.size, c.charged, c.maxBytes, ErrFull)
+	}
+	c.charged += n
+	return nil
+}
+
+// Discharge gives back n bytes charged before.
+func (c *Cache) Discharge(n int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.charged = max(0, c.charged-n)
 }
 
 // evictBytesLocked evicts unpinned entries, oldest first, until at least want
@@ -461,6 +510,7 @@ func (c *Cache) Stats() Stats {
 	s := c.stats
 	s.Size = c.size
 	s.MaxBytes = c.maxBytes
+	s.Charged = c.charged
 	s.Entries = len(c.entries)
 	for d := range c.pins {
 		if _, ok := c.entries[d]; ok {

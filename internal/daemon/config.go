@@ -84,6 +84,12 @@ type Config struct {
 	Passthrough          bool `toml:"passthrough"`
 	PassthroughMinSize   Size `toml:"passthrough_min_size"`
 	PassthroughCacheSize Size `toml:"passthrough_cache_size"`
+	// NativeLowers builds a plain directory copy of every layer whose
+	// chunks are all in the chunk cache (in <Root>/native, kept across
+	// restarts) and gives it to containers started afterwards as their
+	// overlay lower directory instead of the FUSE mount. The copies share
+	// CacheSize with the chunks and are dropped first when it is short.
+	NativeLowers bool `toml:"native_lowers"`
 	// Fill starts fetching a layer's remaining chunks in the background
 	// as soon as it is mounted.
 	Fill bool `toml:"fill"`
@@ -118,6 +124,7 @@ func DefaultConfig() Config {
 		Passthrough:          true,
 		PassthroughMinSize:   DefaultPassthroughMinSize,
 		PassthroughCacheSize: DefaultPassthroughCacheSize,
+		NativeLowers:         true,
 		Fill:                 true,
 		FillDelay:            DefaultFillDelay,
 		ReadTimeout:          DefaultReadTimeout,

@@ -29,6 +29,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/layerstore"
+	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -124,6 +125,14 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 		defer files.Close()
 	}
+	var copies *native.Store
+	if cfg.NativeLowers {
+		if copies, err = native.Open(ctx, filepath.Join(cfg.Root, "native"), cache); err != nil {
+			return err
+		}
+		defer copies.Close()
+		cache.SetTenant(copies)
+	}
 	var frames *fetch.FrameCache
 	if cfg.FrameCacheSize > 0 {
 		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
@@ -141,6 +150,7 @@ func Run(ctx context.Context, cfg Config) error {
 		FrameCache:      frames,
 		Unpacked:        files,
 		UnpackedMinSize: int64(cfg.PassthroughMinSize),
+		Native:          copies,
 	})
 	if err != nil {
 		return err
@@ -156,6 +166,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}
+	if copies != nil {
+		copies.SetInUse(sn.NativeInUse)
+	}
 	unmountOrphans(ctx, sn, store, restored)
 	defer func() {
 		if err := sn.Close(); err != nil {
@@ -163,7 +176,7 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}()
 
-	d.sn, d.store, d.cache, d.files = sn, store, cache, files
+	d.sn, d.store, d.cache, d.files, d.native = sn, store, cache, files, copies
 
 	// The gRPC socket appears last: containerd and start scripts take its
 	// existence to mean the daemon is ready, so /healthz says so first.
@@ -292,12 +305,13 @@ func metricsHandler(reg *prometheus.Registry) http.Handler {
 // daemon serves the HTTP endpoints of the status socket. Its fields are
 // set before ready is first stored true, and read only when ready is true.
 type daemon struct {
-	sn    *snapshotter.Snapshotter
-	store *layerstore.Store
-	cache *chunkcache.Cache
-	files *unpacked.Store // nil without passthrough
-	ready atomic.Bool
-	phase atomic.Value // string: why not ready
+	sn     *snapshotter.Snapshotter
+	store  *layerstore.Store
+	cache  *chunkcache.Cache
+	files  *unpacked.Store // nil without passthrough
+	native *native.Store   // nil without native lowers
+	ready  atomic.Bool
+	phase  atomic.Value // string: why not ready
 }
 
 func (d *daemon) handler(reg *prometheus.Registry) http.Handler {
@@ -338,6 +352,7 @@ type Status struct {
 	Layers   []LayerStatus    `json:"layers"`
 	Cache    chunkcache.Stats `json:"cache"`
 	Unpacked *unpacked.Stats  `json:"unpacked,omitempty"`
+	Native   *native.Stats    `json:"native,omitempty"`
 }
 
 // LayerStatus joins the snapshotter's view of a layer mount (which
@@ -359,6 +374,10 @@ func (d *daemon) status() Status {
 	if d.files != nil {
 		us := d.files.Stats()
 		st.Unpacked = &us
+	}
+	if d.native != nil {
+		ns := d.native.Stats()
+		st.Native = &ns
 	}
 	data := d.store.Status()
 	for _, l := range d.sn.Layers() {

@@ -36,6 +36,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
+	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -61,6 +62,9 @@ const (
 	tocPrefetchParallel = 8
 	tocPrefetchTimeout  = 30 * time.Second
 	tocPrefetchTTL      = 2 * time.Minute
+	// nativePoll is how often a mounted layer checks whether all its
+	// chunks are local, so that its native copy can be built.
+	nativePoll = time.Second
 )
 
 // Config configures a Store.
@@ -99,6 +103,10 @@ type Config struct {
 	// does for an immutable layer, and costs an inode and a build each.
 	Unpacked        *unpacked.Store
 	UnpackedMinSize int64
+	// Native, when set, builds a kernel-native copy of every mounted
+	// layer once all its chunks are in the node cache; the snapshotter
+	// hands it to new containers instead of the FUSE mount (NativeDir).
+	Native *native.Store
 	// Keeper, when set, holds a duplicate of every mount's FUSE
 	// descriptor so the mounts survive a restart of this process (see
 	// Restore). May be nil: mounts then die with the process.
@@ -139,7 +147,10 @@ type mounted struct {
 	cancel context.CancelFunc // stops the background fill
 }
 
-var _ snapshotter.FileSystem = (*Store)(nil)
+var (
+	_ snapshotter.FileSystem   = (*Store)(nil)
+	_ snapshotter.NativeLayers = (*Store)(nil)
+)
 
 // New returns a Store.
 func New(cfg Config) (*Store, error) {
@@ -308,6 +319,9 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	case s.cfg.Eager && (restoring || takeover != nil):
 		layer.StartFill(fillCtx)
 	}
+	if s.cfg.Native != nil {
+		go s.buildNative(fillCtx, ldgst, layer, toc)
+	}
 
 	s.mu.Lock()
 	s.mounts[mountpoint] = m
@@ -316,6 +330,49 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	s.cfg.Cache.Pin(metaPinOwner(mountpoint), []digest.Digest{o.manifest, o.tocDigest})
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
+}
+
+// buildNative has the native copy of the layer built once all its chunks
+// are in the node cache (a finished fill, or a warm cache), in the
+// background: never on a container's start path. It gives up when the
+// layer is unmounted (ctx) or the build fails; a later mount tries again.
+func (s *Store) buildNative(ctx context.Context, d digest.Digest, layer *fetch.Layer, toc *layerfmt.TOC) {
+	tick := time.NewTicker(nativePoll)
+	defer tick.Stop()
+	for {
+		if _, ok := s.cfg.Native.Dir(d); ok {
+			return
+		}
+		if cached, total := layer.Progress(); cached >= total {
+			done := make(chan error, 1)
+			s.cfg.Native.Build(d, toc, s.cfg.Cache, func(err error) { done <- err })
+			err := <-done
+			switch {
+			case err == nil:
+				return
+			case !native.IsBusy(err):
+				// A corrupt or evicted chunk, a full budget or disk:
+				// containers keep the FUSE mount, which refetches
+				// what it cannot verify.
+				log.G(ctx).WithError(err).WithField("layer", d).Warn("no native copy of the layer; new containers keep reading it through FUSE")
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// NativeDir returns the directory of the complete native copy of layer d
+// (snapshotter.NativeLayers).
+func (s *Store) NativeDir(d digest.Digest) (string, bool) {
+	if s.cfg.Native == nil {
+		return "", false
+	}
+	return s.cfg.Native.Dir(d)
 }
 
 // fetchAll fills layer completely before it is mounted (Config.Eager). A

@@ -13,26 +13,12 @@ import (
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
-// OCI whiteout names (image-spec layer.md). They are translated to the
-// overlayfs representation and never shown under their own names.
+// OCI whiteout names and the overlay xattr; the rules of the overlay view
+// live in layerfmt (TOC.OverlayChild), shared with native layer copies.
 const (
-	whiteoutPrefix = ".wh."
-	opaqueMarker   = ".wh..wh..opq"
-
-	// nameMax is Linux's NAME_MAX. The TOC allows longer components, but
-	// the kernel can never look them up, and one name over FUSE_NAME_MAX
-	// (1024) in a READDIR reply makes the whole directory listing fail.
-	nameMax = 255
-
-	// overlayXattrPrefix and userOverlayXattrPrefix are the namespaces
-	// overlayfs interprets on lower layers (the second one with the
-	// userxattr mount option). Layer content must not be able to set them:
-	// a tar carrying trusted.overlay.redirect or .metacopy would otherwise
-	// steer overlayfs lookups. Only the opaque marker we derive from the
-	// OCI whiteout is exposed.
-	overlayXattrPrefix     = "trusted.overlay."
-	userOverlayXattrPrefix = "user.overlay."
-	opaqueXattr            = "trusted.overlay.opaque"
+	whiteoutPrefix = layerfmt.WhiteoutPrefix
+	opaqueMarker   = layerfmt.OpaqueMarker
+	opaqueXattr    = layerfmt.OverlayOpaqueXattr
 )
 
 // node is one inode of the layer. A single type serves every file type:
@@ -101,57 +87,23 @@ type child struct {
 // are shadowed or malformed, the opaque marker, broken hard links and hard
 // links to directories (which would make the tree a graph).
 func (l *layer) resolveChild(dir, k int) (c child, name string, ok bool) {
-	t := l.toc
-	base := t.BaseName(k)
-	if base == opaqueMarker {
+	idx, name, whiteout, ok := l.toc.OverlayChild(dir, k)
+	if !ok {
 		return child{}, "", false
 	}
-	if target, isWh := strings.CutPrefix(base, whiteoutPrefix); isWh {
-		// ".wh..wh.*" names are OCI's reserved markers, not whiteouts of
-		// ".wh.*" files (which could never be looked up anyway).
-		if target == "" || target == "." || target == ".." || len(target) > nameMax ||
-			strings.Contains(target, "/") || strings.HasPrefix(target, whiteoutPrefix) {
-			return child{}, "", false
-		}
-		// OCI: a whiteout only applies to lower layers; an entry of the
-		// same name in this layer is what this layer shows.
-		if _, shadowed := t.LookupChild(dir, target); shadowed {
-			return child{}, "", false
-		}
-		return child{idx: k, mode: syscall.S_IFCHR, whiteout: true}, target, true
+	if whiteout {
+		return child{idx: idx, mode: syscall.S_IFCHR, whiteout: true}, name, true
 	}
-	if len(base) > nameMax {
-		return child{}, "", false
-	}
-	idx := k
-	if t.Type(k) == layerfmt.TypeHardlink {
-		var found bool
-		if idx, found = t.Resolve(k); !found || t.Type(idx) == layerfmt.TypeDir {
-			return child{}, "", false
-		}
-	}
-	mode := typeBits(t.Type(idx))
+	mode := typeBits(l.toc.Type(idx))
 	if mode == 0 {
 		return child{}, "", false
 	}
-	return child{idx: idx, mode: mode}, base, true
+	return child{idx: idx, mode: mode}, name, true
 }
 
 // isOpaque reports whether overlayfs must hide lower-layer content of
-// directory dir: it holds the OCI opaque marker, or the layer deletes and
-// re-creates it (".wh.<dir>" next to "<dir>" in the parent), which OCI
-// defines as the same thing.
-func (l *layer) isOpaque(dir int) bool {
-	t := l.toc
-	if _, ok := t.LookupChild(dir, opaqueMarker); ok {
-		return true
-	}
-	if dir == 0 {
-		return false
-	}
-	_, ok := t.LookupChild(t.Parent(dir), whiteoutPrefix+t.BaseName(dir))
-	return ok
-}
+// directory dir (layerfmt.TOC.OverlayOpaque).
+func (l *layer) isOpaque(dir int) bool { return l.toc.OverlayOpaque(dir) }
 
 func (l *layer) newNode(c child) *node {
 	n := &node{l: l, idx: c.idx, whiteout: c.whiteout}
@@ -370,7 +322,7 @@ func (n *node) xattrs() (names []string, values map[string]string) {
 	}
 	values = n.l.toc.Entry(n.idx).Xattrs
 	for k := range values {
-		if strings.HasPrefix(k, overlayXattrPrefix) || strings.HasPrefix(k, userOverlayXattrPrefix) {
+		if layerfmt.HiddenXattr(k) {
 			delete(values, k)
 		}
 	}

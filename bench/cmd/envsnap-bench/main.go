@@ -32,6 +32,7 @@ func main() {
 	flag.StringVar(&systems, "systems", strings.Join(headline.AllSystems, ","), "systems to measure")
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
 	flag.BoolVar(&cfg.NoPrefetch, "no-prefetch", false, "do not record footprints and attach prefetch lists to the shared groups before the runs")
+	flag.BoolVar(&cfg.SettleWarm, "settle-warm", false, "before an envsnap warm run, wait until its layers are fully cached (and their native copies built)")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, committed with the report)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
