@@ -20,11 +20,11 @@ const gib = envlet.GiB
 
 // startArbiter serves a NodeArbiter of the given size on a fresh socket and
 // returns the socket and a stop function (also registered with Cleanup).
-func startArbiter(t *testing.T, socket string, node envlet.Resources) (stop func()) {
+func startArbiter(t *testing.T, socket string, node envlet.Resources, opts ...ServeOpt) (stop func()) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, socket, envlet.NewNodeArbiter(node, 0)) }()
+	go func() { done <- Serve(ctx, socket, envlet.NewNodeArbiter(node, 0), opts...) }()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		if _, err := os.Stat(socket); err == nil {

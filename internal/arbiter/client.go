@@ -81,6 +81,7 @@ type Client struct {
 	envs      map[string]*envState
 	local     *envlet.NodeArbiter // nil while connected
 	localEnvs map[string]bool
+	node      *NodeInfo // the arbiter's view of the node, from Admit
 }
 
 type envState struct {
@@ -187,8 +188,23 @@ func (c *Client) connectLocked(ctx context.Context) error {
 func (c *Client) registerLocked(ctx context.Context, env string, st *envState) error {
 	cur := toWire(st.current)
 	var resp EmptyResponse
-	return c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
+	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
 		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
+	if err == nil && resp.Node != nil {
+		c.node = resp.Node
+	}
+	return err
+}
+
+// Capacity is the node as the arbiter last described it, or the
+// configured node size before any answer (envlet.NodeSizer).
+func (c *Client) Capacity() (envlet.Resources, float64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.node != nil {
+		return fromWire(c.node.Capacity), c.node.Reserve
+	}
+	return c.cfg.Node, c.cfg.Reserve
 }
 
 // callLocked makes one call. Transport failures and timeouts drop the
@@ -246,6 +262,9 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources) e
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
 		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
 	if err == nil {
+		if resp.Node != nil {
+			c.node = resp.Node
+		}
 		c.envs[env] = st
 		return nil
 	}

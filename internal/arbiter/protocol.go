@@ -93,9 +93,17 @@ type ResourcesResponse struct {
 	Resources Resources `json:"resources"`
 }
 
-// EmptyResponse answers Admit and Release.
+// EmptyResponse answers Admit and Release. Admit's answer carries the
+// arbiter's view of the node, which the shims report in failures.
 type EmptyResponse struct {
-	Boot string `json:"boot"`
+	Boot string    `json:"boot"`
+	Node *NodeInfo `json:"node,omitempty"`
+}
+
+// NodeInfo is the node as the arbiter divides it.
+type NodeInfo struct {
+	Capacity Resources `json:"capacity"`
+	Reserve  float64   `json:"reserve"`
 }
 
 // ListRequest asks for the environments the arbiter knows.
@@ -116,6 +124,7 @@ type EnvInfo struct {
 	Updated  time.Time       `json:"updated"`
 	Ended    time.Time       `json:"ended,omitzero"`
 	Reason   string          `json:"reason,omitempty"`
+	Priority int             `json:"priority,omitempty"`
 }
 
 // ListResponse answers List.

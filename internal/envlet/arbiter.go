@@ -6,6 +6,7 @@ import (
 	"math"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/containerd/errdefs"
 )
@@ -33,6 +34,13 @@ type Arbiter interface {
 	Release(ctx context.Context, env string) error
 }
 
+// NodeSizer is implemented by arbiters that know the node they divide
+// (NodeArbiter, the node arbiter's client): failures report the node's
+// size as the arbiter sees it, not the host's.
+type NodeSizer interface {
+	Capacity() (Resources, float64)
+}
+
 // DefaultReserve is the node share kept for admitting new environments.
 const DefaultReserve = 0.15
 
@@ -56,6 +64,10 @@ type NodeArbiter struct {
 // Lease is what the arbiter holds for one environment.
 type Lease struct {
 	Base, Grant, Used Resources
+	// Priority and Admitted order the environments when the node must
+	// fail one (VictimPolicy).
+	Priority int
+	Admitted time.Time
 }
 
 // NewNodeArbiter returns an arbiter for a node of the given capacity
@@ -244,6 +256,14 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 		l.Grant.Memory = max(current.Memory, l.Base.Memory)
 	}
 	return l.Grant, nil
+}
+
+// Restore installs a lease as recorded by an earlier arbiter (its ledger)
+// without admission checks: the node already carries it.
+func (a *NodeArbiter) Restore(env string, l Lease) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.leases[env] = &l
 }
 
 func (a *NodeArbiter) Release(ctx context.Context, env string) error {

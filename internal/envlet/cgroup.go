@@ -76,6 +76,12 @@ type oomPauser interface {
 	SetPauseOnOOM(bool) error
 }
 
+// freezer is implemented by cgroups that can stop every task (v2
+// cgroup.freeze).
+type freezer interface {
+	Freeze(bool) error
+}
+
 // limitsReader is implemented by cgroups that know the limits in force.
 type limitsReader interface {
 	Current() Resources

@@ -87,6 +87,13 @@ type Controller struct {
 
 	wake chan struct{}
 
+	// Arbiter outage bookkeeping: logged once when it starts and ends,
+	// then at most every arbiterLogEvery with the count of failed calls.
+	arbDown       bool
+	arbDownLogged time.Time
+	arbDownCalls  int
+	frozen        bool
+
 	mu         sync.Mutex // guards status, timeline and pendingCap
 	pendingCap *Resources
 	status     Status
@@ -210,6 +217,15 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 		}
 	}
 	c.lastReport = c.clock.Now()
+	defer func() {
+		// A failed environment stays frozen: the caller kills it (a
+		// fatal signal reaches frozen v2 tasks), and thawing first would
+		// let it run into memory.max.
+		var fe *FailureError
+		if c.frozen && !errors.As(retErr, &fe) {
+			c.hold(ctx, false)
+		}
+	}()
 	wake := "tick"
 	for {
 		if err := c.step(ctx, wake); err != nil {
@@ -343,11 +359,14 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		gctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
 		g, err := c.arb.Grow(gctx, c.env, want)
 		cancel()
+		c.noteArbiter(ctx, now, err)
 		if err != nil {
 			// Without an answer CPU fails open up to 2 x base (starving a
 			// task of CPU only slows it, but so does waiting) and memory
-			// fails closed (memory handed out cannot be taken back).
-			c.logger(ctx).WithError(err).Warn("envlet: arbiter grow failed")
+			// fails closed (memory handed out cannot be taken back); a
+			// task stuck at its memory limit waits paused for the
+			// arbiter (Policy.Resolve, Config.ArbiterWait).
+			o.ArbiterDown = true
 			if d.CPU.Kind == Grow {
 				granted.CPU = math.Max(st.Limit.CPU, math.Min(d.CPU.To, 2*st.Base.CPU))
 			}
@@ -361,6 +380,9 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 	st, next, fail := c.pol.Resolve(st, o, d, granted)
+	if fail == nil {
+		c.hold(ctx, st.Waiting)
+	}
 	denied := d.Mem.Kind == Grow && next.Memory <= st.Limit.Memory
 	if denied {
 		c.mu.Lock()
@@ -370,6 +392,13 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	if fail != nil {
 		acts = append(acts, "mem denied")
 		fail.Env = c.env
+		if ns, ok := c.arb.(NodeSizer); ok && fail.Reason != ReasonCapExceeded {
+			// What this environment could ever get: its cap, or the node
+			// as the arbiter divides it, whichever is smaller.
+			if node, _ := ns.Capacity(); node.Memory > 0 {
+				fail.Cap = min(fail.Cap, node.Memory)
+			}
+		}
 		fail.Message = fail.describe()
 		c.st = st
 		c.record(o, wake, append(acts, "fail "+fail.Reason))
@@ -388,7 +417,11 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 	if denied {
-		acts = append(acts, "mem denied")
+		if st.Waiting {
+			acts = append(acts, "mem wait")
+		} else {
+			acts = append(acts, "mem denied")
+		}
 	}
 
 	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {
@@ -400,6 +433,47 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	}
 	c.record(o, wake, acts)
 	return nil
+}
+
+// arbiterLogEvery rate-limits the warning about an arbiter that does not
+// answer: at 5 ticks a second per environment, one line per failed call
+// would bury everything else in the shim's log.
+const arbiterLogEvery = 30 * time.Second
+
+// noteArbiter logs transitions of the arbiter's reachability, as seen by
+// a grow's outcome err.
+func (c *Controller) noteArbiter(ctx context.Context, now time.Time, err error) {
+	l := c.logger(ctx)
+	switch {
+	case err == nil && c.arbDown:
+		l.WithField("failed_calls", c.arbDownCalls).Info("envlet: node arbiter answers again")
+		c.arbDown, c.arbDownCalls = false, 0
+	case err == nil:
+	case !c.arbDown:
+		l.WithError(err).Warn("envlet: arbiter grow failed; CPU fails open to 2 x base, memory waits for the arbiter")
+		c.arbDown, c.arbDownLogged, c.arbDownCalls = true, now, 1
+	default:
+		c.arbDownCalls++
+		if now.Sub(c.arbDownLogged) >= arbiterLogEvery {
+			l.WithError(err).WithField("failed_calls", c.arbDownCalls).Warn("envlet: node arbiter still unreachable")
+			c.arbDownLogged = now
+		}
+	}
+}
+
+// hold pauses the task while the policy waits for the arbiter, where the
+// cgroup can (v2 cgroup.freeze; on v1 pause-on-oom already keeps a task at
+// its limit asleep), and resumes it when the wait ends.
+func (c *Controller) hold(ctx context.Context, on bool) {
+	f, ok := c.cg.(freezer)
+	if !ok || on == c.frozen {
+		return
+	}
+	if err := f.Freeze(on); err != nil {
+		c.logger(ctx).WithError(err).Warnf("envlet: freeze=%v while waiting for the arbiter", on)
+		return
+	}
+	c.frozen = on
 }
 
 // apply writes next and records what happened: the policy's decision d,

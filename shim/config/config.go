@@ -55,6 +55,24 @@ type Arbiter struct {
 	Socket   string `toml:"socket"`   // default /run/envsnap/arbiter.sock
 	Timeout  string `toml:"timeout"`  // default 100ms
 	Fallback string `toml:"fallback"` // "degraded" (default) or "local"
+	// Ledger is where the arbiter daemon persists its leases; default
+	// arbiter-ledger.json next to the socket; "none" keeps them in memory.
+	Ledger string `toml:"ledger"`
+}
+
+// LedgerPath is the arbiter daemon's ledger file, "" for none.
+func (c Config) LedgerPath() string {
+	switch c.Arbiter.Ledger {
+	case "none":
+		return ""
+	case "":
+		socket := c.Arbiter.Socket
+		if socket == "" {
+			socket = arbiter.DefaultSocket
+		}
+		return arbiter.DefaultLedgerPath(socket)
+	}
+	return c.Arbiter.Ledger
 }
 
 // Load reads the file named by $ENVLET_CONFIG, or DefaultPath. A missing
