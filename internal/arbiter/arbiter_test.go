@@ -27,7 +27,9 @@ func startArbiter(t *testing.T, socket string, node envlet.Resources, opts ...Se
 	go func() { done <- Serve(ctx, socket, envlet.NewNodeArbiter(node, 0), opts...) }()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		if _, err := os.Stat(socket); err == nil {
+		// The socket file exists from bind(2), before listen(2): dial.
+		if c, err := net.Dial("unix", socket); err == nil {
+			c.Close()
 			break
 		}
 		if time.Now().After(deadline) {

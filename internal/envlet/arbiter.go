@@ -129,8 +129,8 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources) err
 	// The admitted environment's own burst is no room for it: a new base
 	// at or above its grant turns that burst into base.
 	if needCPU > 1e-9 && a.reclaimableCPU(env) < needCPU || needMem > 0 && a.reclaimableMem(env) < needMem {
-		return fmt.Errorf("admit %s with %v: node %v has %v granted and too little idle burst to reclaim: %w",
-			env, base, a.capacity, sum, errdefs.ErrResourceExhausted)
+		return fmt.Errorf("node %v has %v granted and too little idle burst to reclaim: %w",
+			a.capacity, sum, errdefs.ErrResourceExhausted)
 	}
 	if exists {
 		l.Base = base

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,11 +16,11 @@ import (
 	"testing"
 	"time"
 
+	eventstypes "github.com/containerd/containerd/api/events"
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/typeurl/v2"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/envsnap/envsnap/internal/envlet"
 	"github.com/envsnap/envsnap/shim"
@@ -112,7 +113,9 @@ func (s *suite) startArbiter(t testing.TB) {
 	s.arbiter = testenv.StartProcess(t, s.dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"), "arbiter", "--config", s.cfgPath)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := os.Stat(s.socket); err == nil {
+		// The socket file exists from bind(2), before listen(2): dial.
+		if c, err := net.Dial("unix", s.socket); err == nil {
+			c.Close()
 			return
 		}
 		if exited, err := s.arbiter.Exited(); exited || time.Now().After(deadline) {
@@ -402,7 +405,7 @@ func (s *suite) watch(t testing.TB) func() []event {
 				}
 				ev := event{topic: e.Topic}
 				switch x := v.(type) {
-				case *structpb.Struct:
+				case *eventstypes.ContainerUpdate:
 					f, err := shim.ParseFailureEvent(x)
 					if err != nil {
 						t.Logf("bad failure event: %v", err)
