@@ -178,7 +178,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
-	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial); err != nil {
+	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
 				Env: r.ID, Reason: ReasonAdmissionRejected,

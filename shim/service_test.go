@@ -132,7 +132,7 @@ func newFakeArbiter() *fakeArbiter {
 	return &fakeArbiter{admitted: map[string]envlet.Resources{}, released: map[string]string{}, tracked: map[string]bool{}}
 }
 
-func (a *fakeArbiter) Admit(_ context.Context, env string, base envlet.Resources) error {
+func (a *fakeArbiter) Admit(_ context.Context, env string, base envlet.Resources, _ ...envlet.AdmitOpt) error {
 	if a.admit != nil {
 		if err := a.admit(env, base); err != nil {
 			return err
@@ -369,7 +369,7 @@ func TestCreateRejected(t *testing.T) {
 // the node lacks, as the node arbiter words it.
 func TestCreateRejectedMessage(t *testing.T) {
 	f := newFixture(t)
-	node := envlet.NewNodeArbiter(envlet.Resources{CPU: 0.5, Memory: envlet.GiB}, 0)
+	node := envlet.NewNodeArbiter(envlet.Resources{CPU: 0.5, Memory: envlet.GiB}, 0, envlet.WithOvercommit(envlet.Overcommit{CPU: 1, Memory: 1}))
 	f.arb.admit = func(env string, base envlet.Resources) error {
 		return node.Admit(context.Background(), env, base)
 	}

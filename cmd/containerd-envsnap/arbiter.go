@@ -79,7 +79,11 @@ func runArbiter(ctx context.Context, c *cli.Command) error {
 	if a := c.String("metrics-address"); a != "" {
 		opts = append(opts, arbiter.WithMetricsAddress(a))
 	}
-	if err := arbiter.Serve(ctx, socket, envlet.NewNodeArbiter(node, reserve), opts...); err != nil {
+	nodeOpts, err := cfg.NodeOpts()
+	if err != nil {
+		return err
+	}
+	if err := arbiter.Serve(ctx, socket, envlet.NewNodeArbiter(node, reserve, nodeOpts...), opts...); err != nil {
 		return fmt.Errorf("arbiter: %w", err)
 	}
 	return nil

@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containerd/errdefs"
-
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
@@ -40,8 +38,14 @@ func TestLedgerRestart(t *testing.T) {
 
 	other := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
 	t.Cleanup(func() { other.Close() })
-	if err := other.Admit(ctx, "b", envlet.Resources{CPU: 1, Memory: 2 * gib}); !errdefs.IsResourceExhausted(err) {
-		t.Fatalf("admit b before a re-registered: %v, want ErrResourceExhausted (a's 3 GiB is in the ledger)", err)
+	if err := other.Admit(ctx, "b", envlet.Resources{CPU: 0.5, Memory: gib / 2}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := other.Grow(ctx, "b", envlet.Resources{Memory: 4 * gib}); err != nil || got.Memory != gib {
+		t.Fatalf("b grew to %v (%v) before a re-registered, want 1 GiB: a's 3 GiB is in the ledger", got, err)
+	}
+	if err := other.Release(ctx, "b"); err != nil {
+		t.Fatal(err)
 	}
 	envs, err := other.List(ctx, false)
 	if err != nil {
@@ -78,14 +82,14 @@ func TestLedgerExpiry(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "ledger.json")
 	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
-	s := NewServer(envlet.NewNodeArbiter(node, 0))
+	s := NewServer(byRequest(node))
 	if err := s.UseLedger(ctx, path); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.admit(ctx, &AdmitRequest{Env: "gone", Base: Resources{CPU: 1, Memory: 3 * gib}}); err != nil {
 		t.Fatal(err)
 	}
-	s2 := NewServer(envlet.NewNodeArbiter(node, 0))
+	s2 := NewServer(byRequest(node))
 	s2.grace = 0
 	if err := s2.UseLedger(ctx, path); err != nil {
 		t.Fatal(err)

@@ -59,6 +59,8 @@ type AdmitRequest struct {
 	Current *Resources `json:"current,omitempty"`
 	// Owner identifies the shim (for listings only).
 	Owner string `json:"owner,omitempty"`
+	// Priority orders environments for the node's victim policy.
+	Priority int `json:"priority,omitempty"`
 }
 
 // GrowRequest asks for the environment's limits to become Want.
@@ -91,6 +93,9 @@ type ReleaseRequest struct {
 type ResourcesResponse struct {
 	Boot      string    `json:"boot"`
 	Resources Resources `json:"resources"`
+	// Evict (Report only): the node's victim policy chose this
+	// environment to fail, and why.
+	Evict string `json:"evict,omitempty"`
 }
 
 // EmptyResponse answers Admit and Release. Admit's answer carries the

@@ -150,7 +150,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 	s.confirmLocked(r.Env)
 	rec, known := s.envs[r.Env]
 	if !known {
-		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base)); err != nil {
+		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base), envlet.WithPriority(r.Priority)); err != nil {
 			if errdefs.IsResourceExhausted(err) {
 				s.rejects["admission"]++
 			}
@@ -159,7 +159,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 			return nil, err
 		}
 		now := time.Now()
-		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now}}
+		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now, Priority: r.Priority}}
 		s.envs[r.Env] = rec
 	}
 	// An Admit for a known env is a retry or a re-registration: idempotent,
@@ -219,6 +219,10 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	}
 	s.confirmLocked(r.Env)
 	limit, err := s.arb.Report(ctx, r.Env, fromWire(r.Current), fromWire(r.Used))
+	var evict string
+	if ev := (*envlet.EvictionError)(nil); errors.As(err, &ev) {
+		evict, err = ev.Message, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("report %s: %w", r.Env, err)
 	}
@@ -232,7 +236,7 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	if n := len(rec.timeline) - DefaultTimelinePoints; n > 0 {
 		rec.timeline = append(rec.timeline[:0:0], rec.timeline[n:]...)
 	}
-	return &ResourcesResponse{Boot: s.boot, Resources: toWire(limit)}, nil
+	return &ResourcesResponse{Boot: s.boot, Resources: toWire(limit), Evict: evict}, nil
 }
 
 func (s *Server) release(ctx context.Context, r *ReleaseRequest) (*EmptyResponse, error) {

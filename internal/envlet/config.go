@@ -81,6 +81,11 @@ type Config struct {
 	// at its limit for FailPaused.
 	FailOOMs               int
 	FailWindow, FailPaused time.Duration
+
+	// Priority orders environments for the node's victim policy: when
+	// promised memory is really needed and the node cannot supply it, lower
+	// priorities fail first (NodeArbiter). Default 0.
+	Priority int
 }
 
 // DefaultConfig returns the published defaults.
@@ -219,6 +224,7 @@ var knobs = []knob{
 	{"fail-ooms", func(c *Config, v string) (err error) { c.FailOOMs, err = strconv.Atoi(v); return err }},
 	{"fail-window", durKnob(func(c *Config) *time.Duration { return &c.FailWindow })},
 	{"fail-paused", durKnob(func(c *Config) *time.Duration { return &c.FailPaused })},
+	{"priority", func(c *Config, v string) (err error) { c.Priority, err = strconv.Atoi(v); return err }},
 }
 
 // AnnotationKeys lists every accepted annotation key.

@@ -148,7 +148,7 @@ func (c *Controller) Admit(ctx context.Context) error {
 	}
 	actx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout*10)
 	defer cancel()
-	if err := c.arb.Admit(actx, c.env, c.cfg.Initial); err != nil {
+	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority)); err != nil {
 		f := Failure{Env: c.env, Reason: ReasonAdmissionRejected, Requested: c.cfg.Initial.Memory, Cap: c.cfg.Cap.Memory,
 			Message: fmt.Sprintf("node cannot admit %v: %v", c.cfg.Initial, err)}
 		c.mu.Lock()
@@ -526,10 +526,11 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
 	defer cancel()
 	lim, err := c.arb.Report(rctx, c.env, c.st.Limit, Resources{CPU: o.CPUUsed, Memory: o.WS})
+	var ev *EvictionError
 	switch {
 	case errdefs.IsNotFound(err):
 		// The arbiter lost us (restart): the shim holds the truth.
-		if err := c.arb.Admit(rctx, c.env, c.st.Base); err == nil {
+		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority)); err == nil {
 			_, err = c.arb.Grow(rctx, c.env, c.st.Limit)
 			if err != nil {
 				c.logger(ctx).WithError(err).Warn("envlet: re-register current limits")
@@ -538,6 +539,22 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 			c.logger(ctx).WithError(err).Warn("envlet: re-admit after arbiter restart")
 		}
 		return acts, nil
+	case errors.As(err, &ev):
+		// The node's victim policy chose this environment: promised
+		// memory is needed elsewhere and the node cannot supply it.
+		f := Failure{Env: c.env, Reason: ReasonNodeExhausted, Requested: c.st.Limit.Memory, Granted: c.st.Limit.Memory,
+			Cap: c.cfg.Cap.Memory, WorkingSet: o.WS, Message: ev.Message}
+		if ns, ok := c.arb.(NodeSizer); ok {
+			if node, _ := ns.Capacity(); node.Memory > 0 {
+				f.Cap = min(f.Cap, node.Memory)
+			}
+		}
+		c.mu.Lock()
+		c.status.Failures++
+		c.status.Failure = &f
+		c.mu.Unlock()
+		c.logger(ctx).WithField("reason", f.Reason).Error("envlet: " + f.Message)
+		return append(acts, "evicted"), &FailureError{Failure: f, Err: err}
 	case err != nil:
 		c.logger(ctx).WithError(err).Debug("envlet: arbiter report failed")
 		return acts, nil

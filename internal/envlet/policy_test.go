@@ -272,7 +272,8 @@ func TestRunEventWakes(t *testing.T) {
 }
 
 func TestAdmissionRejected(t *testing.T) {
-	arb := NewNodeArbiter(Resources{CPU: 0.5, Memory: GiB}, DefaultReserve)
+	// Admitting by request (overcommit 1): 1 core does not fit 0.5.
+	arb := NewNodeArbiter(Resources{CPU: 0.5, Memory: GiB}, DefaultReserve, WithOvercommit(Overcommit{CPU: 1, Memory: 1}))
 	c, err := NewController("env", newFakeCgroup(), testConfig(), arb)
 	if err != nil {
 		t.Fatal(err)
