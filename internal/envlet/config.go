@@ -82,6 +82,10 @@ type Config struct {
 	FailOOMs               int
 	FailWindow, FailPaused time.Duration
 
+	// Tier is the CPU class (standard, latency, besteffort): the
+	// scheduler weight under contention (Tier.Weights).
+	Tier Tier
+
 	// Priority orders environments for the node's victim policy: when
 	// promised memory is really needed and the node cannot supply it, lower
 	// priorities fail first (NodeArbiter). Default 0.
@@ -117,6 +121,7 @@ func DefaultConfig() Config {
 		FailOOMs:          2,
 		FailWindow:        5 * time.Second,
 		FailPaused:        2 * time.Second,
+		Tier:              TierStandard,
 	}
 }
 
@@ -225,6 +230,7 @@ var knobs = []knob{
 	{"fail-window", durKnob(func(c *Config) *time.Duration { return &c.FailWindow })},
 	{"fail-paused", durKnob(func(c *Config) *time.Duration { return &c.FailPaused })},
 	{"priority", func(c *Config, v string) (err error) { c.Priority, err = strconv.Atoi(v); return err }},
+	{"tier", func(c *Config, v string) (err error) { c.Tier, err = ParseTier(v); return err }},
 }
 
 // AnnotationKeys lists every accepted annotation key.

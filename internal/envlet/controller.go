@@ -199,6 +199,14 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 			}()
 		}
 	}
+	if ts, ok := c.cg.(tierSetter); ok && c.cfg.Tier != TierStandard && c.cfg.Tier != "" {
+		if err := ts.SetTier(c.cfg.Tier.Weights()); err != nil {
+			if errors.Is(err, ErrVanished) {
+				return nil
+			}
+			l.WithError(err).WithField("tier", c.cfg.Tier).Warn("envlet: set the CPU tier")
+		}
+	}
 	if err := c.cg.Apply(c.cfg.Initial); err != nil {
 		if errors.Is(err, ErrVanished) {
 			return nil

@@ -14,7 +14,7 @@ import (
 // and prints its topic and reason (it used to print "cannot unmarshal an
 // event from Any ... google.protobuf.Struct: not found").
 func TestCtrEvents(t *testing.T) {
-	s := newSuite(t, node{cpu: "1", memory: "1Gi"})
+	s := newSuite(t, node{cpu: "1", memory: "1Gi", overcommit: "1"})
 	out := &syncBuffer{}
 	cmd := exec.Command(testenv.Tool(t, "ctr"), "--address", s.env.Address, "events", `topic=="`+shim.FailedEventTopic+`"`)
 	cmd.Stdout, cmd.Stderr = out, out
@@ -25,15 +25,18 @@ func TestCtrEvents(t *testing.T) {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
+	if _, err := s.run(t, map[string]string{"initial-cpu": "0.25", "initial-memory": "768Mi"}, "-mode", "idle", "-hold", "60s"); err != nil {
+		t.Fatal(err)
+	}
 	// ctr says nothing when its subscription is up: refuse a container
-	// (2 GiB initial memory on a 1 GiB node) until ctr prints the event.
+	// (admitting by request, a second 768 MiB container on a 1 GiB node) until ctr prints the event.
 	deadline := time.Now().Add(30 * time.Second)
 	for !strings.Contains(out.String(), shim.FailedEventTopic) {
 		if time.Now().After(deadline) {
 			t.Fatalf("ctr events printed no %s within 30 s:\n%s", shim.FailedEventTopic, out.String())
 		}
-		if _, err := s.run(t, map[string]string{"initial-cpu": "0.5", "initial-memory": "2Gi"}, "-mode", "idle", "-hold", "1s"); err == nil {
-			t.Fatal("a 2 GiB container was admitted on a 1 GiB node")
+		if _, err := s.run(t, map[string]string{"initial-cpu": "0.25", "initial-memory": "768Mi"}, "-mode", "idle", "-hold", "1s"); err == nil {
+			t.Fatal("a 768 MiB container was admitted next to another on a 1 GiB node admitting by request")
 		}
 		time.Sleep(500 * time.Millisecond)
 	}

@@ -63,6 +63,9 @@ func workload(t testing.TB) []byte {
 // node is the capacity the arbiter divides and the shim config.
 type node struct {
 	cpu, memory string // "" = the machine's
+	// overcommit, when set, bounds the sum of initial quotas ("1": admit
+	// by request).
+	overcommit string
 }
 
 // suite is one containerd with the envlet runtime, a node arbiter daemon
@@ -94,6 +97,9 @@ func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 	}
 	if n.memory != "" {
 		cfg += fmt.Sprintf("memory = %q\n", n.memory)
+	}
+	if n.overcommit != "" {
+		cfg += fmt.Sprintf("[node.overcommit]\ncpu = %s\nmemory = %s\n", n.overcommit, n.overcommit)
 	}
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", s.socket)
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {

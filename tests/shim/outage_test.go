@@ -31,6 +31,8 @@ func TestArbiterKilledDuringRamp(t *testing.T) {
 	}
 	s.startArbiter(t)
 	t.Logf("arbiter down for %v", time.Since(killed).Round(time.Millisecond))
+	time.Sleep(3 * time.Second)
+	t.Logf("timeline 3 s after the restart:\n%s\n%s", s.envsnap(t, "envs", "--timeline", c.id), s.envsnap(t, "envs"))
 	code := c.wait(t, 2*time.Minute)
 	timeline := s.envsnap(t, "envs", "--timeline", c.id)
 	if code != 0 {
