@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"time"
 
@@ -23,15 +24,14 @@ import (
 	"github.com/containerd/ttrpc"
 	"github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
 // FailedEventTopic is the containerd event topic of a failed environment.
-// Its payload is a google.protobuf.Struct with the fields of
-// envlet.Failure (id, reason, requested, granted, cap, ws, ooms, message).
+// Its payload is FailureEvent's: a containerd.events.ContainerUpdate with
+// the fields of envlet.Failure as labels.
 const FailedEventTopic = "/envlet/env/failed"
 
 // ReasonAdmissionRejected is the failure reason of a Create the arbiter
@@ -178,7 +178,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
-	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial); err != nil {
+	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
 				Env: r.ID, Reason: ReasonAdmissionRejected,
@@ -186,7 +186,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 				Message: err.Error(),
 			}
 			s.publishFailure(f)
-			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: node cannot admit %s with %v: %w", ReasonAdmissionRejected, r.ID, cfg.Initial, err))
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: admit %s with %v: %w", ReasonAdmissionRejected, r.ID, cfg.Initial, err))
 		}
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: admit %s: %w", r.ID, err))
 	}
@@ -309,36 +309,52 @@ func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
 	}
 }
 
-// FailureEvent encodes f as the payload of FailedEventTopic.
-func FailureEvent(f envlet.Failure) (*structpb.Struct, error) {
-	b, err := json.Marshal(f)
-	if err != nil {
-		return nil, err
-	}
-	var m map[string]any
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, err
-	}
-	return structpb.NewStruct(m)
+// FailureEvent encodes f as the payload of FailedEventTopic: a
+// containerd.events.ContainerUpdate (containerd's own event type, which
+// every containerd client registers, so `ctr events` prints it) whose
+// labels carry the fields of envlet.Failure under their JSON names (id is
+// the event's ID). A google.protobuf.Struct would be the natural type,
+// but ctr does not link it and prints "cannot unmarshal an event from
+// Any" instead of the reason.
+func FailureEvent(f envlet.Failure) *eventstypes.ContainerUpdate {
+	return &eventstypes.ContainerUpdate{ID: f.Env, Labels: map[string]string{
+		"reason":    f.Reason,
+		"message":   f.Message,
+		"requested": strconv.FormatInt(f.Requested, 10),
+		"granted":   strconv.FormatInt(f.Granted, 10),
+		"cap":       strconv.FormatInt(f.Cap, 10),
+		"ws":        strconv.FormatInt(f.WorkingSet, 10),
+		"ooms":      strconv.Itoa(f.OOMs),
+	}}
 }
 
 // ParseFailureEvent decodes a FailedEventTopic payload.
-func ParseFailureEvent(st *structpb.Struct) (envlet.Failure, error) {
-	var f envlet.Failure
-	b, err := st.MarshalJSON()
-	if err != nil {
-		return f, err
+func ParseFailureEvent(ev *eventstypes.ContainerUpdate) (envlet.Failure, error) {
+	l := ev.GetLabels()
+	f := envlet.Failure{Env: ev.GetID(), Reason: l["reason"], Message: l["message"]}
+	if f.Reason == "" {
+		return f, fmt.Errorf("failure event for %s has no reason: %w", f.Env, errdefs.ErrInvalidArgument)
 	}
-	err = json.Unmarshal(b, &f)
-	return f, err
+	for _, n := range []struct {
+		key string
+		dst *int64
+	}{{"requested", &f.Requested}, {"granted", &f.Granted}, {"cap", &f.Cap}, {"ws", &f.WorkingSet}} {
+		v, err := strconv.ParseInt(l[n.key], 10, 64)
+		if err != nil {
+			return f, fmt.Errorf("failure event for %s: label %s=%q: %w", f.Env, n.key, l[n.key], errdefs.ErrInvalidArgument)
+		}
+		*n.dst = v
+	}
+	ooms, err := strconv.Atoi(l["ooms"])
+	if err != nil {
+		return f, fmt.Errorf("failure event for %s: label ooms=%q: %w", f.Env, l["ooms"], errdefs.ErrInvalidArgument)
+	}
+	f.OOMs = ooms
+	return f, nil
 }
 
 func (s *Service) publishFailure(f envlet.Failure) {
-	ev, err := FailureEvent(f)
-	if err == nil {
-		err = s.publisher.Publish(s.ctx, FailedEventTopic, ev)
-	}
-	if err != nil {
+	if err := s.publisher.Publish(s.ctx, FailedEventTopic, FailureEvent(f)); err != nil {
 		log.G(s.ctx).WithError(err).WithField("id", f.Env).Error("envlet: publish failure event")
 	}
 }

@@ -23,7 +23,6 @@ import (
 	"github.com/containerd/errdefs/pkg/errgrpc"
 	"github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/envlet"
@@ -133,7 +132,7 @@ func newFakeArbiter() *fakeArbiter {
 	return &fakeArbiter{admitted: map[string]envlet.Resources{}, released: map[string]string{}, tracked: map[string]bool{}}
 }
 
-func (a *fakeArbiter) Admit(_ context.Context, env string, base envlet.Resources) error {
+func (a *fakeArbiter) Admit(_ context.Context, env string, base envlet.Resources, _ ...envlet.AdmitOpt) error {
 	if a.admit != nil {
 		if err := a.admit(env, base); err != nil {
 			return err
@@ -366,6 +365,25 @@ func TestCreateRejected(t *testing.T) {
 	}
 }
 
+// The refusal names the container and what it asked for once, then what
+// the node lacks, as the node arbiter words it.
+func TestCreateRejectedMessage(t *testing.T) {
+	f := newFixture(t)
+	node := envlet.NewNodeArbiter(envlet.Resources{CPU: 0.5, Memory: envlet.GiB}, 0, envlet.WithOvercommit(envlet.Overcommit{CPU: 1, Memory: 1}))
+	f.arb.admit = func(env string, base envlet.Resources) error {
+		return node.Admit(context.Background(), env, base)
+	}
+	_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "env-42", Bundle: bundle(t, linuxSpec("env-42", nil))})
+	msg := errgrpc.ToNative(err).Error()
+	if strings.Count(msg, "env-42") != 1 || strings.Count(msg, "admit") != 1 || !strings.Contains(msg, "node ") {
+		t.Fatalf("refusal %q: want the container and 'admit' once, then the node's state", msg)
+	}
+	ev := f.pub.evs[0].event.(*eventstypes.ContainerUpdate)
+	if fl, err := ParseFailureEvent(ev); err != nil || fl.Reason != ReasonAdmissionRejected || strings.Contains(fl.Message, "env-42") {
+		t.Fatalf("failure event %+v (%v): want the reason and the node's state", fl, err)
+	}
+}
+
 // TestFailure: a controller that gives up gets the task killed, after the
 // reason is published and written where kubelet reads it.
 func TestFailure(t *testing.T) {
@@ -403,7 +421,7 @@ func TestFailure(t *testing.T) {
 	if oom := f.pub.evs[1].event.(*eventstypes.TaskOOM); oom.ContainerID != "x" {
 		t.Fatalf("oom event for %q", oom.ContainerID)
 	}
-	got, err := ParseFailureEvent(f.pub.evs[0].event.(*structpb.Struct))
+	got, err := ParseFailureEvent(f.pub.evs[0].event.(*eventstypes.ContainerUpdate))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -538,7 +556,7 @@ func TestEnvKeyNamespaced(t *testing.T) {
 	if _, ok := arb.admitted["team-a/x"]; !ok || len(arb.admitted) != 1 {
 		t.Fatalf("admitted %v, want team-a/x", arb.admitted)
 	}
-	ev, ok := pub.evs[0].event.(*structpb.Struct)
+	ev, ok := pub.evs[0].event.(*eventstypes.ContainerUpdate)
 	if !ok {
 		t.Fatalf("event %T", pub.evs[0].event)
 	}

@@ -27,6 +27,7 @@ var arbiterCommand = &cli.Command{
 		&cli.StringFlag{Name: "node-memory", Usage: "node memory capacity, e.g. 16Gi (default from the config, else MemTotal)"},
 		&cli.Float64Flag{Name: "reserve", Value: -1, Usage: "share of the node kept for admissions (default from the config, else 0.15)"},
 		&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus metrics on host:port at /metrics"},
+		&cli.StringFlag{Name: "ledger", Usage: "file the leases are persisted to and restored from at start (default from the config, else arbiter-ledger.json next to the socket; \"none\": memory only)"},
 	},
 	Action: runArbiter,
 }
@@ -57,6 +58,9 @@ func runArbiter(ctx context.Context, c *cli.Command) error {
 	if v := c.String("socket"); v != "" {
 		cfg.Arbiter.Socket = v
 	}
+	if v := c.String("ledger"); v != "" {
+		cfg.Arbiter.Ledger = v
+	}
 	node, reserve, err := cfg.NodeSize()
 	if err != nil {
 		return err
@@ -69,10 +73,17 @@ func runArbiter(ctx context.Context, c *cli.Command) error {
 	defer stop()
 	log.G(ctx).WithField("node", node.String()).WithField("reserve", reserve).Info("arbiter: node capacity")
 	var opts []arbiter.ServeOpt
+	if p := cfg.LedgerPath(); p != "" {
+		opts = append(opts, arbiter.WithLedger(p))
+	}
 	if a := c.String("metrics-address"); a != "" {
 		opts = append(opts, arbiter.WithMetricsAddress(a))
 	}
-	if err := arbiter.Serve(ctx, socket, envlet.NewNodeArbiter(node, reserve), opts...); err != nil {
+	nodeOpts, err := cfg.NodeOpts()
+	if err != nil {
+		return err
+	}
+	if err := arbiter.Serve(ctx, socket, envlet.NewNodeArbiter(node, reserve, nodeOpts...), opts...); err != nil {
 		return fmt.Errorf("arbiter: %w", err)
 	}
 	return nil

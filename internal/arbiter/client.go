@@ -24,7 +24,8 @@ import (
 // reached.
 const (
 	// FallbackDegraded is the default: admissions are decided by a local
-	// NodeArbiter sized to the node, grows fail with errdefs.ErrUnavailable
+	// NodeArbiter sized to the node, by request (it cannot see the other
+	// shims' use), grows fail with errdefs.ErrUnavailable
 	// so the controller's policy for a lost arbiter applies (CPU fails open
 	// to 2 x base, memory fails closed). A shim that cannot see the others
 	// cannot oversubscribe the node's memory.
@@ -81,10 +82,12 @@ type Client struct {
 	envs      map[string]*envState
 	local     *envlet.NodeArbiter // nil while connected
 	localEnvs map[string]bool
+	node      *NodeInfo // the arbiter's view of the node, from Admit
 }
 
 type envState struct {
 	base, current envlet.Resources
+	priority      int
 	src           StatusSource
 	lastPoint     []byte // JSON of the last timeline point reported
 }
@@ -187,8 +190,23 @@ func (c *Client) connectLocked(ctx context.Context) error {
 func (c *Client) registerLocked(ctx context.Context, env string, st *envState) error {
 	cur := toWire(st.current)
 	var resp EmptyResponse
-	return c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
+	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
+		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner, Priority: st.priority}, &resp, &resp.Boot)
+	if err == nil && resp.Node != nil {
+		c.node = resp.Node
+	}
+	return err
+}
+
+// Capacity is the node as the arbiter last described it, or the
+// configured node size before any answer (envlet.NodeSizer).
+func (c *Client) Capacity() (envlet.Resources, float64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.node != nil {
+		return fromWire(c.node.Capacity), c.node.Reserve
+	}
+	return c.cfg.Node, c.cfg.Reserve
 }
 
 // callLocked makes one call. Transport failures and timeouts drop the
@@ -231,7 +249,11 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 
 // Admit asks the arbiter to admit env with base. When the arbiter cannot
 // be reached the fallback arbiter decides.
-func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources) error {
+func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources, opts ...envlet.AdmitOpt) error {
+	var ad envlet.Admission
+	for _, o := range opts {
+		o(&ad)
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	st, known := c.envs[env]
@@ -240,12 +262,15 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources) e
 	}
 	// Admitting a known env again (the shim at Create, then the controller
 	// in Run) is idempotent here and at the arbiter.
-	st.base = base
+	st.base, st.priority = base, ad.Priority
 	cur := toWire(st.current)
 	var resp EmptyResponse
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner}, &resp, &resp.Boot)
+		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority}, &resp, &resp.Boot)
 	if err == nil {
+		if resp.Node != nil {
+			c.node = resp.Node
+		}
 		c.envs[env] = st
 		return nil
 	}
@@ -253,7 +278,7 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources) e
 		return err
 	}
 	c.enterFallbackLocked(ctx, err)
-	if err := c.local.Admit(ctx, env, base); err != nil {
+	if err := c.local.Admit(ctx, env, base, opts...); err != nil {
 		return fmt.Errorf("admit %s (arbiter unreachable, local fallback): %w", env, err)
 	}
 	c.localEnvs[env] = true
@@ -268,7 +293,12 @@ func (c *Client) enterFallbackLocked(ctx context.Context, cause error) {
 		return
 	}
 	log.G(ctx).WithError(cause).WithField("policy", c.cfg.Fallback).Warn("envlet: node arbiter unreachable; deciding locally")
-	c.local = envlet.NewNodeArbiter(c.cfg.Node, c.cfg.Reserve)
+	var opts []envlet.NodeOpt
+	if c.cfg.Fallback != FallbackLocal {
+		// A shim that cannot see the others' use must not admit by use.
+		opts = append(opts, envlet.WithOvercommit(envlet.Overcommit{CPU: 1, Memory: 1}))
+	}
+	c.local = envlet.NewNodeArbiter(c.cfg.Node, c.cfg.Reserve, opts...)
 	c.localEnvs = make(map[string]bool)
 	for env, st := range c.envs {
 		c.ensureLocalLocked(ctx, env, st)
@@ -279,7 +309,7 @@ func (c *Client) ensureLocalLocked(ctx context.Context, env string, st *envState
 	if c.localEnvs[env] {
 		return
 	}
-	if err := c.local.Admit(ctx, env, st.base); err != nil {
+	if err := c.local.Admit(ctx, env, st.base, envlet.WithPriority(st.priority)); err != nil {
 		log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: local fallback arbiter rejects env")
 		return
 	}
@@ -360,6 +390,9 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 	if err == nil {
 		if last != nil {
 			st.lastPoint = last
+		}
+		if resp.Evict != "" {
+			return fromWire(resp.Resources), &envlet.EvictionError{Message: resp.Evict}
 		}
 		return fromWire(resp.Resources), nil
 	}

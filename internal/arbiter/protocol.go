@@ -59,6 +59,8 @@ type AdmitRequest struct {
 	Current *Resources `json:"current,omitempty"`
 	// Owner identifies the shim (for listings only).
 	Owner string `json:"owner,omitempty"`
+	// Priority orders environments for the node's victim policy.
+	Priority int `json:"priority,omitempty"`
 }
 
 // GrowRequest asks for the environment's limits to become Want.
@@ -91,11 +93,22 @@ type ReleaseRequest struct {
 type ResourcesResponse struct {
 	Boot      string    `json:"boot"`
 	Resources Resources `json:"resources"`
+	// Evict (Report only): the node's victim policy chose this
+	// environment to fail, and why.
+	Evict string `json:"evict,omitempty"`
 }
 
-// EmptyResponse answers Admit and Release.
+// EmptyResponse answers Admit and Release. Admit's answer carries the
+// arbiter's view of the node, which the shims report in failures.
 type EmptyResponse struct {
-	Boot string `json:"boot"`
+	Boot string    `json:"boot"`
+	Node *NodeInfo `json:"node,omitempty"`
+}
+
+// NodeInfo is the node as the arbiter divides it.
+type NodeInfo struct {
+	Capacity Resources `json:"capacity"`
+	Reserve  float64   `json:"reserve"`
 }
 
 // ListRequest asks for the environments the arbiter knows.
@@ -116,6 +129,7 @@ type EnvInfo struct {
 	Updated  time.Time       `json:"updated"`
 	Ended    time.Time       `json:"ended,omitzero"`
 	Reason   string          `json:"reason,omitempty"`
+	Priority int             `json:"priority,omitempty"`
 }
 
 // ListResponse answers List.

@@ -47,6 +47,16 @@ type Server struct {
 	envs    map[string]*record
 	ended   []*record // oldest first, at most DefaultEndedEnvs
 	rejects map[string]float64
+
+	// Ledger (UseLedger): the file, the last written content without
+	// usage, and the environments restored from it that no shim has
+	// confirmed yet, with the time their grants lapse.
+	ledger        string
+	lastLedger    []byte
+	lastLedgerUse []byte
+	ledgerAt      time.Time
+	restored      map[string]time.Time
+	grace         time.Duration
 }
 
 type record struct {
@@ -60,11 +70,19 @@ func NewServer(arb *envlet.NodeArbiter) *Server {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return &Server{
-		arb:     arb,
-		boot:    hex.EncodeToString(b[:]),
-		envs:    make(map[string]*record),
-		rejects: make(map[string]float64),
+		arb:      arb,
+		boot:     hex.EncodeToString(b[:]),
+		envs:     make(map[string]*record),
+		rejects:  make(map[string]float64),
+		restored: make(map[string]time.Time),
+		grace:    DefaultLedgerGrace,
 	}
+}
+
+// node is the arbiter's view of the node, sent with every answer to Admit.
+func (s *Server) node() *NodeInfo {
+	capacity, reserve := s.arb.Capacity()
+	return &NodeInfo{Capacity: toWire(capacity), Reserve: reserve}
 }
 
 // Register adds the arbiter service to a ttrpc server.
@@ -127,16 +145,21 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	defer s.persistLocked(ctx)
+	s.expireLocked(ctx, time.Now())
+	s.confirmLocked(r.Env)
 	rec, known := s.envs[r.Env]
 	if !known {
-		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base)); err != nil {
+		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base), envlet.WithPriority(r.Priority)); err != nil {
 			if errdefs.IsResourceExhausted(err) {
 				s.rejects["admission"]++
 			}
-			return nil, fmt.Errorf("admit %s: %w", r.Env, err)
+			// The arbiter's error says what the node lacks; the caller
+			// names the environment.
+			return nil, err
 		}
 		now := time.Now()
-		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now}}
+		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now, Priority: r.Priority}}
 		s.envs[r.Env] = rec
 	}
 	// An Admit for a known env is a retry or a re-registration: idempotent,
@@ -150,7 +173,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 			rec.info.Current = toWire(got)
 		}
 	}
-	return &EmptyResponse{Boot: s.boot}, nil
+	return &EmptyResponse{Boot: s.boot, Node: s.node()}, nil
 }
 
 func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, error) {
@@ -159,10 +182,13 @@ func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, 
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	defer s.persistLocked(ctx)
+	s.expireLocked(ctx, time.Now())
 	rec, ok := s.envs[r.Env]
 	if !ok {
 		return nil, fmt.Errorf("grow %s: %w", r.Env, errdefs.ErrNotFound)
 	}
+	s.confirmLocked(r.Env)
 	got, err := s.arb.Grow(ctx, r.Env, fromWire(r.Want))
 	if err != nil {
 		return nil, fmt.Errorf("grow %s: %w", r.Env, err)
@@ -185,11 +211,18 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	defer s.persistLocked(ctx)
+	s.expireLocked(ctx, time.Now())
 	rec, ok := s.envs[r.Env]
 	if !ok {
 		return nil, fmt.Errorf("report %s: %w", r.Env, errdefs.ErrNotFound)
 	}
+	s.confirmLocked(r.Env)
 	limit, err := s.arb.Report(ctx, r.Env, fromWire(r.Current), fromWire(r.Used))
+	var evict string
+	if ev := (*envlet.EvictionError)(nil); errors.As(err, &ev) {
+		evict, err = ev.Message, nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("report %s: %w", r.Env, err)
 	}
@@ -203,36 +236,52 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	if n := len(rec.timeline) - DefaultTimelinePoints; n > 0 {
 		rec.timeline = append(rec.timeline[:0:0], rec.timeline[n:]...)
 	}
-	return &ResourcesResponse{Boot: s.boot, Resources: toWire(limit)}, nil
+	return &ResourcesResponse{Boot: s.boot, Resources: toWire(limit), Evict: evict}, nil
 }
 
 func (s *Server) release(ctx context.Context, r *ReleaseRequest) (*EmptyResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	rec, ok := s.envs[r.Env]
-	if !ok {
+	defer s.persistLocked(ctx)
+	s.confirmLocked(r.Env)
+	if _, ok := s.envs[r.Env]; !ok {
 		// Releasing twice (exit, then delete) is normal.
 		return &EmptyResponse{Boot: s.boot}, nil
 	}
-	if err := s.arb.Release(ctx, r.Env); err != nil && !errdefs.IsNotFound(err) {
+	reason := r.Reason
+	if reason == "" {
+		reason = "released"
+	}
+	if err := s.endLocked(ctx, r.Env, reason); err != nil {
 		return nil, fmt.Errorf("release %s: %w", r.Env, err)
-	}
-	delete(s.envs, r.Env)
-	rec.info.Ended = time.Now()
-	rec.info.Reason = r.Reason
-	if rec.info.Reason == "" {
-		rec.info.Reason = "released"
-	}
-	s.ended = append(s.ended, rec)
-	if n := len(s.ended) - DefaultEndedEnvs; n > 0 {
-		s.ended = append(s.ended[:0:0], s.ended[n:]...)
 	}
 	return &EmptyResponse{Boot: s.boot}, nil
 }
 
-func (s *Server) list(_ context.Context, r *ListRequest) (*ListResponse, error) {
+// endLocked returns env's grant and lists it as ended with reason.
+func (s *Server) endLocked(ctx context.Context, env, reason string) error {
+	rec, ok := s.envs[env]
+	if !ok {
+		return nil
+	}
+	if err := s.arb.Release(ctx, env); err != nil && !errdefs.IsNotFound(err) {
+		return err
+	}
+	delete(s.envs, env)
+	rec.info.Ended = time.Now()
+	rec.info.Reason = reason
+	s.ended = append(s.ended, rec)
+	if n := len(s.ended) - DefaultEndedEnvs; n > 0 {
+		s.ended = append(s.ended[:0:0], s.ended[n:]...)
+	}
+	return nil
+}
+
+func (s *Server) list(ctx context.Context, r *ListRequest) (*ListResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.expireLocked(ctx, time.Now())
+	defer s.persistLocked(ctx)
 	resp := &ListResponse{Boot: s.boot, Envs: make([]EnvInfo, 0, len(s.envs))}
 	for _, rec := range s.envs {
 		resp.Envs = append(resp.Envs, rec.info)
@@ -282,6 +331,13 @@ type ServeOpt func(*serveConfig)
 
 type serveConfig struct {
 	metricsAddr string
+	ledger      string
+}
+
+// WithLedger persists the leases at path and restores them at start
+// (Server.UseLedger); "" keeps the arbiter's state in memory only.
+func WithLedger(path string) ServeOpt {
+	return func(c *serveConfig) { c.ledger = path }
 }
 
 // WithMetricsAddress also serves Prometheus metrics (per-environment quota,
@@ -308,13 +364,20 @@ func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts
 	if err := os.Remove(socketPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove stale arbiter socket: %w", err)
 	}
+	// The ledger is read before the socket exists: no shim gets an answer
+	// from an arbiter that does not yet know what the node has promised.
+	s := NewServer(arb)
+	if cfg.ledger != "" {
+		if err := s.UseLedger(ctx, cfg.ledger); err != nil {
+			return err
+		}
+	}
 	l, err := net.Listen("unix", socketPath)
 	if err != nil {
 		return fmt.Errorf("listen on arbiter socket %s: %w", socketPath, err)
 	}
 	defer os.Remove(socketPath)
 
-	s := NewServer(arb)
 	srv, err := ttrpc.NewServer()
 	if err != nil {
 		l.Close()

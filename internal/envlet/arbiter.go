@@ -6,6 +6,7 @@ import (
 	"math"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/containerd/errdefs"
 )
@@ -15,9 +16,10 @@ import (
 // (Admit, then Grow to its current limits) when Report says ErrNotFound,
 // e.g. after an arbiter restart.
 type Arbiter interface {
-	// Admit reserves base for a new environment, or fails with
-	// errdefs.ErrResourceExhausted.
-	Admit(ctx context.Context, env string, base Resources) error
+	// Admit admits a new environment starting at base, or fails with
+	// errdefs.ErrResourceExhausted. base is a starting limit, not a
+	// reservation (NodeArbiter admits by use).
+	Admit(ctx context.Context, env string, base Resources, opts ...AdmitOpt) error
 	// Grow asks for want in total and returns the granted total, which may
 	// be partial. A field at or below the current grant (0 for "this
 	// resource is not growing") leaves that grant unchanged: burst is given
@@ -27,41 +29,127 @@ type Arbiter interface {
 	// Report tells the arbiter the applied limits and the usage (CPU cores
 	// used, memory working set), about once a second. A returned limit
 	// below current means "shrink to this": burst reclaimed for an
-	// admission.
+	// admission. An *EvictionError means the node's victim policy chose
+	// this environment to fail.
 	Report(ctx context.Context, env string, current, used Resources) (Resources, error)
 	// Release returns everything the environment holds.
 	Release(ctx context.Context, env string) error
 }
 
-// DefaultReserve is the node share kept for admitting new environments.
+// Admission is what Admit knows about an environment besides its base.
+type Admission struct {
+	// Priority orders environments for the victim policy (higher is
+	// kept longer).
+	Priority int
+}
+
+// AdmitOpt sets a field of the Admission.
+type AdmitOpt func(*Admission)
+
+// WithPriority sets the environment's priority.
+func WithPriority(p int) AdmitOpt { return func(a *Admission) { a.Priority = p } }
+
+// EvictionError is Report's answer to an environment the node's victim
+// policy chose to fail.
+type EvictionError struct {
+	Message string
+}
+
+func (e *EvictionError) Error() string { return "evicted: " + e.Message }
+
+// NodeSizer is implemented by arbiters that know the node they divide
+// (NodeArbiter, the node arbiter's client): failures report the node's
+// size as the arbiter sees it, not the host's.
+type NodeSizer interface {
+	Capacity() (Resources, float64)
+}
+
+// DefaultReserve is the node share kept free of measured use: the room
+// in which new environments start and running ones burst before the next
+// report.
 const DefaultReserve = 0.15
+
+// DefaultOvercommit bounds the sum of admitted bases (initial quotas) as a
+// multiple of the node, per resource. The bound is a ratio, so it scales
+// with the node. CPU 20: DSec measured about 90% of agent sandboxes using
+// under 5% of the CPU they request (1/0.05 = 20), and CPU overcommit only
+// slows (CPU tiers protect latency-sensitive work). Memory 8: promised
+// memory that is really used turns into failures chosen by the victim
+// policy, so the bound is lower; admission by use does the real gating,
+// the bound only caps how much a burst of admissions within one report
+// period (whose usage the arbiter has not seen yet) can promise.
+var DefaultOvercommit = Overcommit{CPU: 20, Memory: 8}
+
+// Overcommit is a ratio of promised (sum of bases) to node capacity.
+type Overcommit struct {
+	CPU, Memory float64
+}
+
+// NodeOpt configures a NodeArbiter.
+type NodeOpt func(*NodeArbiter)
+
+// WithOvercommit bounds the sum of bases (DefaultOvercommit); a ratio of 1
+// admits by request, like fixed quotas.
+func WithOvercommit(o Overcommit) NodeOpt { return func(a *NodeArbiter) { a.overcommit = o } }
+
+// WithVictimPolicy sets whom the node fails first (DefaultVictimPolicy).
+func WithVictimPolicy(p VictimPolicy) NodeOpt { return func(a *NodeArbiter) { a.victims = p } }
+
+// WithNodeClock replaces the wall clock that stamps admissions (tests).
+func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) { a.now = now } }
 
 // NodeArbiter is the in-memory Arbiter: a shim without a daemon uses it
 // in-process, and the node daemon wraps it behind ttrpc.
 //
-// Accounting: node capacity = admission reserve + sum of grants. A grant is
-// the admitted base plus burst. Grow only draws on capacity x (1 -
-// reserve), so bursting environments can never eat the reserve; Admit may
-// use the reserve (that is what makes admission immediate on a node full
-// of burst) and then reclaims idle burst, largest (grant - usage) first and
-// never below max(1.5 x usage, base), to restore it. Grants never sum above
-// capacity.
+// Admission by use. A lease's base (the initial quota) is a starting
+// limit, not a reservation: what counts against the node is its use,
+// min(used, base), plus its burst (grant - base), which was granted
+// because it was needed. Per resource:
+//
+//   - Admit succeeds while the counted use of all leases leaves the
+//     reserve free (sum <= capacity x (1 - reserve)) and the sum of bases
+//     stays within the overcommit bound. A new lease counts nothing until
+//     it reports.
+//   - Grow draws only on capacity x (1 - reserve) minus the others' counted
+//     use and the asker's whole grant, and may be partial.
+//   - Admit then reclaims idle burst (largest grant - usage first, never
+//     below max(1.5 x usage, base)) while the counted use, with unreported
+//     leases at their base, is above capacity x (1 - reserve).
+//   - Report: when the counted memory use passes capacity x (1 - reserve
+//     / 2), promised memory is really needed and the node cannot supply it:
+//     the victim policy chooses whom to fail until it is back under, and
+//     their next Report answers *EvictionError.
 type NodeArbiter struct {
-	mu       sync.Mutex
-	capacity Resources
-	reserve  float64
-	leases   map[string]*Lease
+	mu         sync.Mutex
+	capacity   Resources
+	reserve    float64
+	overcommit Overcommit
+	victims    VictimPolicy
+	now        func() time.Time
+	leases     map[string]*Lease
+	evict      map[string]string // env -> why
 }
 
 // Lease is what the arbiter holds for one environment.
 type Lease struct {
 	Base, Grant, Used Resources
+	// Reported: Used has been reported at least once.
+	Reported bool
+	// Priority and Admitted order the environments when the node must
+	// fail one (VictimPolicy).
+	Priority int
+	Admitted time.Time
 }
 
 // NewNodeArbiter returns an arbiter for a node of the given capacity
-// keeping reserve (0..1, DefaultReserve) for admissions.
-func NewNodeArbiter(capacity Resources, reserve float64) *NodeArbiter {
-	return &NodeArbiter{capacity: capacity, reserve: min(max(reserve, 0), 1), leases: map[string]*Lease{}}
+// keeping reserve (0..1, DefaultReserve) free of use.
+func NewNodeArbiter(capacity Resources, reserve float64, opts ...NodeOpt) *NodeArbiter {
+	a := &NodeArbiter{capacity: capacity, reserve: min(max(reserve, 0), 1), overcommit: DefaultOvercommit,
+		victims: DefaultVictimPolicy, now: time.Now, leases: map[string]*Lease{}, evict: map[string]string{}}
+	for _, o := range opts {
+		o(a)
+	}
+	return a
 }
 
 // Capacity returns the node capacity and reserve.
@@ -74,6 +162,42 @@ func (a *NodeArbiter) growLimit() Resources {
 	}
 }
 
+// use is what a lease counts against the node: its burst, plus its
+// measured use of the base. An unreported lease counts its base when
+// startAtBase (for restoring the reserve), else nothing.
+func use(l *Lease, startAtBase bool) Resources {
+	used := l.Used
+	if !l.Reported && startAtBase {
+		used = l.Base
+	}
+	return Resources{
+		CPU:    math.Max(l.Grant.CPU-l.Base.CPU, 0) + math.Min(used.CPU, l.Base.CPU),
+		Memory: max(l.Grant.Memory-l.Base.Memory, 0) + min(used.Memory, l.Base.Memory),
+	}
+}
+
+func (a *NodeArbiter) used(skip string, startAtBase bool) Resources {
+	var s Resources
+	for id, l := range a.leases {
+		if id == skip {
+			continue
+		}
+		u := use(l, startAtBase)
+		s.CPU += u.CPU
+		s.Memory += u.Memory
+	}
+	return s
+}
+
+func (a *NodeArbiter) promised() Resources {
+	var s Resources
+	for _, l := range a.leases {
+		s.CPU += l.Base.CPU
+		s.Memory += l.Base.Memory
+	}
+	return s
+}
+
 func (a *NodeArbiter) granted() Resources {
 	var s Resources
 	for _, l := range a.leases {
@@ -83,11 +207,18 @@ func (a *NodeArbiter) granted() Resources {
 	return s
 }
 
-// Granted returns the sum of all grants.
+// Granted returns the sum of all grants (limits in force).
 func (a *NodeArbiter) Granted() Resources {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.granted()
+}
+
+// Used returns what the leases count against the node (see NodeArbiter).
+func (a *NodeArbiter) Used() Resources {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.used("", false)
 }
 
 // Leases returns a copy of every lease.
@@ -101,39 +232,39 @@ func (a *NodeArbiter) Leases() map[string]Lease {
 	return out
 }
 
-func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources) error {
+func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opts ...AdmitOpt) error {
+	var ad Admission
+	for _, o := range opts {
+		o(&ad)
+	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	// Re-admission (a shim re-registering after an arbiter restart, or a
-	// new base) only needs room for what it adds.
-	extra := base
 	l, exists := a.leases[env]
 	if exists {
-		extra = Resources{CPU: math.Max(base.CPU-l.Grant.CPU, 0), Memory: max(base.Memory-l.Grant.Memory, 0)}
+		// Re-admission (a shim re-registering after an arbiter restart,
+		// or the controller after the shim) only moves the base.
+		l.Base, l.Priority = base, ad.Priority
+		l.Grant = Resources{CPU: math.Max(l.Grant.CPU, base.CPU), Memory: max(l.Grant.Memory, base.Memory)}
+		return nil
 	}
-	sum := a.granted()
-	needCPU := sum.CPU + extra.CPU - a.capacity.CPU
-	needMem := sum.Memory + extra.Memory - a.capacity.Memory
-	// The admitted environment's own burst is no room for it: a new base
-	// at or above its grant turns that burst into base.
-	if needCPU > 1e-9 && a.reclaimableCPU(env) < needCPU || needMem > 0 && a.reclaimableMem(env) < needMem {
-		return fmt.Errorf("admit %s with %v: node %v has %v granted and too little idle burst to reclaim: %w",
-			env, base, a.capacity, sum, errdefs.ErrResourceExhausted)
+	lim, used, promised := a.growLimit(), a.used("", false), a.promised()
+	bound := Resources{CPU: a.capacity.CPU * a.overcommit.CPU, Memory: int64(float64(a.capacity.Memory) * a.overcommit.Memory)}
+	switch {
+	case used.CPU > lim.CPU+1e-9 || used.Memory > lim.Memory:
+		return fmt.Errorf("node %v: %v in use leaves less than the %.0f%% reserve: %w",
+			a.capacity, used, a.reserve*100, errdefs.ErrResourceExhausted)
+	case promised.CPU+base.CPU > bound.CPU+1e-9 || promised.Memory+base.Memory > bound.Memory:
+		return fmt.Errorf("node %v: %v already promised, overcommit bound %gx cpu %gx memory: %w",
+			a.capacity, promised, a.overcommit.CPU, a.overcommit.Memory, errdefs.ErrResourceExhausted)
 	}
-	if exists {
-		l.Base = base
-		l.Grant = Resources{CPU: l.Grant.CPU + extra.CPU, Memory: l.Grant.Memory + extra.Memory}
-	} else {
-		a.leases[env] = &Lease{Base: base, Grant: base}
-	}
-	// Restore the reserve from idle burst (best effort; the admission
-	// itself only needed the capacity).
-	lim := a.growLimit()
-	sum = a.granted()
-	if over := sum.CPU - lim.CPU; over > 1e-9 {
+	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Admitted: a.now()}
+	// Restore the reserve from idle burst (best effort), counting the
+	// newcomers at their base: they are about to use some of it.
+	used = a.used("", true)
+	if over := used.CPU - lim.CPU; over > 1e-9 {
 		a.reclaimCPU(over)
 	}
-	if over := sum.Memory - lim.Memory; over > 0 {
+	if over := used.Memory - lim.Memory; over > 0 {
 		a.reclaimMem(over)
 	}
 	return nil
@@ -142,30 +273,6 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources) err
 func cpuFloor(l *Lease) float64 { return math.Max(1.5*l.Used.CPU, l.Base.CPU) }
 func memFloor(l *Lease) int64 {
 	return max(int64(math.Ceil(1.5*float64(l.Used.Memory))), l.Base.Memory)
-}
-
-// reclaimableCPU is the burst above the floors of every lease but skip's.
-func (a *NodeArbiter) reclaimableCPU(skip string) float64 {
-	var s float64
-	for id, l := range a.leases {
-		if id == skip {
-			continue
-		}
-		s += math.Max(l.Grant.CPU-cpuFloor(l), 0)
-	}
-	return s
-}
-
-// reclaimableMem is the memory counterpart of reclaimableCPU.
-func (a *NodeArbiter) reclaimableMem(skip string) int64 {
-	var s int64
-	for id, l := range a.leases {
-		if id == skip {
-			continue
-		}
-		s += max(l.Grant.Memory-memFloor(l), 0)
-	}
-	return s
 }
 
 // byIdle orders leases by idle grant (grant - usage), largest first, with
@@ -218,12 +325,13 @@ func (a *NodeArbiter) Grow(ctx context.Context, env string, want Resources) (Res
 	if !ok {
 		return Resources{}, fmt.Errorf("grow %s: not admitted: %w", env, errdefs.ErrNotFound)
 	}
-	lim, sum := a.growLimit(), a.granted()
+	// The asker is at its limit: its whole grant is in use.
+	lim, others := a.growLimit(), a.used(env, false)
 	if want.CPU > l.Grant.CPU {
-		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-sum.CPU), 0)
+		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-others.CPU-l.Grant.CPU), 0)
 	}
 	if want.Memory > l.Grant.Memory {
-		l.Grant.Memory += max(min(want.Memory-l.Grant.Memory, lim.Memory-sum.Memory), 0)
+		l.Grant.Memory += max(min(want.Memory-l.Grant.Memory, lim.Memory-others.Memory-l.Grant.Memory), 0)
 	}
 	return l.Grant, nil
 }
@@ -235,7 +343,7 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 	if !ok {
 		return Resources{}, fmt.Errorf("report %s: not admitted: %w", env, errdefs.ErrNotFound)
 	}
-	l.Used = used
+	l.Used, l.Reported = used, true
 	// An environment that shrank on its own frees its burst.
 	if current.CPU < l.Grant.CPU {
 		l.Grant.CPU = math.Max(current.CPU, l.Base.CPU)
@@ -243,12 +351,51 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 	if current.Memory < l.Grant.Memory {
 		l.Grant.Memory = max(current.Memory, l.Base.Memory)
 	}
+	a.chooseVictims()
+	if why, ok := a.evict[env]; ok {
+		return l.Grant, &EvictionError{Message: why}
+	}
 	return l.Grant, nil
+}
+
+// chooseVictims marks environments to fail when the counted memory use
+// has eaten half the reserve: promised memory is really in use and the
+// node cannot supply more. Marked ones still count until released.
+func (a *NodeArbiter) chooseVictims() {
+	line := int64(float64(a.capacity.Memory) * (1 - a.reserve/2))
+	var used, freeing int64
+	cands := make([]Candidate, 0, len(a.leases))
+	for id, l := range a.leases {
+		u := use(l, false).Memory
+		used += u
+		if _, marked := a.evict[id]; marked {
+			freeing += u
+			continue
+		}
+		cands = append(cands, Candidate{Env: id, Priority: l.Priority, Admitted: l.Admitted, Frees: u})
+	}
+	excess := used - freeing - line
+	if excess <= 0 {
+		return
+	}
+	for _, id := range a.victims.ChooseVictims(cands, excess) {
+		a.evict[id] = fmt.Sprintf("node memory %s in use of %s (%.0f%% reserve half gone); the victim policy (%s) chose this environment",
+			FormatBytes(used), FormatBytes(a.capacity.Memory), a.reserve*100, a.victims)
+	}
+}
+
+// Restore installs a lease as recorded by an earlier arbiter (its ledger)
+// without admission checks: the node already carries it.
+func (a *NodeArbiter) Restore(env string, l Lease) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.leases[env] = &l
 }
 
 func (a *NodeArbiter) Release(ctx context.Context, env string) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	delete(a.leases, env)
+	delete(a.evict, env)
 	return nil
 }

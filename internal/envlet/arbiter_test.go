@@ -2,7 +2,9 @@ package envlet
 
 import (
 	"context"
+	"fmt"
 	"math"
+	"strings"
 	"testing"
 
 	"github.com/containerd/errdefs"
@@ -40,32 +42,72 @@ func TestNodeArbiter(t *testing.T) {
 			a.Grow(ctx, "idle", Resources{CPU: 4, Memory: 4 * GiB})
 			a.Report(ctx, "busy", Resources{CPU: 4.5, Memory: 4 * GiB}, Resources{CPU: 4, Memory: 3 * GiB})
 			a.Report(ctx, "idle", Resources{CPU: 4, Memory: 4 * GiB}, Resources{CPU: 0.1, Memory: 1 * GiB})
-			// Granted 8.5 cores / 8Gi; admitting 2 cores / 2Gi dips into the
-			// reserve, then grants are reclaimed back to 85% from the idle
-			// env (floor: its base, 1.5 x usage is lower).
+			// Counted use: busy 2.5+2 cores / 2+2 GiB, idle 2+0.1 /
+			// 2+1. The newcomer, counted at its base (2 / 2Gi) until it
+			// reports, puts the node 0.1 core / 0.5 GiB above 85%: that
+			// much of the idle env's burst is reclaimed (the largest
+			// idle grant; its floor, the base, is further down), busy is
+			// untouched.
 			mustAdmit(t, a, "new", base)
 			l := a.Leases()
-			if l["idle"].Grant.CPU != 2 || l["busy"].Grant.CPU != 4.5 {
-				t.Fatalf("cpu grants %v / %v: want idle reclaimed to its base, busy untouched", l["idle"].Grant, l["busy"].Grant)
+			if math.Abs(l["idle"].Grant.CPU-3.9) > 1e-9 || l["busy"].Grant.CPU != 4.5 {
+				t.Fatalf("cpu grants %v / %v: want idle reclaimed by 0.1, busy untouched", l["idle"].Grant, l["busy"].Grant)
 			}
-			if l["idle"].Grant.Memory != 5*GiB/2 || l["busy"].Grant.Memory != 4*GiB {
+			if l["idle"].Grant.Memory != 7*GiB/2 || l["busy"].Grant.Memory != 4*GiB {
 				t.Fatalf("memory grants idle %v busy %v", l["idle"].Grant, l["busy"].Grant)
 			}
 			got, _ := a.Report(ctx, "idle", Resources{CPU: 4, Memory: 4 * GiB}, Resources{CPU: 0.1, Memory: GiB})
-			if got.CPU != 2 || got.Memory != 5*GiB/2 {
+			if math.Abs(got.CPU-3.9) > 1e-9 || got.Memory != 7*GiB/2 {
 				t.Fatalf("report to the reclaimed env returned %v, want the lowered grant", got)
 			}
 		}},
-		{"admission rejected when nothing idle", func(t *testing.T, a *NodeArbiter) {
+		{"admission by use: idle environments do not fill the node", func(t *testing.T, a *NodeArbiter) {
+			// 20 environments with a 2-core / 2 GiB base on a 10-core /
+			// 10 GiB node (4x its size promised), each using 0.1 core and
+			// 100 MiB: all fit.
+			for i := range 20 {
+				id := fmt.Sprint("e", i)
+				mustAdmit(t, a, id, base)
+				if _, err := a.Report(ctx, id, base, Resources{CPU: 0.1, Memory: 100 * MiB}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if u := a.Used(); math.Abs(u.CPU-2) > 1e-9 || u.Memory != 2000*MiB {
+				t.Fatalf("counted use %v, want 2 cores / 2000 MiB", u)
+			}
+		}},
+		{"admission rejected when use leaves no reserve", func(t *testing.T, a *NodeArbiter) {
 			for _, id := range []string{"a", "b", "c", "d", "e"} {
 				mustAdmit(t, a, id, base)
+				a.Report(ctx, id, base, Resources{CPU: 1.8, Memory: GiB})
 			}
+			// 9 cores in use of 10, 85% = 8.5.
 			err := a.Admit(ctx, "f", base)
-			if !errdefs.IsResourceExhausted(err) {
-				t.Fatalf("got %v, want ErrResourceExhausted", err)
+			if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "reserve") {
+				t.Fatalf("got %v, want ErrResourceExhausted for the reserve", err)
 			}
 			if len(a.Leases()) != 5 {
 				t.Fatal("rejected admission left a lease")
+			}
+		}},
+		{"admission rejected beyond the overcommit bound", func(t *testing.T, a *NodeArbiter) {
+			// 8 x 10 GiB of memory may be promised: 40 bases of 2 GiB.
+			for i := range 40 {
+				mustAdmit(t, a, fmt.Sprint("e", i), base)
+			}
+			if err := a.Admit(ctx, "one-more", base); !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "overcommit") {
+				t.Fatalf("got %v, want ErrResourceExhausted for the overcommit bound", err)
+			}
+		}},
+		{"grow counts the others' use, not their limits", func(t *testing.T, a *NodeArbiter) {
+			mustAdmit(t, a, "idle", Resources{CPU: 8, Memory: 8 * GiB})
+			a.Report(ctx, "idle", Resources{CPU: 8, Memory: 8 * GiB}, Resources{CPU: 0.5, Memory: GiB})
+			mustAdmit(t, a, "a", base)
+			// 8.5 - 0.5 (idle's use) - 2 (a's grant) = 6 more cores;
+			// 8.5 GiB - 1 - 2 = 5.5 GiB more.
+			g, _ := a.Grow(ctx, "a", Resources{CPU: 20, Memory: 20 * GiB})
+			if math.Abs(g.CPU-8) > 1e-9 || g.Memory != int64(7.5*float64(GiB)) {
+				t.Fatalf("granted %v, want 8 cores / 7.5 GiB", g)
 			}
 		}},
 		{"shrink reported frees burst, release frees all", func(t *testing.T, a *NodeArbiter) {
@@ -115,14 +157,17 @@ func TestTraceAdmissionReclaim(t *testing.T) {
 		tr.mustStep(func(s *Sample) { s.MemUsage = 300 * MiB; tr.cpu(0.1) })
 	}
 	lim := tr.c.Status().Limit
-	// The arbiter's floor is 1.5 x the reported working set.
-	if lim.Memory < 450*MiB || lim.Memory >= GiB || math.Abs(lim.CPU-2.4) > 1e-9 {
+	// The arbiter's floor is 1.5 x the reported working set; it takes
+	// what the newcomer's base needs: 1 - (3.4 - 2.5) cores, 1 GiB - (1.7
+	// GiB - 1 GiB) of memory.
+	if lim.Memory < 450*MiB || lim.Memory >= GiB || math.Abs(lim.CPU-3.3) > 1e-9 {
 		t.Fatalf("limits after reclaim %v; log %q", lim, tr.log)
 	}
 	if tr.c.Status().Reclaims != 1 {
 		t.Fatalf("reclaims %d, want 1; log %q", tr.c.Status().Reclaims, tr.log)
 	}
-	if g := arb.Granted(); g.CPU > 4*0.85+1e-9 || float64(g.Memory) > 0.85*2*float64(GiB) {
-		t.Fatalf("grants %v above capacity minus reserve after reclaim", g)
+	// The newcomer counts at its base until it reports.
+	if u := arb.Used(); u.CPU+1 > 4*0.85+1e-9 || float64(u.Memory+GiB) > 0.85*2*float64(GiB)+1 {
+		t.Fatalf("counted use %v plus the newcomer's base above capacity minus reserve after reclaim", u)
 	}
 }

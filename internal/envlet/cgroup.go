@@ -76,6 +76,36 @@ type oomPauser interface {
 	SetPauseOnOOM(bool) error
 }
 
+// tierSetter is implemented by cgroups that apply a CPU tier.
+type tierSetter interface {
+	SetTier(CPUWeights) error
+}
+
+func (c *v1Cgroup) SetTier(w CPUWeights) error {
+	if w.Shares == 0 {
+		return nil
+	}
+	return c.V1.SetShares(w.Shares)
+}
+
+func (c *v2Cgroup) SetTier(w CPUWeights) error {
+	if w.Weight != 0 {
+		if err := c.V2.SetWeight(w.Weight); err != nil {
+			return err
+		}
+	}
+	if w.Idle {
+		return c.V2.SetIdle(true)
+	}
+	return nil
+}
+
+// freezer is implemented by cgroups that can stop every task (v2
+// cgroup.freeze).
+type freezer interface {
+	Freeze(bool) error
+}
+
 // limitsReader is implemented by cgroups that know the limits in force.
 type limitsReader interface {
 	Current() Resources

@@ -70,12 +70,26 @@ type Config struct {
 	// to 2 x Initial and memory fails closed. ReportPeriod is how often
 	// usage is reported (and admission reclaim picked up).
 	ArbiterTimeout, ReportPeriod time.Duration
+	// ArbiterWait bounds how long a task stuck at its memory limit waits,
+	// paused, for an arbiter that does not answer (restarting, overloaded)
+	// before it fails with ARBITER_UNREACHABLE. Meanwhile CPU still fails
+	// open and nothing else changes.
+	ArbiterWait time.Duration
 
 	// The environment is failed when memory growth is denied and either
 	// FailOOMs OOM events happened within FailWindow or it has been stuck
 	// at its limit for FailPaused.
 	FailOOMs               int
 	FailWindow, FailPaused time.Duration
+
+	// Tier is the CPU class (standard, latency, besteffort): the
+	// scheduler weight under contention (Tier.Weights).
+	Tier Tier
+
+	// Priority orders environments for the node's victim policy: when
+	// promised memory is really needed and the node cannot supply it, lower
+	// priorities fail first (NodeArbiter). Default 0.
+	Priority int
 }
 
 // DefaultConfig returns the published defaults.
@@ -103,9 +117,11 @@ func DefaultConfig() Config {
 		PauseOnOOM:        true,
 		ArbiterTimeout:    100 * time.Millisecond,
 		ReportPeriod:      time.Second,
+		ArbiterWait:       30 * time.Second,
 		FailOOMs:          2,
 		FailWindow:        5 * time.Second,
 		FailPaused:        2 * time.Second,
+		Tier:              TierStandard,
 	}
 }
 
@@ -132,8 +148,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("envlet: memory floors %.2f/%.2f invalid", c.MemMinHeadroom, c.MemShrinkFloor)
 	case c.FailOOMs < 1 || c.FailWindow <= 0 || c.FailPaused <= 0:
 		return fmt.Errorf("envlet: failure knobs invalid")
-	case c.ArbiterTimeout <= 0 || c.ReportPeriod <= 0:
-		return fmt.Errorf("envlet: arbiter timeout / report period must be positive")
+	case c.ArbiterTimeout <= 0 || c.ReportPeriod <= 0 || c.ArbiterWait <= 0:
+		return fmt.Errorf("envlet: arbiter timeout / report period / arbiter wait must be positive")
 	}
 	return nil
 }
@@ -209,9 +225,12 @@ var knobs = []knob{
 	{"pause-on-oom", func(c *Config, v string) (err error) { c.PauseOnOOM, err = strconv.ParseBool(v); return err }},
 	{"arbiter-timeout", durKnob(func(c *Config) *time.Duration { return &c.ArbiterTimeout })},
 	{"report-period", durKnob(func(c *Config) *time.Duration { return &c.ReportPeriod })},
+	{"arbiter-wait", durKnob(func(c *Config) *time.Duration { return &c.ArbiterWait })},
 	{"fail-ooms", func(c *Config, v string) (err error) { c.FailOOMs, err = strconv.Atoi(v); return err }},
 	{"fail-window", durKnob(func(c *Config) *time.Duration { return &c.FailWindow })},
 	{"fail-paused", durKnob(func(c *Config) *time.Duration { return &c.FailPaused })},
+	{"priority", func(c *Config, v string) (err error) { c.Priority, err = strconv.Atoi(v); return err }},
+	{"tier", func(c *Config, v string) (err error) { c.Tier, err = ParseTier(v); return err }},
 }
 
 // AnnotationKeys lists every accepted annotation key.

@@ -87,6 +87,13 @@ type Controller struct {
 
 	wake chan struct{}
 
+	// Arbiter outage bookkeeping: logged once when it starts and ends,
+	// then at most every arbiterLogEvery with the count of failed calls.
+	arbDown       bool
+	arbDownLogged time.Time
+	arbDownCalls  int
+	frozen        bool
+
 	mu         sync.Mutex // guards status, timeline and pendingCap
 	pendingCap *Resources
 	status     Status
@@ -141,7 +148,7 @@ func (c *Controller) Admit(ctx context.Context) error {
 	}
 	actx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout*10)
 	defer cancel()
-	if err := c.arb.Admit(actx, c.env, c.cfg.Initial); err != nil {
+	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority)); err != nil {
 		f := Failure{Env: c.env, Reason: ReasonAdmissionRejected, Requested: c.cfg.Initial.Memory, Cap: c.cfg.Cap.Memory,
 			Message: fmt.Sprintf("node cannot admit %v: %v", c.cfg.Initial, err)}
 		c.mu.Lock()
@@ -192,6 +199,14 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 			}()
 		}
 	}
+	if ts, ok := c.cg.(tierSetter); ok && c.cfg.Tier != TierStandard && c.cfg.Tier != "" {
+		if err := ts.SetTier(c.cfg.Tier.Weights()); err != nil {
+			if errors.Is(err, ErrVanished) {
+				return nil
+			}
+			l.WithError(err).WithField("tier", c.cfg.Tier).Warn("envlet: set the CPU tier")
+		}
+	}
 	if err := c.cg.Apply(c.cfg.Initial); err != nil {
 		if errors.Is(err, ErrVanished) {
 			return nil
@@ -210,6 +225,15 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 		}
 	}
 	c.lastReport = c.clock.Now()
+	defer func() {
+		// A failed environment stays frozen: the caller kills it (a
+		// fatal signal reaches frozen v2 tasks), and thawing first would
+		// let it run into memory.max.
+		var fe *FailureError
+		if c.frozen && !errors.As(retErr, &fe) {
+			c.hold(ctx, false)
+		}
+	}()
 	wake := "tick"
 	for {
 		if err := c.step(ctx, wake); err != nil {
@@ -343,11 +367,14 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		gctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
 		g, err := c.arb.Grow(gctx, c.env, want)
 		cancel()
+		c.noteArbiter(ctx, now, err)
 		if err != nil {
 			// Without an answer CPU fails open up to 2 x base (starving a
 			// task of CPU only slows it, but so does waiting) and memory
-			// fails closed (memory handed out cannot be taken back).
-			c.logger(ctx).WithError(err).Warn("envlet: arbiter grow failed")
+			// fails closed (memory handed out cannot be taken back); a
+			// task stuck at its memory limit waits paused for the
+			// arbiter (Policy.Resolve, Config.ArbiterWait).
+			o.ArbiterDown = true
 			if d.CPU.Kind == Grow {
 				granted.CPU = math.Max(st.Limit.CPU, math.Min(d.CPU.To, 2*st.Base.CPU))
 			}
@@ -361,6 +388,9 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 	st, next, fail := c.pol.Resolve(st, o, d, granted)
+	if fail == nil {
+		c.hold(ctx, st.Waiting)
+	}
 	denied := d.Mem.Kind == Grow && next.Memory <= st.Limit.Memory
 	if denied {
 		c.mu.Lock()
@@ -370,6 +400,13 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	if fail != nil {
 		acts = append(acts, "mem denied")
 		fail.Env = c.env
+		if ns, ok := c.arb.(NodeSizer); ok && fail.Reason != ReasonCapExceeded {
+			// What this environment could ever get: its cap, or the node
+			// as the arbiter divides it, whichever is smaller.
+			if node, _ := ns.Capacity(); node.Memory > 0 {
+				fail.Cap = min(fail.Cap, node.Memory)
+			}
+		}
 		fail.Message = fail.describe()
 		c.st = st
 		c.record(o, wake, append(acts, "fail "+fail.Reason))
@@ -388,7 +425,11 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 	if denied {
-		acts = append(acts, "mem denied")
+		if st.Waiting {
+			acts = append(acts, "mem wait")
+		} else {
+			acts = append(acts, "mem denied")
+		}
 	}
 
 	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {
@@ -400,6 +441,47 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	}
 	c.record(o, wake, acts)
 	return nil
+}
+
+// arbiterLogEvery rate-limits the warning about an arbiter that does not
+// answer: at 5 ticks a second per environment, one line per failed call
+// would bury everything else in the shim's log.
+const arbiterLogEvery = 30 * time.Second
+
+// noteArbiter logs transitions of the arbiter's reachability, as seen by
+// a grow's outcome err.
+func (c *Controller) noteArbiter(ctx context.Context, now time.Time, err error) {
+	l := c.logger(ctx)
+	switch {
+	case err == nil && c.arbDown:
+		l.WithField("failed_calls", c.arbDownCalls).Info("envlet: node arbiter answers again")
+		c.arbDown, c.arbDownCalls = false, 0
+	case err == nil:
+	case !c.arbDown:
+		l.WithError(err).Warn("envlet: arbiter grow failed; CPU fails open to 2 x base, memory waits for the arbiter")
+		c.arbDown, c.arbDownLogged, c.arbDownCalls = true, now, 1
+	default:
+		c.arbDownCalls++
+		if now.Sub(c.arbDownLogged) >= arbiterLogEvery {
+			l.WithError(err).WithField("failed_calls", c.arbDownCalls).Warn("envlet: node arbiter still unreachable")
+			c.arbDownLogged = now
+		}
+	}
+}
+
+// hold pauses the task while the policy waits for the arbiter, where the
+// cgroup can (v2 cgroup.freeze; on v1 pause-on-oom already keeps a task at
+// its limit asleep), and resumes it when the wait ends.
+func (c *Controller) hold(ctx context.Context, on bool) {
+	f, ok := c.cg.(freezer)
+	if !ok || on == c.frozen {
+		return
+	}
+	if err := f.Freeze(on); err != nil {
+		c.logger(ctx).WithError(err).Warnf("envlet: freeze=%v while waiting for the arbiter", on)
+		return
+	}
+	c.frozen = on
 }
 
 // apply writes next and records what happened: the policy's decision d,
@@ -452,10 +534,11 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 	rctx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout)
 	defer cancel()
 	lim, err := c.arb.Report(rctx, c.env, c.st.Limit, Resources{CPU: o.CPUUsed, Memory: o.WS})
+	var ev *EvictionError
 	switch {
 	case errdefs.IsNotFound(err):
 		// The arbiter lost us (restart): the shim holds the truth.
-		if err := c.arb.Admit(rctx, c.env, c.st.Base); err == nil {
+		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority)); err == nil {
 			_, err = c.arb.Grow(rctx, c.env, c.st.Limit)
 			if err != nil {
 				c.logger(ctx).WithError(err).Warn("envlet: re-register current limits")
@@ -464,6 +547,22 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 			c.logger(ctx).WithError(err).Warn("envlet: re-admit after arbiter restart")
 		}
 		return acts, nil
+	case errors.As(err, &ev):
+		// The node's victim policy chose this environment: promised
+		// memory is needed elsewhere and the node cannot supply it.
+		f := Failure{Env: c.env, Reason: ReasonNodeExhausted, Requested: c.st.Limit.Memory, Granted: c.st.Limit.Memory,
+			Cap: c.cfg.Cap.Memory, WorkingSet: o.WS, Message: ev.Message}
+		if ns, ok := c.arb.(NodeSizer); ok {
+			if node, _ := ns.Capacity(); node.Memory > 0 {
+				f.Cap = min(f.Cap, node.Memory)
+			}
+		}
+		c.mu.Lock()
+		c.status.Failures++
+		c.status.Failure = &f
+		c.mu.Unlock()
+		c.logger(ctx).WithField("reason", f.Reason).Error("envlet: " + f.Message)
+		return append(acts, "evicted"), &FailureError{Failure: f, Err: err}
 	case err != nil:
 		c.logger(ctx).WithError(err).Debug("envlet: arbiter report failed")
 		return acts, nil

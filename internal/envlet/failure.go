@@ -8,7 +8,7 @@ import "fmt"
 // status, termination message). Sizes are bytes.
 type Failure struct {
 	Env        string `json:"id"`
-	Reason     string `json:"reason"` // MEM_NODE_EXHAUSTED | MEM_CAP_EXCEEDED | ADMISSION_REJECTED
+	Reason     string `json:"reason"` // MEM_NODE_EXHAUSTED | MEM_CAP_EXCEEDED | ARBITER_UNREACHABLE | ADMISSION_REJECTED
 	Requested  int64  `json:"requested"`
 	Granted    int64  `json:"granted"`
 	Cap        int64  `json:"cap"`
@@ -38,6 +38,9 @@ func (f *Failure) describe() string {
 			FormatBytes(f.WorkingSet), FormatBytes(f.Requested), FormatBytes(f.Cap), f.OOMs)
 	case ReasonNodeExhausted:
 		return fmt.Sprintf("memory working set %s needs %s, node granted only %s (%d OOMs)",
+			FormatBytes(f.WorkingSet), FormatBytes(f.Requested), FormatBytes(f.Granted), f.OOMs)
+	case ReasonArbiterUnreachable:
+		return fmt.Sprintf("memory working set %s needs %s; the node arbiter gave no answer while the task waited at %s (%d OOMs)",
 			FormatBytes(f.WorkingSet), FormatBytes(f.Requested), FormatBytes(f.Granted), f.OOMs)
 	}
 	return f.Reason

@@ -81,8 +81,8 @@ func FuzzPolicy(f *testing.F) {
 				if after.Memory < before.Memory && float64(after.Memory) < 1.25*float64(ws) {
 					t.Fatalf("tick %d: memory lowered to %s with working set %s", tr.tick, FormatBytes(after.Memory), FormatBytes(ws))
 				}
-				if g := arb.Granted(); g.CPU > node.CPU+1e-9 || g.Memory > node.Memory {
-					t.Fatalf("tick %d: grants %v above node %v", tr.tick, g, node)
+				if u := arb.Used(); u.CPU > node.CPU+1e-9 || u.Memory > node.Memory {
+					t.Fatalf("tick %d: counted use %v above node %v", tr.tick, u, node)
 				}
 				p, _ := tr.c.last()
 				for res, window := range map[string]time.Duration{"cpu": cfg.CPUShrinkAfter, "mem": cfg.MemShrinkAfter} {
@@ -100,8 +100,10 @@ func FuzzPolicy(f *testing.F) {
 }
 
 // FuzzNodeArbiter checks the arbiter's accounting under arbitrary calls:
-// grants never sum above the node, a Grow never lifts the sum above
-// capacity minus reserve, and no grant falls below its base.
+// a Grow that raises a grant never lifts the counted use (the asker at its
+// whole grant) above capacity minus reserve, a report never marks a victim
+// while the counted memory use is under the eviction line, and no grant
+// falls below its base.
 func FuzzNodeArbiter(f *testing.F) {
 	f.Add([]byte{0, 1, 40, 1, 1, 200, 0, 2, 40, 1, 3, 200, 2, 1, 10, 0, 5, 30})
 	f.Add([]byte{0, 0, 255, 0, 1, 255, 0, 2, 255, 1, 0, 255, 3, 1, 0})
@@ -114,25 +116,38 @@ func FuzzNodeArbiter(f *testing.F) {
 		for len(data) >= 3 {
 			op, id, v := data[0]%4, ids[int(data[1])%len(ids)], float64(data[2])
 			data = data[3:]
-			before := a.Granted()
+			before := a.Leases()[id]
 			switch op {
 			case 0:
 				a.Admit(ctx, id, Resources{CPU: v / 32, Memory: int64(v) * 32 * MiB})
 			case 1:
 				a.Grow(ctx, id, Resources{CPU: v / 8, Memory: int64(v) * 128 * MiB})
-				after := a.Granted()
-				if after.CPU > math.Max(before.CPU, lim.CPU)+1e-9 || after.Memory > max(before.Memory, lim.Memory) {
-					t.Fatalf("grow lifted grants %v -> %v above capacity minus reserve %v", before, after, lim)
+				ls := a.Leases()
+				after := ls[id]
+				var use Resources
+				for oid, l := range ls {
+					if oid == id {
+						use.CPU += l.Grant.CPU
+						use.Memory += l.Grant.Memory
+						continue
+					}
+					use.CPU += math.Max(l.Grant.CPU-l.Base.CPU, 0) + math.Min(l.Used.CPU, l.Base.CPU)
+					use.Memory += max(l.Grant.Memory-l.Base.Memory, 0) + min(l.Used.Memory, l.Base.Memory)
+				}
+				if after.Grant.CPU > before.Grant.CPU+1e-9 && use.CPU > lim.CPU+1e-9 ||
+					after.Grant.Memory > before.Grant.Memory && use.Memory > lim.Memory {
+					t.Fatalf("grow %v -> %v lifted the counted use to %v, above capacity minus reserve %v", before.Grant, after.Grant, use, lim)
 				}
 			case 2:
 				cur := Resources{CPU: v / 8, Memory: int64(v) * 128 * MiB}
-				a.Report(ctx, id, cur, Resources{CPU: v / 64, Memory: int64(v) * 16 * MiB})
+				u := a.Used()
+				_, err := a.Report(ctx, id, cur, Resources{CPU: v / 64, Memory: int64(v) * 16 * MiB})
+				var ev *EvictionError
+				if errors.As(err, &ev) && u.Memory < node.Memory*7/8 && a.Used().Memory < node.Memory*7/8 {
+					t.Fatalf("evicted %s with %v counted: %v", id, u, err)
+				}
 			case 3:
 				a.Release(ctx, id)
-			}
-			g := a.Granted()
-			if g.CPU > node.CPU+1e-9 || g.Memory > node.Memory {
-				t.Fatalf("grants %v above node %v", g, node)
 			}
 			for id, l := range a.Leases() {
 				if l.Grant.CPU < l.Base.CPU-1e-9 || l.Grant.Memory < l.Base.Memory {

@@ -26,6 +26,10 @@ type Observation struct {
 	LimitHits bool
 	// UnderOOM: v1 tasks are paused at the limit.
 	UnderOOM bool
+	// ArbiterDown: this tick's grow got no answer from the arbiter
+	// (unreachable or timed out), as opposed to an answer that denied it.
+	// The controller sets it between Decide and Resolve.
+	ArbiterDown bool
 }
 
 // ChangeKind is what the policy wants done to one resource.
@@ -80,6 +84,12 @@ type State struct {
 
 	idleSince time.Time
 	Idle      bool // sampled at the idle period
+
+	// waitSince: memory denied for want of an arbiter answer while the
+	// group is under pressure at its limit, continuously since. Waiting
+	// tells the controller to hold the task paused (v2: frozen).
+	waitSince time.Time
+	Waiting   bool
 }
 
 // NewState starts at the initial quota.
@@ -202,6 +212,10 @@ const (
 	ReasonNodeExhausted     = "MEM_NODE_EXHAUSTED"
 	ReasonCapExceeded       = "MEM_CAP_EXCEEDED"
 	ReasonAdmissionRejected = "ADMISSION_REJECTED"
+	// ReasonArbiterUnreachable: memory was needed and the node arbiter
+	// gave no answer for Config.ArbiterWait. Nothing is known about the
+	// node: the failure is the arbiter's, not the node's nor the task's.
+	ReasonArbiterUnreachable = "ARBITER_UNREACHABLE"
 )
 
 // Resolve combines the decision with what the arbiter granted (granted is
@@ -212,6 +226,9 @@ const (
 func (p *Policy) Resolve(s State, o Observation, d Decision, granted Resources) (State, Resources, *Failure) {
 	cfg := &p.Cfg
 	next := s.Limit
+	if d.Mem.Kind != Grow || !o.ArbiterDown {
+		s.waitSince, s.Waiting = time.Time{}, false
+	}
 	switch d.CPU.Kind {
 	case Grow:
 		if g := math.Min(granted.CPU, d.CPU.To); g > next.CPU {
@@ -236,6 +253,29 @@ func (p *Policy) Resolve(s State, o Observation, d Decision, granted Resources) 
 				ooms++
 			}
 		}
+		pressed := ooms > 0 || !s.atLimitSince.IsZero()
+		if o.ArbiterDown && d.Mem.To > s.Limit.Memory && pressed {
+			// No answer is not a denial: an arbiter restart must not look
+			// like a full node. Wait, paused at the limit, for
+			// ArbiterWait, then fail with the arbiter as the reason.
+			if s.waitSince.IsZero() {
+				s.waitSince = o.Now
+			}
+			if o.Now.Sub(s.waitSince) < cfg.ArbiterWait {
+				s.Waiting = true
+				return s, next, nil
+			}
+			s.waitSince, s.Waiting = time.Time{}, false
+			return s, s.Limit, &Failure{
+				Reason:     ReasonArbiterUnreachable,
+				Requested:  d.Mem.Want,
+				Granted:    s.Limit.Memory,
+				Cap:        cfg.Cap.Memory,
+				WorkingSet: o.WS,
+				OOMs:       ooms,
+			}
+		}
+		s.waitSince, s.Waiting = time.Time{}, false
 		stuck := !s.atLimitSince.IsZero() && o.Now.Sub(s.atLimitSince) >= cfg.FailPaused
 		if ooms >= cfg.FailOOMs || stuck {
 			reason := ReasonNodeExhausted

@@ -110,7 +110,8 @@ func TestTraceOOMStormDenied(t *testing.T) {
 	if !errors.As(err, &fe) {
 		t.Fatalf("got %v, want a FailureError", err)
 	}
-	if fe.Reason != ReasonNodeExhausted || fe.OOMs != 2 || fe.Granted != 1*GiB || fe.Requested != 4*GiB || fe.WorkingSet != 1000*MiB {
+	// cap: the node as the arbiter divides it (1 GiB), not the 32 GiB cap.
+	if fe.Reason != ReasonNodeExhausted || fe.OOMs != 2 || fe.Granted != 1*GiB || fe.Requested != 4*GiB || fe.WorkingSet != 1000*MiB || fe.Cap != GiB {
 		t.Fatalf("failure %+v", fe.Failure)
 	}
 	if st := tr.c.Status(); st.Failures != 1 || st.Failure == nil {
@@ -271,7 +272,8 @@ func TestRunEventWakes(t *testing.T) {
 }
 
 func TestAdmissionRejected(t *testing.T) {
-	arb := NewNodeArbiter(Resources{CPU: 0.5, Memory: GiB}, DefaultReserve)
+	// Admitting by request (overcommit 1): 1 core does not fit 0.5.
+	arb := NewNodeArbiter(Resources{CPU: 0.5, Memory: GiB}, DefaultReserve, WithOvercommit(Overcommit{CPU: 1, Memory: 1}))
 	c, err := NewController("env", newFakeCgroup(), testConfig(), arb)
 	if err != nil {
 		t.Fatal(err)

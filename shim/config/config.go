@@ -46,8 +46,47 @@ type Config struct {
 type Node struct {
 	CPU    string `toml:"cpu"`    // cores: "2", "1500m"
 	Memory string `toml:"memory"` // bytes: "4Gi"
-	// Reserve is the share of the node kept for admissions; default 0.15.
+	// Reserve is the share of the node kept free of use; default 0.15.
 	Reserve *float64 `toml:"reserve"`
+	// Overcommit bounds the sum of initial quotas as a multiple of the
+	// node (envlet.DefaultOvercommit: cpu 20, memory 8); 1 admits by
+	// request.
+	Overcommit Overcommit `toml:"overcommit"`
+	// Victims is the victim policy, e.g. "priority,youngest" (default).
+	Victims string `toml:"victim-policy"`
+}
+
+// Overcommit is [node.overcommit].
+type Overcommit struct {
+	CPU    *float64 `toml:"cpu"`
+	Memory *float64 `toml:"memory"`
+}
+
+// NodeOpts are the arbiter's admission options from [node].
+func (c Config) NodeOpts() ([]envlet.NodeOpt, error) {
+	o := envlet.DefaultOvercommit
+	for _, f := range []struct {
+		name string
+		src  *float64
+		dst  *float64
+	}{{"cpu", c.Node.Overcommit.CPU, &o.CPU}, {"memory", c.Node.Overcommit.Memory, &o.Memory}} {
+		if f.src == nil {
+			continue
+		}
+		if *f.src < 1 {
+			return nil, fmt.Errorf("[node.overcommit] %s %v: must be at least 1", f.name, *f.src)
+		}
+		*f.dst = *f.src
+	}
+	opts := []envlet.NodeOpt{envlet.WithOvercommit(o)}
+	if c.Node.Victims != "" {
+		p, err := envlet.ParseVictimPolicy(c.Node.Victims)
+		if err != nil {
+			return nil, fmt.Errorf("[node] victim-policy: %w", err)
+		}
+		opts = append(opts, envlet.WithVictimPolicy(p))
+	}
+	return opts, nil
 }
 
 // Arbiter configures the shims' arbiter client.
@@ -55,6 +94,24 @@ type Arbiter struct {
 	Socket   string `toml:"socket"`   // default /run/envsnap/arbiter.sock
 	Timeout  string `toml:"timeout"`  // default 100ms
 	Fallback string `toml:"fallback"` // "degraded" (default) or "local"
+	// Ledger is where the arbiter daemon persists its leases; default
+	// arbiter-ledger.json next to the socket; "none" keeps them in memory.
+	Ledger string `toml:"ledger"`
+}
+
+// LedgerPath is the arbiter daemon's ledger file, "" for none.
+func (c Config) LedgerPath() string {
+	switch c.Arbiter.Ledger {
+	case "none":
+		return ""
+	case "":
+		socket := c.Arbiter.Socket
+		if socket == "" {
+			socket = arbiter.DefaultSocket
+		}
+		return arbiter.DefaultLedgerPath(socket)
+	}
+	return c.Arbiter.Ledger
 }
 
 // Load reads the file named by $ENVLET_CONFIG, or DefaultPath. A missing
@@ -95,6 +152,9 @@ func LoadFile(path string) (Config, error) {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	if _, err := c.ArbiterClient(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, err := c.NodeOpts(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	return c, nil

@@ -52,7 +52,7 @@ func TestNodeExhaustedFails(t *testing.T) {
 		t.Fatalf("Run returned %v, want a FailureError", runErr)
 	}
 	t.Logf("failure after %v: %s", time.Since(start).Round(time.Millisecond), fe.Error())
-	if fe.Reason != envlet.ReasonNodeExhausted || fe.Granted != envlet.GiB*85/100 || fe.Cap != 8*GiB || fe.WorkingSet < 800*MiB {
+	if fe.Reason != envlet.ReasonNodeExhausted || fe.Granted != envlet.GiB*85/100 || fe.Cap != 1*GiB || fe.WorkingSet < 800*MiB {
 		t.Fatalf("failure %+v", fe.Failure)
 	}
 	if n := v1.OOMKills(t); n != 0 {

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,11 +16,11 @@ import (
 	"testing"
 	"time"
 
+	eventstypes "github.com/containerd/containerd/api/events"
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/typeurl/v2"
-	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/envsnap/envsnap/internal/envlet"
 	"github.com/envsnap/envsnap/shim"
@@ -62,6 +63,9 @@ func workload(t testing.TB) []byte {
 // node is the capacity the arbiter divides and the shim config.
 type node struct {
 	cpu, memory string // "" = the machine's
+	// overcommit, when set, bounds the sum of initial quotas ("1": admit
+	// by request).
+	overcommit string
 }
 
 // suite is one containerd with the envlet runtime, a node arbiter daemon
@@ -94,6 +98,9 @@ func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 	if n.memory != "" {
 		cfg += fmt.Sprintf("memory = %q\n", n.memory)
 	}
+	if n.overcommit != "" {
+		cfg += fmt.Sprintf("[node.overcommit]\ncpu = %s\nmemory = %s\n", n.overcommit, n.overcommit)
+	}
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", s.socket)
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
@@ -112,7 +119,9 @@ func (s *suite) startArbiter(t testing.TB) {
 	s.arbiter = testenv.StartProcess(t, s.dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"), "arbiter", "--config", s.cfgPath)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := os.Stat(s.socket); err == nil {
+		// The socket file exists from bind(2), before listen(2): dial.
+		if c, err := net.Dial("unix", s.socket); err == nil {
+			c.Close()
 			return
 		}
 		if exited, err := s.arbiter.Exited(); exited || time.Now().After(deadline) {
@@ -402,7 +411,7 @@ func (s *suite) watch(t testing.TB) func() []event {
 				}
 				ev := event{topic: e.Topic}
 				switch x := v.(type) {
-				case *structpb.Struct:
+				case *eventstypes.ContainerUpdate:
 					f, err := shim.ParseFailureEvent(x)
 					if err != nil {
 						t.Logf("bad failure event: %v", err)

@@ -269,3 +269,14 @@ func BenchmarkSampleV1(b *testing.B) {
 	b.ReportMetric(float64(stat)/1e3, "stat-cpu-us/sample")
 	b.ReportMetric(float64(stat)/(us*1e3), "stat/ours")
 }
+
+// SetShares writes a real v1 cpu.shares.
+func TestV1SetShares(t *testing.T) {
+	cg, c := openV1(t)
+	if err := c.SetShares(10240); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.TrimSpace(cg.Read(t, "cpu", "cpu.shares")); got != "10240" {
+		t.Fatalf("cpu.shares %q, want 10240", got)
+	}
+}

@@ -17,7 +17,7 @@ import (
 )
 
 func main() {
-	mode := flag.String("mode", "cpu", "cpu | mem | respawn | burst | bench | idle")
+	mode := flag.String("mode", "cpu", "cpu | mem | ramp | respawn | burst | bench | idle")
 	threads := flag.Int("threads", 1, "busy threads (cpu: before the jump; burst, bench)")
 	threads2 := flag.Int("threads2", 8, "busy threads after the jump (cpu)")
 	jump := flag.Duration("jump", 2*time.Second, "when the jump happens (cpu)")
@@ -29,6 +29,7 @@ func main() {
 	work := flag.Int("work", 400, "units of CPU work per burst (bench)")
 	bursts := flag.Int("bursts", 1, "bursts (bench)")
 	gap := flag.Duration("gap", time.Second, "idle time between bursts (bench)")
+	pace := flag.Duration("pace", 200*time.Millisecond, "pause between allocation steps (ramp)")
 	flag.Parse()
 	// Go sizes GOMAXPROCS from the cgroup quota, which the controller
 	// changes under us: pin it so the demand is what the test asked for.
@@ -45,6 +46,18 @@ func main() {
 		stop.Store(true)
 	case "mem":
 		regions := allocate(*from, *to, *step)
+		stamp("allocated")
+		time.Sleep(*hold)
+		free(regions)
+	case "ramp":
+		// A working set growing at a steady pace, like a build: slow
+		// enough that a test can act in the middle of it.
+		stamp("ramp")
+		regions := allocate(*from, *from, *from)
+		for total := *from; total < *to; total += *step {
+			time.Sleep(*pace)
+			regions = append(regions, allocate(*step, *step, *step)...)
+		}
 		stamp("allocated")
 		time.Sleep(*hold)
 		free(regions)

@@ -1,0 +1,173 @@
+package arbiter
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/containerd/log"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// DefaultLedgerGrace is how long an environment restored from the ledger
+// keeps its grant without a word from its shim. Shims redial within a
+// second and report every second; one silent for 10 s ended while the
+// arbiter was down, and its grant goes back to the node.
+const DefaultLedgerGrace = 10 * time.Second
+
+// ledgerVersion is the format of the ledger file.
+const ledgerVersion = 1
+
+// DefaultLedgerPath is where the ledger of an arbiter on socket lives: next
+// to the socket, on /run (tmpfs), because after a reboot no environment it
+// describes is left.
+func DefaultLedgerPath(socket string) string {
+	return filepath.Join(filepath.Dir(socket), "arbiter-ledger.json")
+}
+
+// ledgerFile is the arbiter's persisted state: every live lease, so a
+// restarted arbiter knows the node's commitments before it answers
+// anyone. Usage is kept too; it is refreshed by the next reports.
+type ledgerFile struct {
+	Version int           `json:"version"`
+	Envs    []ledgerEntry `json:"envs"`
+}
+
+type ledgerEntry struct {
+	Env      string    `json:"env"`
+	Owner    string    `json:"owner,omitempty"`
+	Base     Resources `json:"base"`
+	Grant    Resources `json:"grant"`
+	Used     Resources `json:"used"`
+	Admitted time.Time `json:"admitted"`
+	Priority int       `json:"priority,omitempty"`
+}
+
+// UseLedger makes s persist its leases at path after every change of a
+// grant, and restores the leases recorded there first. Call it before
+// serving: the restored grants are what keeps a restarted arbiter from
+// handing the same memory out twice before every shim has re-registered.
+func (s *Server) UseLedger(ctx context.Context, path string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.ledger = path
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read arbiter ledger: %w", err)
+	}
+	var lf ledgerFile
+	if err := json.Unmarshal(b, &lf); err != nil || lf.Version != ledgerVersion {
+		// A ledger we cannot read is set aside, not fatal: the shims
+		// re-register within seconds anyway.
+		bad := path + ".bad"
+		_ = os.Rename(path, bad)
+		log.G(ctx).WithError(err).WithField("moved_to", bad).Warn("arbiter: unreadable ledger set aside; starting empty")
+		return nil
+	}
+	now := time.Now()
+	for _, e := range lf.Envs {
+		if e.Env == "" || valid(e.Base, e.Grant, e.Used) != nil {
+			log.G(ctx).WithField("env", e.Env).Warn("arbiter: skipping an invalid ledger entry")
+			continue
+		}
+		s.arb.Restore(e.Env, envlet.Lease{Base: fromWire(e.Base), Grant: fromWire(e.Grant), Used: fromWire(e.Used), Priority: e.Priority, Admitted: e.Admitted})
+		s.envs[e.Env] = &record{info: EnvInfo{Env: e.Env, Owner: e.Owner, Base: e.Base, Current: e.Grant, Used: e.Used,
+			Admitted: e.Admitted, Updated: now, Priority: e.Priority}}
+		s.restored[e.Env] = now.Add(s.grace)
+	}
+	s.lastLedger = s.ledgerKeyLocked()
+	log.G(ctx).WithField("envs", len(s.restored)).WithField("ledger", path).Info("arbiter: leases restored from the ledger")
+	return nil
+}
+
+// ledgerKeyLocked is the ledger without usage: a change of usage alone is
+// not worth a write, a change of any grant is.
+func (s *Server) ledgerKeyLocked() []byte {
+	lf := s.ledgerLocked(false)
+	b, _ := json.Marshal(lf)
+	return b
+}
+
+func (s *Server) ledgerLocked(withUse bool) ledgerFile {
+	lf := ledgerFile{Version: ledgerVersion, Envs: make([]ledgerEntry, 0, len(s.envs))}
+	leases := s.arb.Leases()
+	for id, rec := range s.envs {
+		l, ok := leases[id]
+		if !ok {
+			continue
+		}
+		e := ledgerEntry{Env: id, Owner: rec.info.Owner, Base: toWire(l.Base), Grant: toWire(l.Grant),
+			Admitted: rec.info.Admitted, Priority: l.Priority}
+		if withUse {
+			e.Used = toWire(l.Used)
+		}
+		lf.Envs = append(lf.Envs, e)
+	}
+	sort.Slice(lf.Envs, func(i, j int) bool { return lf.Envs[i].Env < lf.Envs[j].Env })
+	return lf
+}
+
+// persistLocked writes the ledger when a grant or the set of environments
+// changed since the last write. The write goes to a temporary file renamed
+// over the ledger, so a crash leaves the old or the new ledger, never half.
+// No fsync: the ledger lives on tmpfs and a power loss ends every
+// environment it describes.
+func (s *Server) persistLocked(ctx context.Context) {
+	if s.ledger == "" {
+		return
+	}
+	// Grants are written at once; usage (which decides what admissions
+	// may reclaim) at most every ledgerUseEvery.
+	key := s.ledgerKeyLocked()
+	now := time.Now()
+	if bytes.Equal(key, s.lastLedger) && now.Sub(s.ledgerAt) < ledgerUseEvery {
+		return
+	}
+	b, err := json.Marshal(s.ledgerLocked(true))
+	if err == nil && bytes.Equal(b, s.lastLedgerUse) {
+		s.ledgerAt = now
+		return
+	}
+	if err == nil {
+		tmp := s.ledger + ".tmp"
+		if err = os.WriteFile(tmp, b, 0o600); err == nil {
+			err = os.Rename(tmp, s.ledger)
+		}
+	}
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("arbiter: persist ledger")
+		return
+	}
+	s.lastLedger, s.lastLedgerUse, s.ledgerAt = key, b, now
+}
+
+// ledgerUseEvery bounds how often usage alone rewrites the ledger: shims
+// report once a second each, and usage lost in a crash is re-reported
+// within a second anyway.
+const ledgerUseEvery = time.Second
+
+// confirmLocked marks env as heard from after a restore.
+func (s *Server) confirmLocked(env string) { delete(s.restored, env) }
+
+// expireLocked releases restored environments whose shim stayed silent
+// for the grace period.
+func (s *Server) expireLocked(ctx context.Context, now time.Time) {
+	for env, deadline := range s.restored {
+		if now.Before(deadline) {
+			continue
+		}
+		delete(s.restored, env)
+		log.G(ctx).WithField("env", env).Info("arbiter: restored environment not heard from; releasing its grant")
+		s.endLocked(ctx, env, "not re-registered after an arbiter restart")
+	}
+}

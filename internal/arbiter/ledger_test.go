@@ -1,0 +1,132 @@
+package arbiter
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// A restarted arbiter with a ledger knows every grant before it answers
+// anyone: a newcomer asking before the holder's shim re-registers cannot
+// be handed the holder's memory a second time.
+func TestLedgerRestart(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	ledger := DefaultLedgerPath(sock)
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	stop := startArbiter(t, sock, node, WithLedger(ledger))
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	if err := c.Admit(ctx, "a", envlet.Resources{CPU: 1, Memory: gib}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Grow(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}); err != nil {
+		t.Fatal(err)
+	}
+	// Usage alone is written at most every ledgerUseEvery.
+	time.Sleep(ledgerUseEvery)
+	if _, err := c.Report(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}, envlet.Resources{CPU: 2, Memory: 2900 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	startArbiter(t, sock, node, WithLedger(ledger))
+
+	other := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { other.Close() })
+	if err := other.Admit(ctx, "b", envlet.Resources{CPU: 0.5, Memory: gib / 2}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := other.Grow(ctx, "b", envlet.Resources{Memory: 4 * gib}); err != nil || got.Memory != gib {
+		t.Fatalf("b grew to %v (%v) before a re-registered, want 1 GiB: a's 3 GiB is in the ledger", got, err)
+	}
+	if err := other.Release(ctx, "b"); err != nil {
+		t.Fatal(err)
+	}
+	envs, err := other.List(ctx, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(envs) != 1 || envs[0].Env != "a" || envs[0].Current.Memory != 3*gib {
+		t.Fatalf("after restart: %+v, want a restored with 3 GiB", envs)
+	}
+	// a's shim is still there: its next report goes through and keeps the grant.
+	var lim envlet.Resources
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		lim, err = c.Report(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}, envlet.Resources{CPU: 2, Memory: 2900 << 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Connected() {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("client never reconnected")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if lim.Memory != 3*gib {
+		t.Fatalf("a's limit after the restart %v, want its 3 GiB kept", lim)
+	}
+}
+
+// A restored environment no shim speaks for within the grace period ended
+// while the arbiter was down: its grant goes back to the node.
+func TestLedgerExpiry(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "ledger.json")
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	s := NewServer(byRequest(node))
+	if err := s.UseLedger(ctx, path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "gone", Base: Resources{CPU: 1, Memory: 3 * gib}}); err != nil {
+		t.Fatal(err)
+	}
+	s2 := NewServer(byRequest(node))
+	s2.grace = 0
+	if err := s2.UseLedger(ctx, path); err != nil {
+		t.Fatal(err)
+	}
+	if got := s2.arb.Granted(); got.Memory != 3*gib {
+		t.Fatalf("restored grants %v, want 3 GiB", got)
+	}
+	resp, err := s2.list(ctx, &ListRequest{Ended: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Envs) != 1 || resp.Envs[0].Ended.IsZero() || !strings.Contains(resp.Envs[0].Reason, "restart") {
+		t.Fatalf("listing %+v, want gone ended", resp.Envs)
+	}
+	if got := s2.arb.Granted(); got.Memory != 0 {
+		t.Fatalf("grants %v after expiry, want none", got)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil || strings.Contains(string(b), "gone") {
+		t.Fatalf("ledger after expiry %q (%v), want without gone", b, err)
+	}
+}
+
+// A corrupt ledger is set aside and the arbiter starts empty.
+func TestLedgerCorrupt(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "ledger.json")
+	if err := os.WriteFile(path, []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := NewServer(envlet.NewNodeArbiter(envlet.Resources{CPU: 1, Memory: gib}, 0))
+	if err := s.UseLedger(context.Background(), path); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path + ".bad"); err != nil {
+		t.Fatalf("corrupt ledger not set aside: %v", err)
+	}
+	if len(s.arb.Leases()) != 0 {
+		t.Fatal("leases from a corrupt ledger")
+	}
+}
