@@ -68,7 +68,8 @@ type Options struct {
 	// (DefaultMaxDepth); see Decide.
 	MaxDepth int
 	// StagingDir receives the frozen container's upper directory copy
-	// (default /dev/shm when it is a tmpfs, else the temporary directory).
+	// (default /dev/shm when it is a tmpfs with room for it, else the
+	// temporary directory).
 	StagingDir string
 	// TempDir holds the encoded layer until it is pushed.
 	TempDir string
@@ -150,7 +151,8 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	res := &Result{Ref: target}
-	if _, err := measure(src.upper, o.MaxDiffSize); err != nil {
+	size, err := measure(src.upper, o.MaxDiffSize)
+	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-snapshot-")
@@ -158,7 +160,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	dir, frozen, cleanup, err := capture(ctx, src, o)
+	dir, frozen, cleanup, err := capture(ctx, src, size, o)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
@@ -325,7 +327,7 @@ func writableDir(mounts []mount.Mount) (string, error) {
 // upper directory is copied to a staging directory, then resumed; a
 // container without a running task is read in place. cleanup removes the
 // copy and may be called more than once.
-func capture(ctx context.Context, src *source, o Options) (dir string, frozen time.Duration, cleanup func(), err error) {
+func capture(ctx context.Context, src *source, size int64, o Options) (dir string, frozen time.Duration, cleanup func(), err error) {
 	cleanup = func() {}
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
@@ -342,7 +344,7 @@ func capture(ctx context.Context, src *source, o Options) (dir string, frozen ti
 		// Created (never started) or stopped: nothing writes.
 		return src.upper, 0, cleanup, nil
 	}
-	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir), "envsnap-stage-")
+	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
 	if err != nil {
 		return "", 0, cleanup, err
 	}

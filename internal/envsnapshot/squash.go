@@ -143,7 +143,10 @@ func Squash(ctx context.Context, w io.Writer, layers []*layerfmt.Reader) error {
 		key := dataKey{n.layer, dataIdx}
 		if e.Type == layerfmt.TypeReg {
 			if first, ok := written[key]; ok {
-				hdr = &tar.Header{Typeflag: tar.TypeLink, Name: p, Linkname: first, Format: tar.FormatPAX}
+				// The inode's metadata stays on the link, as tar(1)
+				// writes it: containerd's applier chmods the inode
+				// with a link's mode.
+				hdr.Typeflag, hdr.Linkname, hdr.Size = tar.TypeLink, first, 0
 			} else {
 				written[key] = p
 			}

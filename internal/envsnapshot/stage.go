@@ -70,18 +70,15 @@ func stage(upper, dst string) error {
 }
 
 // stagingRoot picks where staged copies go: dir if set, else /dev/shm when
-// it is a tmpfs, else the system temporary directory.
-func stagingRoot(dir string) string {
+// it is a tmpfs with room for twice the diff, else the system temporary
+// directory.
+func stagingRoot(dir string, need int64) string {
 	if dir != "" {
 		return dir
 	}
-	if isTmpfs("/dev/shm") {
+	var st unix.Statfs_t
+	if unix.Statfs("/dev/shm", &st) == nil && st.Type == unix.TMPFS_MAGIC && int64(st.Bavail)*st.Bsize > 2*need {
 		return "/dev/shm"
 	}
 	return os.TempDir()
-}
-
-func isTmpfs(p string) bool {
-	var st unix.Statfs_t
-	return unix.Statfs(p, &st) == nil && st.Type == unix.TMPFS_MAGIC
 }
