@@ -18,7 +18,7 @@ import (
 // DescribeTree describes every entry below root, one line per path: type,
 // permission bits, owner, size, sha256 of the contents, symlink target,
 // device numbers, extended attributes (without overlayfs' own) and, for
-// files with several names, the first name of the inode. Two trees with
+// files with several names in the tree, the first name of the inode. Two trees with
 // equal descriptions hold the same files as far as a container can tell,
 // mtimes aside. Paths in skip (relative, slash-separated) are left out
 // with everything below them (e.g. "proc", "sys", "dev").
@@ -51,6 +51,16 @@ func DescribeTree(root string, skip ...string) (map[string]string, error) {
 		return nil, err
 	}
 	sort.Strings(paths)
+	// Hard links are told by names of the tree sharing an inode, not by
+	// st_nlink: overlayfs reports a lower file's link count even when
+	// the upper layer deleted its other names.
+	names := map[inode]int{}
+	for _, p := range paths {
+		if fi, err := os.Lstat(p); err == nil && fi.Mode().IsRegular() {
+			st := fi.Sys().(*syscall.Stat_t)
+			names[inode{uint64(st.Dev), st.Ino}]++
+		}
+	}
 	for _, p := range paths {
 		rel, _ := filepath.Rel(root, p)
 		rel = filepath.ToSlash(rel)
@@ -74,8 +84,7 @@ func DescribeTree(root string, skip ...string) (map[string]string, error) {
 				return nil, err
 			}
 			fmt.Fprintf(&b, " size=%d sha256=%s", fi.Size(), hex.EncodeToString(h.Sum(nil))[:16])
-			if st.Nlink > 1 {
-				key := inode{uint64(st.Dev), st.Ino}
+			if key := (inode{uint64(st.Dev), st.Ino}); names[key] > 1 {
 				if _, ok := firstName[key]; !ok {
 					firstName[key] = rel
 				}
