@@ -23,6 +23,7 @@ import (
 	"github.com/containerd/log"
 	"github.com/containerd/platforms"
 	"github.com/opencontainers/go-digest"
+	"github.com/opencontainers/image-spec/identity"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/fetch"
@@ -89,8 +90,10 @@ type Result struct {
 	DiffID digest.Digest
 	Diff   DiffStats
 	// Frozen is how long the container's cgroup was frozen (Pause to
-	// Resume); 0 for a container that was not running.
-	Frozen time.Duration
+	// Resume); 0 for a container that was not running. Copy is the part
+	// of it spent copying the writable layer; the rest is the Pause and
+	// Resume calls (containerd, the shim, runc).
+	Frozen, Copy time.Duration
 	// UploadedBytes counts the blob bytes sent: the layer, the config
 	// and the manifest. Base layers are linked, never sent.
 	UploadedBytes int64
@@ -160,13 +163,12 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	dir, frozen, cleanup, err := capture(ctx, src, size, o)
+	dir, cleanup, err := capture(ctx, src, size, o, res)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	defer cleanup()
-	res.Frozen = frozen
-	fmt.Fprintf(o.Log, "captured %s (frozen %s)\n", id, frozen.Round(time.Microsecond))
+	fmt.Fprintf(o.Log, "captured %s (frozen %s, of which copying %s)\n", id, res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 
 	diff, err := encodeLayer(ctx, filepath.Join(tmp, "diff"), func(w io.Writer) error {
 		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
@@ -250,6 +252,16 @@ func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*s
 	if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
 		return nil, fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
 	}
+	// The diff is only meaningful on the layers the container runs on:
+	// if the image name now points at other content, say so.
+	sinfo, err := c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
+	}
+	if chain := identity.ChainID(src.config.RootFS.DiffIDs).String(); sinfo.Parent != chain {
+		return nil, fmt.Errorf("container %s runs on snapshot %s, but image %s now has layers %s (the name was moved since the container was created): %w",
+			id, sinfo.Parent, info.Image, chain, errdefs.ErrFailedPrecondition)
+	}
 	src.base = len(src.manifest.Layers)
 	if v, ok := src.manifest.Annotations[AnnotationBaseLayers]; ok {
 		n, err := strconv.Atoi(v)
@@ -323,62 +335,68 @@ func writableDir(mounts []mount.Mount) (string, error) {
 }
 
 // capture returns a directory holding a consistent copy of the container's
-// writable layer. A running task is paused (its cgroup frozen) while the
-// upper directory is copied to a staging directory, then resumed; a
-// container without a running task is read in place. cleanup removes the
-// copy and may be called more than once.
-func capture(ctx context.Context, src *source, size int64, o Options) (dir string, frozen time.Duration, cleanup func(), err error) {
-	cleanup = func() {}
+// writable layer and records the freeze in res. A running task is paused
+// (its cgroup frozen) while the upper directory is copied to a staging
+// directory, then resumed; a container without a running task is read in
+// place. cleanup removes the copy and may be called more than once.
+func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
+	noop := func() {}
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
-		return src.upper, 0, cleanup, nil
+		return src.upper, noop, nil
 	}
 	if err != nil {
-		return "", 0, cleanup, fmt.Errorf("task: %w", err)
+		return "", noop, fmt.Errorf("task: %w", err)
 	}
 	status, err := task.Status(ctx)
 	if err != nil {
-		return "", 0, cleanup, fmt.Errorf("task status: %w", err)
+		return "", noop, fmt.Errorf("task status: %w", err)
 	}
 	if status.Status != client.Running && status.Status != client.Paused {
 		// Created (never started) or stopped: nothing writes.
-		return src.upper, 0, cleanup, nil
+		return src.upper, noop, nil
 	}
 	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
 	if err != nil {
-		return "", 0, cleanup, err
+		return "", noop, err
 	}
 	cleanup = func() { os.RemoveAll(staging) }
 	dst := filepath.Join(staging, "upper")
+	copyUpper := func() error {
+		t := time.Now()
+		err := stage(src.upper, dst)
+		res.Copy = time.Since(t)
+		return err
+	}
 	if status.Status == client.Paused {
 		// Frozen by someone else, who also decides when it thaws.
-		if err := stage(src.upper, dst); err != nil {
+		if err := copyUpper(); err != nil {
 			cleanup()
-			return "", 0, func() {}, err
+			return "", noop, err
 		}
-		return dst, 0, cleanup, nil
+		return dst, cleanup, nil
 	}
 	t0 := time.Now()
 	if err := task.Pause(ctx); err != nil {
 		cleanup()
-		return "", 0, func() {}, fmt.Errorf("freeze (pause task): %w", err)
+		return "", noop, fmt.Errorf("freeze (pause task): %w", err)
 	}
-	serr := stage(src.upper, dst)
+	serr := copyUpper()
 	// Thaw even when ctx is cancelled: a container must never stay frozen
 	// because its snapshot failed.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	rerr := task.Resume(rctx)
 	cancel()
-	frozen = time.Since(t0)
+	res.Frozen = time.Since(t0)
 	if rerr != nil {
 		cleanup()
-		return "", frozen, func() {}, fmt.Errorf("thaw (resume task): %w", rerr)
+		return "", noop, fmt.Errorf("thaw (resume task): %w", rerr)
 	}
 	if serr != nil {
 		cleanup()
-		return "", frozen, func() {}, serr
+		return "", noop, serr
 	}
-	return dst, frozen, cleanup, nil
+	return dst, cleanup, nil
 }
 
 // blob is an encoded envsnap layer in a local file.

@@ -107,7 +107,7 @@ func (r *rig) startOn(t *testing.T, img client.Image, id, snapshotter, script st
 // would announce a script that has not run yet).
 func (r *rig) waitReady(t *testing.T, id string) {
 	t.Helper()
-	deadline := time.Now().Add(2 * time.Minute)
+	deadline := time.Now().Add(5 * time.Minute)
 	for {
 		marker := filepath.Join(r.rootfs(id), "ready")
 		if _, err := os.Stat(marker); err == nil {
