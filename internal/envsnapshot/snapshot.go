@@ -18,7 +18,6 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
-	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/containerd/platforms"
@@ -198,7 +197,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	}
 	res.Layer, res.DiffID, res.Depth = top.desc, top.diffID, layout.Keep+1
 	if err := img.push(ctx, o.Hosts, src.imageRef, target, top, res); err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+		return nil, fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
 	}
 	res.Manifest = img.desc
 	res.Duration = time.Since(start)
@@ -208,13 +207,9 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 }
 
 func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*source, error) {
-	ns, _ := namespaces.Namespace(ctx)
 	ctr, err := c.LoadContainer(ctx, id)
 	if err != nil {
-		if errdefs.IsNotFound(err) {
-			return nil, fmt.Errorf("container %q not found in namespace %q: %w", id, ns, err)
-		}
-		return nil, fmt.Errorf("load container %s: %w", id, err)
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	info, err := ctr.Info(ctx)
 	if err != nil {

@@ -47,9 +47,10 @@ func measure(dir string, maxData int64) (int64, error) {
 
 // stage copies an upper directory to dst, keeping everything WriteUpperTar
 // reads: types, owners, modes, mtimes, xattrs (overlay's opaque marker
-// included), whiteout devices and hard links. It runs while the container
-// is frozen, so it does as few system calls as it can and copies file
-// data with a few workers; dst should be on tmpfs.
+// included), whiteout devices and hard links (sparse files are copied
+// densely, as the diff stores them). It runs while the container is
+// frozen, so it does as few system calls as it can and copies file data
+// with a few workers; dst should be on tmpfs.
 //
 // continuity's fs.CopyDir does the same job but costs about twice the
 // system calls per file (it reopens both files after a failed

@@ -422,23 +422,29 @@ func TestSnapshotBadInput(t *testing.T) {
 	img := e.Pull(t, base.Ref, "envsnap")
 	target := e.Registry.Host + "/envsnap-test/bad-snap:1"
 
-	if out, err := r.cli("env", "snapshot", "--push", target, "no-such-container"); err == nil || !strings.Contains(out, `container "no-such-container" not found`) {
+	out, err := r.cli("env", "snapshot", "--push", target, "no-such-container")
+	if err == nil || !strings.Contains(out, `container "no-such-container" in namespace "`+e.Namespace+`": not found`) {
 		t.Errorf("unknown container: err %v, output:\n%s", err, out)
 	}
+	t.Logf("unknown container: %s", out)
 
 	ovl := e.Pull(t, base.Ref, "overlayfs")
 	if _, err := e.Client.NewContainer(ctx, "on-overlayfs", client.WithImage(ovl), client.WithSnapshotter("overlayfs"),
 		client.WithNewSnapshot("on-overlayfs", ovl), client.WithNewSpec(oci.WithImageConfig(ovl))); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := r.cli("env", "snapshot", "--push", target, "on-overlayfs"); err == nil || !strings.Contains(out, `uses the "overlayfs" snapshotter`) {
+	out, err = r.cli("env", "snapshot", "--push", target, "on-overlayfs")
+	if err == nil || !strings.Contains(out, `uses the "overlayfs" snapshotter`) {
 		t.Errorf("container on overlayfs: err %v, output:\n%s", err, out)
 	}
+	t.Logf("container on overlayfs: %s", out)
 
 	task := r.start(t, img, "big", "head -c 2097152 /dev/urandom > /big")
-	if out, err := r.cli("env", "snapshot", "--max-diff-size", "1MiB", "--push", target, "big"); err == nil || !strings.Contains(out, "diff larger than the configured cap") {
+	out, err = r.cli("env", "snapshot", "--max-diff-size", "1MiB", "--push", target, "big")
+	if err == nil || !strings.Contains(out, "diff larger than the configured cap") {
 		t.Errorf("diff over the cap: err %v, output:\n%s", err, out)
 	}
+	t.Logf("diff over the cap: %s", out)
 	if r.exists(target) {
 		t.Errorf("%s exists after a refused snapshot", target)
 	}
@@ -452,9 +458,10 @@ func TestSnapshotBadInput(t *testing.T) {
 		}
 		return false
 	})
-	out, err := r.cli("env", "snapshot", "--push", target, "big")
+	out, err = r.cli("env", "snapshot", "--push", target, "big")
 	e.Registry.Intercept(nil)
-	if err == nil || !strings.Contains(out, "diff layer") {
+	t.Logf("push failure: %s", out)
+	if err == nil || !strings.Contains(out, "diff layer") || !strings.Contains(out, "the manifest was not pushed") {
 		t.Errorf("push failure: err %v, output:\n%s", err, out)
 	}
 	if r.exists(target) {
@@ -466,6 +473,23 @@ func TestSnapshotBadInput(t *testing.T) {
 	}
 	// The same snapshot goes through once the registry is healthy.
 	r.snapshot(t, "big", target)
+
+	// A stopped container is read in place, without a freeze.
+	exited, err := task.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := task.Kill(ctx, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	_, _, out = r.snapshot(t, "big", e.Registry.Host+"/envsnap-test/bad-snap:stopped")
+	if !strings.Contains(out, "frozen 0s") {
+		t.Errorf("snapshot of a stopped container reports a freeze:\n%s", out)
+	}
+	if m := r.manifest(t, e.Registry.Host+"/envsnap-test/bad-snap:stopped"); len(m.Layers) != len(base.Layers)+1 {
+		t.Errorf("snapshot of a stopped container has %d layers, want %d", len(m.Layers), len(base.Layers)+1)
+	}
 }
 
 // TestForkOnEmptyNode forks a snapshot on a second node (its own
