@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -279,6 +280,27 @@ func TestDecide(t *testing.T) {
 	} {
 		if got := Decide(tc.parent, tc.max); got != tc.want {
 			t.Errorf("Decide(%d, %d) = %+v, want %+v", tc.parent, tc.max, got, tc.want)
+		}
+	}
+}
+
+// TestUpperTarRefusesLowerState: an upper made with overlayfs'
+// redirect_dir or metacopy keeps directory contents or file data in the
+// lower layers; a diff of the upper alone would silently lose them.
+func TestUpperTarRefusesLowerState(t *testing.T) {
+	requireRoot(t)
+	for _, attr := range []string{"trusted.overlay.redirect", "trusted.overlay.metacopy"} {
+		upper := t.TempDir()
+		p := filepath.Join(upper, "moved")
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Lsetxattr(p, attr, []byte("/old"), 0); err != nil {
+			t.Skipf("set %s: %v", attr, err)
+		}
+		_, err := WriteUpperTar(context.Background(), io.Discard, upper, 0)
+		if err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
+			t.Errorf("%s: err %v, want a refusal", attr, err)
 		}
 	}
 }
