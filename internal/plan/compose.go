@@ -368,7 +368,7 @@ func (c *Composer) Push(ctx context.Context, img *Image, target string) (PushSta
 		if err != nil {
 			return st, fmt.Errorf("push %s: group %s: %w", target, img.Groups[gi].Ref, err)
 		}
-		if err := linkLayer(ctx, pusher, l, spec, src); err != nil {
+		if err := LinkLayer(ctx, pusher, l, spec, src); err != nil {
 			return st, fmt.Errorf("push %s: %w", target, err)
 		}
 		st.LayersLinked++
@@ -400,10 +400,10 @@ func (c *Composer) Push(ctx context.Context, img *Image, target string) (PushSta
 	return st, nil
 }
 
-// linkLayer makes layer present in target's repository without sending its
+// LinkLayer makes layer present in target's repository without sending its
 // bytes: containerd's pusher finds it there already (HEAD) or mounts it
 // from the source repository named by the distribution-source annotation.
-func linkLayer(ctx context.Context, pusher remotes.Pusher, layer ocispec.Descriptor, target, src reference.Spec) error {
+func LinkLayer(ctx context.Context, pusher remotes.Pusher, layer ocispec.Descriptor, target, src reference.Spec) error {
 	if src.Hostname() != target.Hostname() {
 		return fmt.Errorf("layer %s lives in %s, not in the target registry %s: publish the group there first (composition never copies layers)", layer.Digest, src.Hostname(), target.Hostname())
 	}

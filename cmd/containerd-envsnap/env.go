@@ -1,0 +1,140 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/docker/go-units"
+	"github.com/urfave/cli/v3"
+
+	"github.com/envsnap/envsnap/internal/envsnapshot"
+	"github.com/envsnap/envsnap/internal/registry"
+)
+
+func containerdFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "address", Value: "/run/containerd/containerd.sock", Usage: "containerd socket"},
+		&cli.StringFlag{Name: "namespace", Value: "default", Usage: "containerd namespace"},
+		&cli.StringFlag{Name: "snapshotter", Value: envsnapshot.DefaultSnapshotter, Usage: "the envsnap snapshotter's name in containerd"},
+	}
+}
+
+var envCommand = &cli.Command{
+	Name:  "env",
+	Usage: "snapshot running environments and fork them",
+	Commands: []*cli.Command{{
+		Name:      "snapshot",
+		Usage:     "freeze a container, push its files as one layer on top of its image, thaw it",
+		ArgsUsage: "CONTAINER",
+		Flags: append(append(containerdFlags(),
+			&cli.StringFlag{Name: "push", Required: true, Usage: "reference to push the snapshot image to"},
+			&cli.StringFlag{Name: "max-diff-size", Value: units.BytesSize(envsnapshot.DefaultMaxDiffSize), Usage: "refuse a diff with more file data than this (e.g. 512MiB; 0: no cap)"},
+			&cli.IntFlag{Name: "max-depth", Value: envsnapshot.DefaultMaxDepth, Usage: "snapshot layers above the original image before they are squashed into one"},
+			&cli.StringFlag{Name: "staging-dir", Usage: "where the frozen container's writable layer is copied (default /dev/shm if tmpfs)"},
+		), registryFlags()...),
+		Action: runEnvSnapshot,
+	}, {
+		Name:      "fork",
+		Usage:     "start N containers from a snapshot (or any) image, served lazily by envsnap",
+		ArgsUsage: "REF [-- ARGS...]",
+		Flags: append(append(containerdFlags(),
+			&cli.IntFlag{Name: "count", Aliases: []string{"n"}, Value: 1, Usage: "number of forks"},
+			&cli.StringFlag{Name: "runtime", Value: "io.containerd.runc.v2", Usage: "runtime for the forks"},
+			&cli.StringFlag{Name: "id-prefix", Value: "fork", Usage: "containers are named PREFIX-0 .. PREFIX-(N-1)"},
+		), registryFlags()...),
+		Action: runEnvFork,
+	}},
+}
+
+func init() { commands = append(commands, envCommand) }
+
+func connect(c *cli.Command) (*client.Client, error) {
+	cl, err := client.New(c.String("address"), client.WithDefaultNamespace(c.String("namespace")))
+	if err != nil {
+		return nil, fmt.Errorf("connect to containerd: %w", err)
+	}
+	return cl, nil
+}
+
+func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
+	if c.Args().Len() != 1 {
+		return fmt.Errorf("env snapshot: give one container ID")
+	}
+	maxSize, err := units.RAMInBytes(c.String("max-diff-size"))
+	if err != nil {
+		return fmt.Errorf("--max-diff-size: %w", err)
+	}
+	if maxSize == 0 {
+		maxSize = -1 // no cap
+	}
+	cl, err := connect(c)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	res, err := envsnapshot.Take(ctx, cl, c.Args().First(), c.String("push"), envsnapshot.Options{
+		Hosts:       registry.ConfigureHosts(ctx, registryOptions(c)),
+		Snapshotter: c.String("snapshotter"),
+		MaxDiffSize: maxSize,
+		MaxDepth:    int(c.Int("max-depth")),
+		StagingDir:  c.String("staging-dir"),
+		Log:         os.Stderr,
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s@%s\n", res.Ref, res.Manifest.Digest)
+	fmt.Printf("frozen %s (copy %s), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
+		res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond), res.Diff.Entries, res.Diff.Whiteouts, res.Diff.Opaque, res.Diff.DataBytes,
+		res.Layer.Size, res.UploadedBytes, res.LayersLinked, res.Depth)
+	if res.Squashed > 0 {
+		fmt.Printf(" (squashed %d earlier snapshot layers)", res.Squashed)
+	}
+	fmt.Printf("; total %s\n", res.Duration.Round(time.Millisecond))
+	return nil
+}
+
+func runEnvFork(ctx context.Context, c *cli.Command) error {
+	args := c.Args().Slice()
+	if len(args) < 1 {
+		return fmt.Errorf("env fork: give an image reference")
+	}
+	n := int(c.Int("count"))
+	if n < 1 {
+		return fmt.Errorf("env fork: -n must be at least 1")
+	}
+	cl, err := connect(c)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	pull, forks, err := envsnapshot.Fork(ctx, cl, args[0], n, envsnapshot.ForkOptions{
+		Hosts:       registry.ConfigureHosts(ctx, registryOptions(c)),
+		Snapshotter: c.String("snapshotter"),
+		Runtime:     c.String("runtime"),
+		IDPrefix:    c.String("id-prefix"),
+		Args:        args[1:],
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("pulled %s lazily in %s\n", args[0], pull.Round(time.Millisecond))
+	failed := 0
+	for _, f := range forks {
+		if f.Err != nil {
+			failed++
+			fmt.Printf("%s\tFAILED\t%v\n", f.ID, f.Err)
+			continue
+		}
+		fmt.Printf("%s\tready\t%s\n", f.ID, f.Ready.Round(time.Millisecond))
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d of %d forks failed", failed, n)
+	}
+	return nil
+}

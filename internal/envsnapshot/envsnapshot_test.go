@@ -1,0 +1,306 @@
+//go:build linux
+
+package envsnapshot
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/pkg/archive"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: overlayfs mounts, whiteout devices, trusted xattrs")
+	}
+}
+
+// entry builds a tar entry for layer helpers.
+type entry struct {
+	name, data, link string
+	typ              byte
+	mode             int64
+	xattrs           map[string]string
+}
+
+func file(name, data string) entry    { return entry{name: name, data: data, typ: tar.TypeReg} }
+func dir(name string) entry           { return entry{name: name + "/", typ: tar.TypeDir, mode: 0o755} }
+func hardlink(name, to string) entry  { return entry{name: name, link: to, typ: tar.TypeLink} }
+func symlink(name, to string) entry   { return entry{name: name, link: to, typ: tar.TypeSymlink} }
+func whiteout(dir, name string) entry { return file(filepath.Join(dir, whiteoutPrefix+name), "") }
+func opaque(dir string) entry         { return file(filepath.Join(dir, whiteoutOpaque), "") }
+
+func layerTar(t *testing.T, entries ...entry) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range entries {
+		mode := e.mode
+		if mode == 0 {
+			mode = 0o644
+		}
+		hdr := &tar.Header{Typeflag: e.typ, Name: e.name, Linkname: e.link, Mode: mode, Size: int64(len(e.data)), ModTime: time.Unix(1700000000, 0), Format: tar.FormatPAX}
+		if e.typ != tar.TypeReg {
+			hdr.Size = 0
+		}
+		for k, v := range e.xattrs {
+			if hdr.PAXRecords == nil {
+				hdr.PAXRecords = map[string]string{}
+			}
+			hdr.PAXRecords["SCHILY.xattr."+k] = v
+		}
+		if err := tw.WriteHeader(hdr); err != nil {
+			t.Fatal(err)
+		}
+		if hdr.Size > 0 {
+			tw.Write([]byte(e.data))
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// apply unpacks OCI layer tars into dir with containerd's own applier:
+// the oracle for what a layer means.
+func apply(t *testing.T, dir string, tars ...[]byte) {
+	t.Helper()
+	for i, tb := range tars {
+		if _, err := archive.Apply(context.Background(), dir, bytes.NewReader(tb)); err != nil {
+			t.Fatalf("apply layer %d: %v", i, err)
+		}
+	}
+}
+
+func describe(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	d, err := devenv.DescribeTree(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func reader(t *testing.T, tb []byte) *layerfmt.Reader {
+	t.Helper()
+	var blob bytes.Buffer
+	res, err := layerfmt.Convert(context.Background(), &blob, bytes.NewReader(tb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := layerfmt.NewReader(bytes.NewReader(blob.Bytes()), res.Size, res.TOCDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// TestSquashEqualsLayers: applying the squash of a chain of diffs gives
+// the tree that applying the diffs one by one gives, with containerd's
+// applier as the judge: whiteouts of lower files, a deleted file coming
+// back as a directory (opaque), opaque directories, a type change,
+// hard links whose first name is deleted later, symlinks, xattrs.
+func TestSquashEqualsLayers(t *testing.T) {
+	requireRoot(t)
+	base := layerTar(t,
+		dir("a"), file("a/x", "x0"), file("a/y", "y0"),
+		dir("b"), file("b/1", "b1"),
+		file("c", "c0"),
+		dir("d"), file("d/1", "d1"), dir("d/sub"), file("d/sub/2", "d2"),
+		dir("keep"), file("keep/k", "k0"),
+		file("h1", "hard"), hardlink("h2", "h1"),
+	)
+	d1 := layerTar(t,
+		dir("a"), whiteout("a", "x"), file("a/z", "z1"),
+		dir("b"), opaque("b"), file("b/2", "b2"),
+		dir("c"), file("c/k", "ck"),
+		dir("e"), entry{name: "e/f", data: "shared", typ: tar.TypeReg, mode: 0o600, xattrs: map[string]string{"user.link": "both names"}},
+		// tar(1) gives a hard link its inode's metadata; appliers apply it.
+		entry{name: "e/g", link: "e/f", typ: tar.TypeLink, mode: 0o600, xattrs: map[string]string{"user.link": "both names"}},
+		// A pair whose link sorts before its data: the squash writes the
+		// data under the first name.
+		dir("l"), file("l/z-data", "pair"), entry{name: "l/a-link", link: "l/z-data", typ: tar.TypeLink, mode: 0o644},
+		entry{name: "attr", data: "with xattr", typ: tar.TypeReg, xattrs: map[string]string{"user.step": "1"}},
+	)
+	d2 := layerTar(t,
+		dir("a"), dir("a/x"), file("a/x/q", "q2"),
+		dir("e"), whiteout("e", "f"),
+		whiteout(".", "d"),
+		symlink("sym", "a/z"),
+		whiteout(".", "h1"),
+	)
+	d3 := layerTar(t,
+		file("d", "d is a file now"),
+		dir("a"), file("a/z", "z3"),
+		dir("b"), whiteout("b", "2"), file("b/3", "b3"),
+		dir("e"), file("e/f", "new f"),
+	)
+	want := t.TempDir()
+	apply(t, want, base, d1, d2, d3)
+
+	var sq bytes.Buffer
+	if err := Squash(context.Background(), &sq, []*layerfmt.Reader{reader(t, d1), reader(t, d2), reader(t, d3)}); err != nil {
+		t.Fatal(err)
+	}
+	got := t.TempDir()
+	apply(t, got, base, sq.Bytes())
+	if diffs := devenv.DiffTrees(describe(t, want), describe(t, got)); len(diffs) > 0 {
+		t.Fatalf("squashed layer differs from the chain:\n%s", strings.Join(diffs, "\n"))
+	}
+	// The squash must also be a valid layer on its own (layerfmt refuses
+	// duplicates and dangling hard links).
+	reader(t, sq.Bytes())
+}
+
+// TestUpperTarMatchesOverlay makes changes through a real overlayfs
+// mount, then checks that the upper directory written as an OCI diff and
+// applied to the lower gives exactly the merged view: deletions (overlay
+// whiteout devices), a directory deleted and re-created (opaque), renames,
+// permissions, owners, xattrs, hard links, symlinks, FIFOs and a sparse
+// file.
+func TestUpperTarMatchesOverlay(t *testing.T) {
+	requireRoot(t)
+	root := t.TempDir()
+	lower, upper, work, merged := filepath.Join(root, "lower"), filepath.Join(root, "upper"), filepath.Join(root, "work"), filepath.Join(root, "merged")
+	for _, d := range []string{lower, upper, work, merged} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := layerTar(t,
+		dir("etc"), file("etc/config", "v1"), file("etc/gone", "bye"),
+		dir("data"), file("data/1", "one"), file("data/2", "two"), dir("data/deep"), file("data/deep/3", "three"),
+		dir("srv"), file("srv/old-name", "renamed content"),
+		file("mode", "chmod me"),
+	)
+	apply(t, lower, base)
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work)
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		t.Skipf("overlayfs: %v", err)
+	}
+	mounted := true
+	unmount := func() {
+		if mounted {
+			if err := unix.Unmount(merged, 0); err != nil {
+				t.Fatal(err)
+			}
+			mounted = false
+		}
+	}
+	t.Cleanup(unmount)
+	m := func(p string) string { return filepath.Join(merged, p) }
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.WriteFile(m("etc/config"), []byte("v2"), 0o600))
+	must(os.Remove(m("etc/gone")))
+	must(os.RemoveAll(m("data")))
+	must(os.MkdirAll(m("data/fresh"), 0o750))
+	must(os.WriteFile(m("data/fresh/new"), []byte("new"), 0o644))
+	must(os.Rename(m("srv/old-name"), m("srv/new-name")))
+	must(os.Chmod(m("mode"), 0o4711))
+	must(os.Lchown(m("mode"), 1000, 1001))
+	must(os.WriteFile(m("attr"), []byte("x"), 0o644))
+	must(unix.Lsetxattr(m("attr"), "user.env", []byte("rl"), 0))
+	must(os.WriteFile(m("link-a"), []byte("linked"), 0o644))
+	must(os.Link(m("link-a"), m("link-b")))
+	must(os.Symlink("../etc/config", m("srv/cfg")))
+	must(unix.Mkfifo(m("fifo"), 0o600))
+	f, err := os.Create(m("sparse"))
+	must(err)
+	_, err = f.WriteAt([]byte("end"), 8<<20)
+	must(err)
+	must(f.Close())
+	want := describe(t, merged)
+	unmount()
+
+	var diff bytes.Buffer
+	st, err := WriteUpperTar(context.Background(), &diff, upper, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Whiteouts != 2 || st.Opaque != 1 {
+		t.Errorf("stats %+v: want 2 whiteouts (etc/gone, srv/old-name) and 1 opaque dir (data)", st)
+	}
+	got := t.TempDir()
+	apply(t, got, base, diff.Bytes())
+	if diffs := devenv.DiffTrees(want, describe(t, got)); len(diffs) > 0 {
+		t.Fatalf("applied diff differs from the overlay's merged view:\n%s", strings.Join(diffs, "\n"))
+	}
+	// The envsnap encoding keeps it all, and a staged copy reads the same.
+	reader(t, diff.Bytes())
+	staged := filepath.Join(t.TempDir(), "staged")
+	if err := stage(upper, staged); err != nil {
+		t.Fatal(err)
+	}
+	var diff2 bytes.Buffer
+	if _, err := WriteUpperTar(context.Background(), &diff2, staged, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(diff.Bytes(), diff2.Bytes()) {
+		t.Error("the staged copy of the upper directory gives another diff than the upper itself")
+	}
+
+	if _, err := WriteUpperTar(context.Background(), &bytes.Buffer{}, upper, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
+		t.Errorf("8 MiB sparse file under a 1 MiB cap: err %v, want ErrDiffTooLarge", err)
+	}
+}
+
+func TestDecide(t *testing.T) {
+	for _, tc := range []struct {
+		parent, max int
+		want        Layout
+	}{
+		{0, 8, Layout{Keep: 0}},
+		{7, 8, Layout{Keep: 7}},
+		{8, 8, Layout{Squash: 8}},
+		{2, 2, Layout{Squash: 2}},
+		{1, 2, Layout{Keep: 1}},
+		{0, 1, Layout{Keep: 0}},
+		{1, 1, Layout{Squash: 1}},
+		{3, 0, Layout{Keep: 3}}, // default depth
+	} {
+		if got := Decide(tc.parent, tc.max); got != tc.want {
+			t.Errorf("Decide(%d, %d) = %+v, want %+v", tc.parent, tc.max, got, tc.want)
+		}
+	}
+}
+
+// TestUpperTarRefusesLowerState: an upper made with overlayfs'
+// redirect_dir or metacopy keeps directory contents or file data in the
+// lower layers; a diff of the upper alone would silently lose them.
+func TestUpperTarRefusesLowerState(t *testing.T) {
+	requireRoot(t)
+	for _, attr := range []string{"trusted.overlay.redirect", "trusted.overlay.metacopy"} {
+		upper := t.TempDir()
+		p := filepath.Join(upper, "moved")
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Lsetxattr(p, attr, []byte("/old"), 0); err != nil {
+			t.Skipf("set %s: %v", attr, err)
+		}
+		_, err := WriteUpperTar(context.Background(), io.Discard, upper, 0)
+		if err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
+			t.Errorf("%s: err %v, want a refusal", attr, err)
+		}
+	}
+}

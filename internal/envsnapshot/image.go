@@ -1,0 +1,152 @@
+package envsnapshot
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/containerd/v2/pkg/reference"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/group"
+	"github.com/envsnap/envsnap/internal/plan"
+)
+
+// snapshotImage is a snapshot's manifest and config, not yet pushed.
+type snapshotImage struct {
+	manifest    ocispec.Manifest
+	desc        ocispec.Descriptor
+	manifestRaw []byte
+	configRaw   []byte
+	// linked are the layers that already live in the source repository.
+	linked []ocispec.Descriptor
+}
+
+// buildImage is the source image with layout.Keep of its snapshot layers
+// and top above them. The config keeps everything of the source's but the
+// layer list, the history of dropped layers, and the process environment
+// and working directory, which come from the container.
+func buildImage(src *source, layout Layout, top *blob) (*snapshotImage, error) {
+	keep := src.base + layout.Keep
+	img := &snapshotImage{linked: append([]ocispec.Descriptor(nil), src.manifest.Layers[:keep]...)}
+
+	cfg := src.config
+	cfg.RootFS.DiffIDs = append(append([]digest.Digest(nil), src.config.RootFS.DiffIDs[:keep]...), top.diffID)
+	cfg.Config.Env, cfg.Config.WorkingDir = src.env, src.cwd
+	now := time.Now().UTC()
+	cfg.Created = &now
+	// History is optional, but when present its non-empty entries must
+	// match the layers one to one.
+	if h, ok := trimHistory(src.config.History, keep); ok {
+		comment := "envsnap snapshot of container " + src.id
+		if layout.Squash > 0 {
+			comment += fmt.Sprintf(" (%d snapshot layers squashed)", layout.Squash+1)
+		}
+		cfg.History = append(h, ocispec.History{Created: &now, CreatedBy: "containerd-envsnap env snapshot", Comment: comment})
+	} else {
+		cfg.History = nil
+	}
+	var err error
+	if img.configRaw, err = json.Marshal(cfg); err != nil {
+		return nil, err
+	}
+	annotations := map[string]string{}
+	for k, v := range src.manifest.Annotations {
+		annotations[k] = v
+	}
+	annotations[AnnotationBaseLayers] = strconv.Itoa(src.base)
+	annotations[AnnotationParent] = src.desc.Digest.String()
+	annotations[AnnotationContainer] = src.id
+	img.manifest = ocispec.Manifest{
+		Versioned: specs.Versioned{SchemaVersion: 2},
+		MediaType: ocispec.MediaTypeImageManifest,
+		Config: ocispec.Descriptor{
+			MediaType: ocispec.MediaTypeImageConfig,
+			Digest:    digest.FromBytes(img.configRaw),
+			Size:      int64(len(img.configRaw)),
+		},
+		Layers:      append(append([]ocispec.Descriptor(nil), img.linked...), top.desc),
+		Annotations: annotations,
+	}
+	if img.manifestRaw, err = json.Marshal(img.manifest); err != nil {
+		return nil, err
+	}
+	img.desc = ocispec.Descriptor{MediaType: ocispec.MediaTypeImageManifest, Digest: digest.FromBytes(img.manifestRaw), Size: int64(len(img.manifestRaw))}
+	return img, nil
+}
+
+// trimHistory keeps the history entries of the first layers layers; ok
+// is false when the history does not describe the layers (it is then
+// dropped rather than left contradicting them).
+func trimHistory(h []ocispec.History, layers int) ([]ocispec.History, bool) {
+	if len(h) == 0 {
+		return nil, false
+	}
+	var out []ocispec.History
+	n := 0
+	for _, e := range h {
+		if !e.EmptyLayer {
+			if n == layers {
+				break
+			}
+			n++
+		}
+		out = append(out, e)
+	}
+	return out, n == layers
+}
+
+// push links the kept layers into target's repository from the source
+// image's repository, uploads the new layer, then the config, and the
+// manifest last.
+func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, srcRef, target string, top *blob, res *Result) error {
+	dst, err := reference.Parse(target)
+	if err != nil {
+		return fmt.Errorf("target %s: %w", target, err)
+	}
+	src, err := reference.Parse(srcRef)
+	if err != nil {
+		return fmt.Errorf("image %s is not a registry reference, so its layers cannot be linked: %w", srcRef, err)
+	}
+	pusher, err := group.NewPusher(ctx, hosts, target)
+	if err != nil {
+		return fmt.Errorf("push %s: %w", target, err)
+	}
+	for _, l := range img.linked {
+		if err := plan.LinkLayer(ctx, pusher, l, dst, src); err != nil {
+			return fmt.Errorf("push %s: %w", target, err)
+		}
+		res.LayersLinked++
+	}
+	f, err := os.Open(top.path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	sent, err := group.PushReader(ctx, pusher, top.desc, f)
+	if err != nil {
+		return fmt.Errorf("push %s: diff layer: %w", target, err)
+	}
+	if sent {
+		res.UploadedBytes += top.desc.Size
+	}
+	if sent, err = group.PushBytes(ctx, pusher, img.manifest.Config, img.configRaw); err != nil {
+		return fmt.Errorf("push %s: config: %w", target, err)
+	}
+	if sent {
+		res.UploadedBytes += img.manifest.Config.Size
+	}
+	if sent, err = group.PushBytes(ctx, pusher, img.desc, img.manifestRaw); err != nil {
+		return fmt.Errorf("push %s: manifest: %w", target, err)
+	}
+	if sent {
+		res.UploadedBytes += img.desc.Size
+	}
+	return nil
+}

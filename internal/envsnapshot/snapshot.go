@@ -1,0 +1,462 @@
+//go:build linux
+
+package envsnapshot
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/containerd/platforms"
+	"github.com/opencontainers/go-digest"
+	"github.com/opencontainers/image-spec/identity"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/fetch"
+	"github.com/envsnap/envsnap/layerfmt"
+)
+
+// Annotations a snapshot image carries.
+const (
+	// AnnotationBaseLayers (manifest) is how many of the image's layers
+	// belong to the original image; the layers above it are snapshot
+	// diffs.
+	AnnotationBaseLayers = "io.envsnap.snapshot.base-layers"
+	// AnnotationParent (manifest) is the manifest digest of the image the
+	// snapshotted container ran.
+	AnnotationParent = "io.envsnap.snapshot.parent"
+	// AnnotationContainer (manifest) is the snapshotted container's ID.
+	AnnotationContainer = "io.envsnap.snapshot.container"
+	// AnnotationSquashed (layer) counts the snapshot diffs merged into a
+	// squashed layer.
+	AnnotationSquashed = "io.envsnap.snapshot.squashed"
+)
+
+// Defaults of Options.
+const (
+	DefaultSnapshotter = "envsnap"
+	// DefaultMaxDiffSize caps a diff's file data. A diff is staged on tmpfs
+	// while the container is frozen, so the cap also bounds the memory a
+	// snapshot takes.
+	DefaultMaxDiffSize = 2 << 30
+)
+
+// Options configure Take. The zero value uses the defaults.
+type Options struct {
+	// Hosts says how to reach registries (see internal/registry).
+	Hosts docker.RegistryHosts
+	// Snapshotter is the only snapshotter whose containers are accepted
+	// (DefaultSnapshotter).
+	Snapshotter string
+	// MaxDiffSize caps the file data of the diff (DefaultMaxDiffSize;
+	// negative: no cap).
+	MaxDiffSize int64
+	// MaxDepth bounds the snapshot layers above the original image
+	// (DefaultMaxDepth); see Decide.
+	MaxDepth int
+	// StagingDir receives the frozen container's upper directory copy
+	// (default /dev/shm when it is a tmpfs with room for it, else the
+	// temporary directory).
+	StagingDir string
+	// TempDir holds the encoded layer until it is pushed.
+	TempDir string
+	// Platform picks the manifest of a multi-platform image (default the
+	// running platform).
+	Platform platforms.MatchComparer
+	// Log receives progress lines; nil discards them.
+	Log io.Writer
+}
+
+// Result describes a pushed snapshot.
+type Result struct {
+	Ref      string
+	Manifest ocispec.Descriptor
+	// Layer is the pushed diff layer (the squashed one after a squash).
+	Layer  ocispec.Descriptor
+	DiffID digest.Digest
+	Diff   DiffStats
+	// Frozen is how long the container's cgroup was frozen (Pause to
+	// Resume); 0 for a container that was not running. Copy is the part
+	// of it spent copying the writable layer; the rest is the Pause and
+	// Resume calls (containerd, the shim, runc).
+	Frozen, Copy time.Duration
+	// UploadedBytes counts the blob bytes sent: the layer, the config
+	// and the manifest. Base layers are linked, never sent.
+	UploadedBytes int64
+	LayersLinked  int
+	// Depth is the number of snapshot layers above the original image.
+	Depth int
+	// Squashed is how many earlier snapshot layers were merged into Layer.
+	Squashed int
+	Duration time.Duration
+}
+
+func (o *Options) defaults() {
+	if o.Snapshotter == "" {
+		o.Snapshotter = DefaultSnapshotter
+	}
+	if o.MaxDiffSize == 0 {
+		o.MaxDiffSize = DefaultMaxDiffSize
+	}
+	if o.MaxDiffSize < 0 {
+		o.MaxDiffSize = 0
+	}
+	if o.MaxDepth < 1 {
+		o.MaxDepth = DefaultMaxDepth
+	}
+	if o.Platform == nil {
+		o.Platform = platforms.Default()
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+}
+
+// source is what a snapshot starts from: the container and its image.
+type source struct {
+	id        string
+	imageRef  string
+	upper     string
+	desc      ocispec.Descriptor // the image's manifest
+	manifest  ocispec.Manifest
+	config    ocispec.Image
+	base      int // original image layers
+	env       []string
+	cwd       string
+	container client.Container
+}
+
+// Take snapshots the files of container id (in ctx's namespace) and pushes
+// them to target as an image: the container's image plus one diff layer in
+// the envsnap format. A running container is frozen (containerd's task
+// Pause, the cgroup freezer) only while its writable layer is copied to a
+// staging directory; it keeps running afterwards. The manifest is pushed
+// last, so a failure leaves no image referring to missing blobs.
+func Take(ctx context.Context, c *client.Client, id, target string, o Options) (*Result, error) {
+	o.defaults()
+	start := time.Now()
+	src, err := loadSource(ctx, c, id, o)
+	if err != nil {
+		return nil, err
+	}
+	res := &Result{Ref: target}
+	size, err := measure(src.upper, o.MaxDiffSize)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-snapshot-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	dir, cleanup, err := capture(ctx, src, size, o, res)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	defer cleanup()
+	fmt.Fprintf(o.Log, "captured %s (frozen %s, of which copying %s)\n", id, res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
+
+	diff, err := encodeLayer(ctx, filepath.Join(tmp, "diff"), func(w io.Writer) error {
+		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
+		res.Diff = st
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	cleanup()
+
+	parentDiffs := len(src.manifest.Layers) - src.base
+	layout := Decide(parentDiffs, o.MaxDepth)
+	top := diff
+	if layout.Squash > 0 {
+		top, err = squashLayers(ctx, filepath.Join(tmp, "squash"), src, diff, o)
+		if err != nil {
+			return nil, fmt.Errorf("snapshot %s: squash %d layers: %w", id, layout.Squash+1, err)
+		}
+		top.desc.Annotations[AnnotationSquashed] = strconv.Itoa(layout.Squash + 1)
+		res.Squashed = layout.Squash
+		fmt.Fprintf(o.Log, "squashed %d snapshot layers into one\n", layout.Squash+1)
+	}
+	img, err := buildImage(src, layout, top)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	res.Layer, res.DiffID, res.Depth = top.desc, top.diffID, layout.Keep+1
+	if err := img.push(ctx, o.Hosts, src.imageRef, target, top, res); err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
+	}
+	res.Manifest = img.desc
+	res.Duration = time.Since(start)
+	log.G(ctx).WithField("container", id).WithField("ref", target).WithField("frozen", res.Frozen).
+		WithField("uploaded", res.UploadedBytes).Info("pushed environment snapshot")
+	return res, nil
+}
+
+func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*source, error) {
+	ctr, err := c.LoadContainer(ctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	info, err := ctr.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: %w", id, err)
+	}
+	if info.Snapshotter != o.Snapshotter {
+		return nil, fmt.Errorf("container %s uses the %q snapshotter: only containers on %q can be snapshotted (their writable layer is read from its upper directory and the image's layers are linked lazily): %w",
+			id, info.Snapshotter, o.Snapshotter, errdefs.ErrFailedPrecondition)
+	}
+	if info.SnapshotKey == "" || info.Image == "" {
+		return nil, fmt.Errorf("container %s has no snapshot or no image: %w", id, errdefs.ErrFailedPrecondition)
+	}
+	src := &source{id: id, imageRef: info.Image, container: ctr}
+	mounts, err := c.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: mounts of snapshot %s: %w", id, info.SnapshotKey, err)
+	}
+	if src.upper, err = writableDir(mounts); err != nil {
+		return nil, fmt.Errorf("container %s: %w", id, err)
+	}
+	img, err := c.ImageService().Get(ctx, info.Image)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+	}
+	cs := c.ContentStore()
+	if src.desc, err = manifestDesc(ctx, cs, img.Target, o.Platform); err != nil {
+		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+	}
+	if err := readJSON(ctx, cs, src.desc, &src.manifest); err != nil {
+		return nil, fmt.Errorf("container %s: manifest of %s: %w", id, info.Image, err)
+	}
+	if err := readJSON(ctx, cs, src.manifest.Config, &src.config); err != nil {
+		return nil, fmt.Errorf("container %s: config of %s: %w", id, info.Image, err)
+	}
+	if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
+		return nil, fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
+	}
+	// The diff is only meaningful on the layers the container runs on:
+	// if the image name now points at other content, say so.
+	sinfo, err := c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
+	}
+	if chain := identity.ChainID(src.config.RootFS.DiffIDs).String(); sinfo.Parent != chain {
+		return nil, fmt.Errorf("container %s runs on snapshot %s, but image %s now has layers %s (the name was moved since the container was created): %w",
+			id, sinfo.Parent, info.Image, chain, errdefs.ErrFailedPrecondition)
+	}
+	src.base = len(src.manifest.Layers)
+	if v, ok := src.manifest.Annotations[AnnotationBaseLayers]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > len(src.manifest.Layers) {
+			return nil, fmt.Errorf("container %s: image %s: bad %s annotation %q", id, info.Image, AnnotationBaseLayers, v)
+		}
+		src.base = n
+	}
+	spec, err := ctr.Spec(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("container %s: spec: %w", id, err)
+	}
+	src.env, src.cwd = src.config.Config.Env, src.config.Config.WorkingDir
+	if spec.Process != nil {
+		src.env, src.cwd = spec.Process.Env, spec.Process.Cwd
+	}
+	return src, nil
+}
+
+// manifestDesc resolves an index to the manifest for platform.
+func manifestDesc(ctx context.Context, cs content.Store, target ocispec.Descriptor, platform platforms.MatchComparer) (ocispec.Descriptor, error) {
+	var found *ocispec.Descriptor
+	err := images.Walk(ctx, images.Handlers(images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+		if images.IsManifestType(desc.MediaType) {
+			if found == nil && (desc.Platform == nil || platform.Match(*desc.Platform)) {
+				d := desc
+				found = &d
+			}
+			return nil, nil
+		}
+		return nil, nil
+	}), images.FilterPlatforms(images.ChildrenHandler(cs), platform)), target)
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	if found == nil {
+		return ocispec.Descriptor{}, fmt.Errorf("no manifest for this platform: %w", errdefs.ErrNotFound)
+	}
+	return *found, nil
+}
+
+func readJSON(ctx context.Context, cs content.Provider, desc ocispec.Descriptor, v any) error {
+	b, err := content.ReadBlob(ctx, cs, desc)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
+
+// writableDir finds the writable directory in an active snapshot's
+// mounts as containerd's overlay-based snapshotters hand them out: the
+// upperdir option of an overlay mount, or the source of a read-write bind
+// mount when the snapshot has no parent.
+func writableDir(mounts []mount.Mount) (string, error) {
+	if len(mounts) != 1 {
+		return "", fmt.Errorf("snapshot has %d mounts, want one overlay or bind mount: %w", len(mounts), errdefs.ErrNotImplemented)
+	}
+	m := mounts[0]
+	switch m.Type {
+	case "bind":
+		return m.Source, nil
+	case "overlay":
+		for _, opt := range m.Options {
+			if v, ok := strings.CutPrefix(opt, "upperdir="); ok {
+				return v, nil
+			}
+		}
+		return "", fmt.Errorf("overlay mount without upperdir: the snapshot is not writable: %w", errdefs.ErrFailedPrecondition)
+	}
+	return "", fmt.Errorf("%s mount: no upper directory to read: %w", m.Type, errdefs.ErrNotImplemented)
+}
+
+// capture returns a directory holding a consistent copy of the container's
+// writable layer and records the freeze in res. A running task is paused
+// (its cgroup frozen) while the upper directory is copied to a staging
+// directory, then resumed; a container without a running task is read in
+// place. cleanup removes the copy and may be called more than once.
+func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
+	noop := func() {}
+	task, err := src.container.Task(ctx, nil)
+	if errdefs.IsNotFound(err) {
+		return src.upper, noop, nil
+	}
+	if err != nil {
+		return "", noop, fmt.Errorf("task: %w", err)
+	}
+	status, err := task.Status(ctx)
+	if err != nil {
+		return "", noop, fmt.Errorf("task status: %w", err)
+	}
+	if status.Status != client.Running && status.Status != client.Paused {
+		// Created (never started) or stopped: nothing writes.
+		return src.upper, noop, nil
+	}
+	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
+	if err != nil {
+		return "", noop, err
+	}
+	cleanup = func() { os.RemoveAll(staging) }
+	dst := filepath.Join(staging, "upper")
+	copyUpper := func() error {
+		t := time.Now()
+		err := stage(src.upper, dst)
+		res.Copy = time.Since(t)
+		return err
+	}
+	if status.Status == client.Paused {
+		// Frozen by someone else, who also decides when it thaws.
+		if err := copyUpper(); err != nil {
+			cleanup()
+			return "", noop, err
+		}
+		return dst, cleanup, nil
+	}
+	t0 := time.Now()
+	if err := task.Pause(ctx); err != nil {
+		cleanup()
+		return "", noop, fmt.Errorf("freeze (pause task): %w", err)
+	}
+	serr := copyUpper()
+	// Thaw even when ctx is cancelled: a container must never stay frozen
+	// because its snapshot failed.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	rerr := task.Resume(rctx)
+	cancel()
+	res.Frozen = time.Since(t0)
+	if rerr != nil {
+		cleanup()
+		return "", noop, fmt.Errorf("thaw (resume task): %w", rerr)
+	}
+	if serr != nil {
+		cleanup()
+		return "", noop, serr
+	}
+	return dst, cleanup, nil
+}
+
+// blob is an encoded envsnap layer in a local file.
+type blob struct {
+	path   string
+	desc   ocispec.Descriptor
+	diffID digest.Digest
+	toc    digest.Digest
+}
+
+// encodeLayer converts the tar written by write into an envsnap layer
+// file at path.
+func encodeLayer(ctx context.Context, path string, write func(io.Writer) error) (*blob, error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(write(pw)) }()
+	wr, err := layerfmt.Convert(ctx, f, pr)
+	pr.CloseWithError(err)
+	if err != nil {
+		return nil, fmt.Errorf("encode layer: %w", err)
+	}
+	if err := f.Close(); err != nil {
+		return nil, err
+	}
+	return &blob{
+		path:   path,
+		desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: wr.Digest, Size: wr.Size, Annotations: wr.Annotations()},
+		diffID: wr.DiffID,
+		toc:    wr.TOCDigest,
+	}, nil
+}
+
+// squashLayers merges the parent's snapshot layers (read from the
+// registry, lazily: TOCs and the chunks of files that survive) and the new
+// diff into one layer.
+func squashLayers(ctx context.Context, path string, src *source, diff *blob, o Options) (*blob, error) {
+	var readers []*layerfmt.Reader
+	for _, l := range src.manifest.Layers[src.base:] {
+		toc := digest.Digest(l.Annotations[layerfmt.AnnotationTOCDigest])
+		if toc == "" {
+			return nil, fmt.Errorf("snapshot layer %s is not in the envsnap format: %w", l.Digest, layerfmt.ErrNotLayer)
+		}
+		br, err := fetch.NewBlobReader(o.Hosts, src.imageRef, l)
+		if err != nil {
+			return nil, err
+		}
+		r, err := layerfmt.NewReader(br.ReaderAt(ctx), l.Size, toc)
+		if err != nil {
+			return nil, fmt.Errorf("open snapshot layer %s: %w", l.Digest, err)
+		}
+		readers = append(readers, r)
+	}
+	f, err := os.Open(diff.path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	top, err := layerfmt.NewReader(f, diff.desc.Size, diff.toc)
+	if err != nil {
+		return nil, fmt.Errorf("open new diff: %w", err)
+	}
+	readers = append(readers, top)
+	return encodeLayer(ctx, path, func(w io.Writer) error { return Squash(ctx, w, readers) })
+}

@@ -1,0 +1,230 @@
+package envsnapshot
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	iofs "io/fs"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"sync"
+	"syscall"
+
+	"github.com/containerd/continuity/sysx"
+	"github.com/containerd/errdefs"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
+)
+
+// measure sums the file data below an upper directory, so an oversized
+// diff is refused before the container is frozen.
+func measure(dir string, maxData int64) (int64, error) {
+	var total int64
+	err := filepath.WalkDir(dir, func(p string, d iofs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if !d.Type().IsRegular() {
+			return nil
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		total += fi.Size()
+		if maxData > 0 && total > maxData {
+			return fmt.Errorf("%w: over %d bytes of file data: %w", ErrDiffTooLarge, maxData, errdefs.ErrResourceExhausted)
+		}
+		return nil
+	})
+	if err != nil {
+		return total, fmt.Errorf("measure %s: %w", dir, err)
+	}
+	return total, nil
+}
+
+// stage copies an upper directory to dst, keeping everything WriteUpperTar
+// reads: types, owners, modes, mtimes, xattrs (overlay's opaque marker
+// included), whiteout devices and hard links (sparse files are copied
+// densely, as the diff stores them). It runs while the container is
+// frozen, so it does as few system calls as it can and copies file data
+// with a few workers; dst should be on tmpfs.
+//
+// continuity's fs.CopyDir does the same job but costs about twice the
+// system calls per file (it reopens both files after a failed
+// copy_file_range across file systems, fsyncs every file, and sets
+// metadata by path), which is what the freeze is made of: 2,000 files and
+// 24 MiB took it 1.1 s on a loaded 2-core machine.
+func stage(upper, dst string) error {
+	type dirMeta struct {
+		src, dst string
+		st       unix.Stat_t
+	}
+	var dirs []dirMeta
+	type inode struct{ dev, ino uint64 }
+	firstCopy := map[inode]string{}
+	var links [][2]string // [existing, new]
+	var g errgroup.Group
+	g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
+	err := filepath.WalkDir(upper, func(p string, d iofs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(upper, p)
+		if err != nil {
+			return err
+		}
+		target := filepath.Join(dst, rel)
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return fmt.Errorf("stat %s: %w", rel, err)
+		}
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			if err := os.Mkdir(target, 0o700); err != nil {
+				return fmt.Errorf("mkdir %s: %w", rel, err)
+			}
+			dirs = append(dirs, dirMeta{p, target, st})
+			return nil
+		case unix.S_IFREG:
+			if st.Nlink > 1 {
+				key := inode{st.Dev, st.Ino}
+				if first, ok := firstCopy[key]; ok {
+					links = append(links, [2]string{first, target})
+					return nil
+				}
+				firstCopy[key] = target
+			}
+			g.Go(func() error { return copyRegular(p, target, &st) })
+			return nil
+		case unix.S_IFLNK:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			if err := os.Symlink(link, target); err != nil {
+				return err
+			}
+		case unix.S_IFCHR, unix.S_IFBLK, unix.S_IFIFO:
+			if err := unix.Mknod(target, st.Mode, int(st.Rdev)); err != nil {
+				return fmt.Errorf("mknod %s: %w", rel, err)
+			}
+		default: // sockets: not part of a diff
+			return nil
+		}
+		return setMeta(p, target, &st, -1)
+	})
+	if werr := g.Wait(); err == nil {
+		err = werr
+	}
+	if err != nil {
+		return fmt.Errorf("copy upper %s: %w", upper, err)
+	}
+	for _, l := range links {
+		if err := os.Link(l[0], l[1]); err != nil {
+			return fmt.Errorf("copy upper %s: %w", upper, err)
+		}
+	}
+	// Directories last, deepest first: filling a directory moves its
+	// mtime, and a mode without write permission would stop the filling.
+	for _, d := range slices.Backward(dirs) {
+		if err := setMeta(d.src, d.dst, &d.st, -1); err != nil {
+			return fmt.Errorf("copy upper %s: %w", upper, err)
+		}
+	}
+	return nil
+}
+
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, 128<<10); return &b }}
+
+func copyRegular(src, dst string, st *unix.Stat_t) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	buf := copyBufs.Get().(*[]byte)
+	// Plain reads and writes: copy_file_range fails across file systems
+	// (upper on disk, staging on tmpfs), and the failed attempt costs a
+	// system call per file.
+	_, err = io.CopyBuffer(struct{ io.Writer }{out}, struct{ io.Reader }{in}, *buf)
+	copyBufs.Put(buf)
+	if err != nil {
+		return fmt.Errorf("copy %s: %w", src, err)
+	}
+	if err := setMeta(src, dst, st, int(out.Fd())); err != nil {
+		return err
+	}
+	return out.Close()
+}
+
+// setMeta gives dst src's xattrs, owner, mode and times (fd >= 0: dst is
+// open as fd). Owner before mode: chown clears setuid and setgid.
+func setMeta(src, dst string, st *unix.Stat_t, fd int) error {
+	if err := copyXattrs(src, dst); err != nil {
+		return err
+	}
+	if fd >= 0 {
+		if err := unix.Fchown(fd, int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("chown %s: %w", dst, err)
+		}
+		if err := unix.Fchmod(fd, st.Mode&0o7777); err != nil {
+			return fmt.Errorf("chmod %s: %w", dst, err)
+		}
+	} else {
+		if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("chown %s: %w", dst, err)
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFLNK {
+			if err := unix.Chmod(dst, st.Mode&0o7777); err != nil {
+				return fmt.Errorf("chmod %s: %w", dst, err)
+			}
+		}
+	}
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	if err := unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("set times of %s: %w", dst, err)
+	}
+	return nil
+}
+
+func copyXattrs(src, dst string) error {
+	keys, err := sysx.LListxattr(src)
+	if err != nil {
+		if errors.Is(err, syscall.ENOTSUP) {
+			return nil
+		}
+		return fmt.Errorf("list xattrs of %s: %w", src, err)
+	}
+	for _, k := range keys {
+		v, err := sysx.LGetxattr(src, k)
+		if err != nil {
+			return fmt.Errorf("get xattr %s of %s: %w", k, src, err)
+		}
+		if err := sysx.LSetxattr(dst, k, v, 0); err != nil {
+			return fmt.Errorf("set xattr %s on %s: %w", k, dst, err)
+		}
+	}
+	return nil
+}
+
+// stagingRoot picks where staged copies go: dir if set, else /dev/shm when
+// it is a tmpfs with room for twice the diff, else the system temporary
+// directory.
+func stagingRoot(dir string, need int64) string {
+	if dir != "" {
+		return dir
+	}
+	var st unix.Statfs_t
+	if unix.Statfs("/dev/shm", &st) == nil && st.Type == unix.TMPFS_MAGIC && int64(st.Bavail)*st.Bsize > 2*need {
+		return "/dev/shm"
+	}
+	return os.TempDir()
+}

@@ -1,0 +1,238 @@
+package envsnapshot_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/diff"
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/platforms"
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/envsnapshot"
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// benchEpisode changes about 48 MiB: 24 MiB of incompressible build
+// output, 2,000 small source-like files (~16 MiB of text), a deleted
+// directory of the image and edits.
+const benchEpisode = `set -e
+mkdir -p /work/build /work/src
+head -c 25165824 /opt/tool/runtime.bin > /work/build/out.bin
+i=0
+while [ $i -lt 2000 ]; do
+  d=/work/src/pkg$((i % 40))
+  mkdir -p $d
+  seq $i $((i + 1200)) > $d/file$i.go
+  i=$((i + 1))
+done
+rm -rf /work/cache
+echo edited >> /etc/app.conf
+`
+
+// TestBenchSnapshot measures, side by side in one run on the same
+// container contents: envsnap's snapshot (freeze, wall time, bytes
+// uploaded) against a commit and push the way nerdctl does it (pause,
+// containerd's diff service with gzip, resume, push) of a container on
+// overlayfs; then the time for 8 forks of the snapshot to be running on
+// the parent's node, against 8 cold starts of the original image on an
+// empty node. Run with ENVSNAP_BENCH=1 (make bench).
+func TestBenchSnapshot(t *testing.T) {
+	if os.Getenv("ENVSNAP_BENCH") == "" {
+		t.Skip("benchmark: set ENVSNAP_BENCH=1")
+	}
+	const rounds = 3
+	r := newRig(t)
+	e := r.env
+	ctx := e.Context()
+	files := append(baseFiles(), testenv.RandomFile("/opt/tool/runtime.bin", 96<<20, 11))
+	lazy := e.PushImage(t, "envsnap-bench/env:1", files, testenv.WithLazyLayers())
+	gz := e.PushImage(t, "envsnap-bench/env-gzip:1", files)
+	lazyImg := e.Pull(t, lazy.Ref, "envsnap")
+	gzImg := e.Pull(t, gz.Ref, "overlayfs")
+	r.start(t, lazyImg, "bench-envsnap", benchEpisode)
+	ovlTask := r.startOn(t, gzImg, "bench-overlayfs", "overlayfs", benchEpisode)
+
+	var snapWall, commitWall, snapFreeze, snapCopy, commitFreeze []time.Duration
+	var snapBytes, commitBytes int64
+	var snapRef string
+	for i := range rounds {
+		// A repository per round: the same diff pushed again to the same
+		// repository would find its blobs there and send nothing.
+		snapRef = fmt.Sprintf("%s/envsnap-bench/snap-%d:1", e.Registry.Host, i)
+		res, err := envsnapshot.Take(ctx, e.Client, "bench-envsnap", snapRef, envsnapshot.Options{Hosts: e.Hosts()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		snapWall, snapFreeze, snapBytes = append(snapWall, res.Duration), append(snapFreeze, res.Frozen), res.UploadedBytes
+		snapCopy = append(snapCopy, res.Copy)
+		t.Logf("envsnap round %d: frozen %s (copy %s), wall %s, diff %d data bytes -> %d-byte layer, uploaded %d", i, res.Frozen, res.Copy, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
+
+		wall, frozen, sent := commitAndPush(t, e, ovlTask, "bench-overlayfs", fmt.Sprintf("%s/envsnap-bench/commit-%d:1", e.Registry.Host, i))
+		commitWall, commitFreeze, commitBytes = append(commitWall, wall), append(commitFreeze, frozen), sent
+		t.Logf("commit round %d: paused %s, wall %s, uploaded %d", i, frozen, wall, sent)
+	}
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.0f ms", float64(d.Microseconds())/1000) }
+	t.Logf("| snapshot of a ~48 MiB episode (median of %d) | envsnap `env snapshot` | overlayfs commit + push (gzip) | ratio |", rounds)
+	t.Logf("| freeze | %s (copy %s) | %s (paused for the whole diff) | %.3fx |", ms(median(snapFreeze)), ms(median(snapCopy)), ms(median(commitFreeze)), ratio(median(snapFreeze), median(commitFreeze)))
+	t.Logf("| wall time | %s | %s | %.2fx |", ms(median(snapWall)), ms(median(commitWall)), ratio(median(snapWall), median(commitWall)))
+	t.Logf("| bytes uploaded | %d | %d | %.2fx |", snapBytes, commitBytes, float64(snapBytes)/float64(commitBytes))
+
+	forks := forkTimes(t, ctx, e, snapRef, "bench-fork", 8)
+	node2 := testenv.New(t, testenv.WithEnvsnap())
+	testenv.WriteHostsDir(t, node2.HostsDir, e.Registry.Host)
+	cold := forkTimes(t, node2.Context(), node2, lazy.Ref, "bench-cold", 8)
+	t.Logf("| 8 environments ready (task running), p50 / max | forks of the snapshot, parent's node | original image, empty node (cold) |")
+	t.Logf("| ready | %s / %s | %s / %s |", ms(median(forks)), ms(maxDur(forks)), ms(median(cold)), ms(maxDur(cold)))
+}
+
+// forkTimes starts n environments from ref on e with env fork's Go API and
+// returns each one's time until its task ran (the shared pull included).
+func forkTimes(t *testing.T, ctx context.Context, e *testenv.Env, ref, prefix string, n int) []time.Duration {
+	t.Helper()
+	_, forks, err := envsnapshot.Fork(ctx, e.Client, ref, n, envsnapshot.ForkOptions{Hosts: e.Hosts(), IDPrefix: prefix, Args: []string{"sleep", "100000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []time.Duration
+	for _, f := range forks {
+		if f.Err != nil {
+			t.Fatal(f.Err)
+		}
+		out = append(out, f.Ready)
+	}
+	return out
+}
+
+// commitAndPush does what `nerdctl commit` then `nerdctl push` do with a
+// running container on overlayfs: pause it, diff its snapshot against its
+// parent with containerd's diff service (gzip), resume it, write a config
+// and manifest with the new layer, push (base layers are mounted across
+// repositories, not sent). It returns the wall time, how long the
+// container was paused and the blob bytes uploaded.
+func commitAndPush(t *testing.T, e *testenv.Env, task client.Task, id, ref string) (wall, paused time.Duration, sent int64) {
+	t.Helper()
+	start := time.Now()
+	ctx, done, err := e.Client.WithLease(e.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer done(context.WithoutCancel(ctx))
+	c, err := e.Client.LoadContainer(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := c.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sn := e.Client.SnapshotService(info.Snapshotter)
+	sinfo, err := sn.Stat(ctx, info.SnapshotKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := task.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p0 := time.Now()
+	lowerKey := fmt.Sprintf("%s-commit-lower-%d", id, time.Now().UnixNano())
+	lower, err := sn.View(ctx, lowerKey, sinfo.Parent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	upper, err := sn.Mounts(ctx, info.SnapshotKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layer, err := e.Client.DiffService().Compare(ctx, lower, upper, diff.WithMediaType(ocispec.MediaTypeImageLayerGzip))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := task.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	paused = time.Since(p0)
+	_ = sn.Remove(ctx, lowerKey)
+
+	cs := e.Client.ContentStore()
+	linfo, err := cs.Info(ctx, layer.Digest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := e.Client.GetImage(ctx, info.Image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := images.Manifest(ctx, cs, img.Target(), platforms.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cb, err := content.ReadBlob(ctx, cs, m.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg ocispec.Image
+	if err := json.Unmarshal(cb, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, digest.Digest(linfo.Labels["containerd.io/uncompressed"]))
+	cfg.History = nil
+	cfgDesc := writeJSON(t, ctx, cs, ocispec.MediaTypeImageConfig, cfg, nil)
+	m.Config, m.Layers = cfgDesc, append(m.Layers, layer)
+	m.Versioned, m.MediaType = specs.Versioned{SchemaVersion: 2}, ocispec.MediaTypeImageManifest
+	gc := map[string]string{"containerd.io/gc.ref.content.config": cfgDesc.Digest.String()}
+	sizes := map[string]int64{cfgDesc.Digest.String(): cfgDesc.Size}
+	for i, l := range m.Layers {
+		gc[fmt.Sprintf("containerd.io/gc.ref.content.l.%d", i)] = l.Digest.String()
+		sizes[l.Digest.String()] = l.Size
+	}
+	mDesc := writeJSON(t, ctx, cs, ocispec.MediaTypeImageManifest, m, gc)
+
+	before := len(e.Registry.UploadedDigests())
+	if err := e.Client.Push(ctx, ref, mDesc, client.WithResolver(e.Resolver())); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range e.Registry.UploadedDigests()[before:] {
+		sent += sizes[d]
+	}
+	return time.Since(start), paused, sent + mDesc.Size
+}
+
+func writeJSON(t *testing.T, ctx context.Context, cs content.Store, mediaType string, v any, labels map[string]string) ocispec.Descriptor {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(b), Size: int64(len(b))}
+	if err := content.WriteBlob(ctx, cs, desc.Digest.String(), bytes.NewReader(b), desc, content.WithLabels(labels)); err != nil {
+		t.Fatal(err)
+	}
+	return desc
+}
+
+func median(ds []time.Duration) time.Duration {
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[(len(s)-1)/2]
+}
+
+func maxDur(ds []time.Duration) time.Duration {
+	var m time.Duration
+	for _, d := range ds {
+		m = max(m, d)
+	}
+	return m
+}
+
+func ratio(a, b time.Duration) float64 { return float64(a) / float64(b) }
