@@ -12,6 +12,7 @@ CONTAINERD_VERSION=v2.4.2
 RUNC_VERSION=v1.5.3
 REGISTRY_VERSION=v3.1.2
 CRITOOLS_VERSION=v1.37.0
+KUSTOMIZE_VERSION=v5.7.1
 
 # systemd: systemd-analyze verifies the shipped units (tests/deploy).
 apt_pkgs=(fuse3 libseccomp-dev busybox-static zstd iproute2 pkg-config systemd)
@@ -48,4 +49,5 @@ install_tool containerd-shim-runc-v2 "$CONTAINERD_VERSION" github.com/containerd
 CGO_ENABLED=1 install_tool runc "$RUNC_VERSION" github.com/opencontainers/runc -tags seccomp
 install_tool registry "$REGISTRY_VERSION" github.com/distribution/distribution/v3/cmd/registry
 install_tool crictl "$CRITOOLS_VERSION" sigs.k8s.io/cri-tools/cmd/crictl
+install_tool kustomize "$KUSTOMIZE_VERSION" sigs.k8s.io/kustomize/kustomize/v5
 echo "deps: ok ($tools)"

@@ -569,20 +569,21 @@ func writeConfigMap(t *testing.T) {
 	}
 }
 
-// TestKustomizeBuild renders the kustomization with kubectl's built-in
-// kustomize and decodes the result strictly: the image override applies
+// TestKustomizeBuild renders the kustomization with the pinned kustomize
+// (what `kubectl apply -k` embeds; kubectl itself is not a Debian package,
+// so make deps builds kustomize into bin/tools) and decodes the result strictly: the image override applies
 // and nothing is lost or added on the way.
 func TestKustomizeBuild(t *testing.T) {
-	kubectl, err := exec.LookPath("kubectl")
+	kustomize, err := exec.LookPath("kustomize")
 	if err != nil {
-		prereq.Missing(t, "kubectl: %v", err)
+		prereq.Missing(t, "kustomize (make deps builds it into bin/tools): %v", err)
 	}
-	cmd := exec.Command(kubectl, "kustomize", filepath.Join(testenv.RepoRoot(t), "deploy/kubernetes"))
+	cmd := exec.Command(kustomize, "build", filepath.Join(testenv.RepoRoot(t), "deploy/kubernetes"))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("kubectl kustomize: %v\n%s", err, stderr.String())
+		t.Fatalf("kustomize build: %v\n%s", err, stderr.String())
 	}
 	o := &objects{}
 	for i, d := range splitDocs(out) {

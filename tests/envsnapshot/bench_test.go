@@ -27,16 +27,16 @@ import (
 // output, 2,000 small source-like files (~16 MiB of text), a deleted
 // directory of the image and edits.
 const benchEpisode = `set -e
-mkdir -p /work/build /work/src
-head -c 25165824 /opt/tool/runtime.bin > /work/build/out.bin
+mkdir -p /srv/build /srv/src
+head -c 25165824 /opt/tool/runtime.bin > /srv/build/out.bin
 i=0
 while [ $i -lt 2000 ]; do
-  d=/work/src/pkg$((i % 40))
+  d=/srv/src/pkg$((i % 40))
   mkdir -p $d
   seq $i $((i + 1200)) > $d/file$i.go
   i=$((i + 1))
 done
-rm -rf /work/cache
+rm -rf /srv/cache
 echo edited >> /etc/app.conf
 `
 

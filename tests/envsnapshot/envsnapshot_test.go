@@ -206,11 +206,11 @@ func (r *rig) exists(ref string) bool {
 // baseFiles is the original environment: a lazy image with a repository.
 func baseFiles() []testenv.File {
 	return []testenv.File{
-		{Path: "/work/repo/main.go", Data: []byte("package main\n")},
-		{Path: "/work/repo/README", Data: []byte("readme\n")},
-		{Path: "/work/repo/pkg/a.go", Data: []byte("package pkg\n")},
-		{Path: "/work/repo/pkg/b.go", Data: []byte("package pkg // b\n")},
-		{Path: "/work/cache/old", Data: []byte("stale cache\n")},
+		{Path: "/srv/repo/main.go", Data: []byte("package main\n")},
+		{Path: "/srv/repo/README", Data: []byte("readme\n")},
+		{Path: "/srv/repo/pkg/a.go", Data: []byte("package pkg\n")},
+		{Path: "/srv/repo/pkg/b.go", Data: []byte("package pkg // b\n")},
+		{Path: "/srv/cache/old", Data: []byte("stale cache\n")},
 		testenv.RandomFile("/opt/tool/bin.dat", 4<<20, 7),
 		{Path: "/etc/app.conf", Data: []byte("mode=base\n")},
 	}
@@ -220,20 +220,20 @@ func baseFiles() []testenv.File {
 // permission changes, a deleted and re-created directory (opaque), hard
 // links, symlinks, a FIFO and a larger output file.
 const episode = `set -e
-echo 'package main // edited at step k' > /work/repo/main.go
-rm /work/repo/README
-mv /work/repo/pkg/b.go /work/repo/pkg/c.go
-chmod 0700 /work/repo/pkg
-chmod 4755 /work/repo/main.go
-rm -rf /work/cache
-mkdir -p /work/cache/new
-echo fresh > /work/cache/new/entry
-echo shared > /work/out.txt
-ln /work/out.txt /work/out-link.txt
-ln -s ../work/repo/main.go /opt/main-link
-mkfifo /work/pipe
-head -c 3145728 /opt/tool/bin.dat > /work/build.out
-chown 1000:1000 /work/build.out
+echo 'package main // edited at step k' > /srv/repo/main.go
+rm /srv/repo/README
+mv /srv/repo/pkg/b.go /srv/repo/pkg/c.go
+chmod 0700 /srv/repo/pkg
+chmod 4755 /srv/repo/main.go
+rm -rf /srv/cache
+mkdir -p /srv/cache/new
+echo fresh > /srv/cache/new/entry
+echo shared > /srv/out.txt
+ln /srv/out.txt /srv/out-link.txt
+ln -s ../srv/repo/main.go /opt/main-link
+mkfifo /srv/pipe
+head -c 3145728 /opt/tool/bin.dat > /srv/build.out
+chown 1000:1000 /srv/build.out
 `
 
 func TestSnapshotForkChain(t *testing.T) {
@@ -310,12 +310,12 @@ func TestSnapshotForkChain(t *testing.T) {
 		t.Errorf("snapshot of a fork: depth %d, want 2", depth)
 	}
 	bForks := r.fork(t, snapB, "b", 1, `set -e
-rm /work/only-a0
-rm -rf /work/repo/pkg
-mkdir /work/repo/pkg
-echo again > /work/repo/pkg/z.go
+rm /srv/only-a0
+rm -rf /srv/repo/pkg
+mkdir /srv/repo/pkg
+echo again > /srv/repo/pkg/z.go
 echo k+2m >> /etc/app.conf
-rm /work/out.txt`)
+rm /srv/out.txt`)
 	atK2 := r.describe(t, bForks[0])
 	snapC := e.Registry.Host + "/envsnap-test/snap:c"
 	_, depth, out = r.snapshot(t, bForks[0], snapC, "--max-depth", "2")
