@@ -93,6 +93,7 @@ func Run(ctx context.Context, cfg Config) error {
 		FrameCache:      frames,
 		Unpacked:        files,
 		UnpackedMinSize: int64(cfg.PassthroughMinSize),
+		Sources:         registry.SourcePolicy{Allowed: cfg.HintSources, HostsDir: cfg.HostsDir},
 	})
 	if err != nil {
 		return err

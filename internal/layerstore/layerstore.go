@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
@@ -33,6 +34,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
+	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -96,6 +98,10 @@ type Config struct {
 	// does for an immutable layer, and costs an inode and a build each.
 	Unpacked        *unpacked.Store
 	UnpackedMinSize int64
+	// Sources decides which repositories layer hints may send the store
+	// to (layers named by snapshotter.LabelTOCDigest rather than a
+	// manifest digest). The zero value allows none.
+	Sources registry.SourcePolicy
 	// Keeper, when set, holds a duplicate of every mount's FUSE
 	// descriptor so the mounts survive a restart of this process (see
 	// Restore). May be nil: mounts then die with the process.
@@ -178,22 +184,18 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 // FUSE mount, or, with takeover, the live connection of a predecessor.
 func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]string, takeover *lazyfs.Handover) (_ *mounted, retErr error) {
 	ref := labels[snapshotter.LabelImageRef]
-	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
-	if err != nil {
-		return nil, fmt.Errorf("manifest digest label: %w", err)
-	}
 	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
 	if err != nil {
 		return nil, fmt.Errorf("layer digest label: %w", err)
 	}
-
-	mf, err := s.manifest(ctx, ref, mdgst)
+	var desc ocispec.Descriptor
+	if _, hinted := labels[snapshotter.LabelTOCDigest]; hinted {
+		desc, err = s.hintedLayer(ref, ldgst, labels)
+	} else {
+		desc, err = s.manifestLayer(ctx, ref, ldgst, labels)
+	}
 	if err != nil {
 		return nil, err
-	}
-	desc, ok := findLayer(mf, ldgst)
-	if !ok {
-		return nil, fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
 	}
 	tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
 	if err != nil {
@@ -280,6 +282,53 @@ func (s *Store) mount(ctx context.Context, mountpoint string, labels map[string]
 	s.mu.Unlock()
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
+}
+
+// manifestLayer is the descriptor of layer ldgst in the manifest the
+// labels name (the CRI labels' path): the manifest is verified against its
+// digest, so the TOC digest is the manifest's.
+func (s *Store) manifestLayer(ctx context.Context, ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, error) {
+	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("manifest digest label: %w", err)
+	}
+	mf, err := s.manifest(ctx, ref, mdgst)
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	desc, ok := findLayer(mf, ldgst)
+	if !ok {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
+	}
+	return desc, nil
+}
+
+// hintedLayer is the descriptor the hint annotations of a layer describe
+// (snapshotter.LabelTOCDigest and LabelLayerSize; ref is the hinted
+// repository). Hints are the image's word alone: the repository must be
+// one Config.Sources allows (the daemon's credentials go there), and the
+// TOC read from the blob must match the hinted TOC digest, which then
+// vouches for every chunk, as the manifest's annotation does on the CRI
+// labels' path. A refused hint fails the mount; the snapshotter then
+// unpacks the layer normally.
+func (s *Store) hintedLayer(ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, error) {
+	if err := s.cfg.Sources.Check(ref); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: refusing its hint: %w: %w", ldgst, err, errdefs.ErrPermissionDenied)
+	}
+	toc, err := digest.Parse(labels[snapshotter.LabelTOCDigest])
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: TOC digest label: %w", ldgst, err)
+	}
+	size, err := strconv.ParseInt(labels[snapshotter.LabelLayerSize], 10, 64)
+	if err != nil || size <= 0 {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: size label %q: %w", ldgst, labels[snapshotter.LabelLayerSize], errdefs.ErrInvalidArgument)
+	}
+	return ocispec.Descriptor{
+		MediaType:   layerfmt.MediaTypeLayer,
+		Digest:      ldgst,
+		Size:        size,
+		Annotations: map[string]string{layerfmt.AnnotationTOCDigest: toc.String()},
+	}, nil
 }
 
 // fetchAll fills layer completely before it is mounted (Config.Eager). A
