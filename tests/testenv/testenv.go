@@ -47,6 +47,7 @@ var (
 	WithLazyLayers    = devenv.WithLazyLayers
 	RandomFile        = devenv.RandomFile
 	LayerTar          = devenv.LayerTar
+	GzipLayer         = devenv.GzipLayer
 	BusyboxFiles      = devenv.BusyboxFiles
 	MountsBelow       = devenv.MountsBelow
 )
