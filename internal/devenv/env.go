@@ -73,6 +73,7 @@ type options struct {
 	dirPrefix    string
 	registryNet  RegistryNetwork
 	envlet       *EnvletConfig
+	noLabels     bool
 }
 
 // Option configures Start.
@@ -117,6 +118,15 @@ type EnvletConfig struct {
 // ENVLET_CONFIG to it) and runs `containerd-envsnap arbiter` with it.
 func WithEnvlet(c EnvletConfig) Option {
 	return func(o *options) { o.envlet = &c }
+}
+
+// WithoutSnapshotLabels runs containerd as it comes: CRI's
+// disable_snapshot_annotations at its default (true) and no
+// enable_remote_snapshot_annotations export for the envsnap proxy plugin,
+// so no pull path of containerd adds the remote-snapshot labels; only an
+// image's own hint annotations can make a pull lazy.
+func WithoutSnapshotLabels() Option {
+	return func(o *options) { o.noLabels = true }
 }
 
 // WithDirPrefix names the temporary directory (default "envsnap-e2e-").
@@ -452,6 +462,13 @@ func (e *Env) containerdConfig() string {
 		// Top-level keys must precede the first table.
 		imports = "imports = [" + strings.Join(quoted, ", ") + "]\n"
 	}
+	proxyExports := `
+    [proxy_plugins.envsnap.exports]
+      enable_remote_snapshot_annotations = "true"`
+	criAnnotations := "\n    disable_snapshot_annotations = false"
+	if e.opts.noLabels {
+		proxyExports, criAnnotations = "", ""
+	}
 	return fmt.Sprintf(`version = 3
 root = %[1]q
 state = %[2]q
@@ -466,9 +483,7 @@ state = %[2]q
 [proxy_plugins]
   [proxy_plugins.envsnap]
     type = "snapshot"
-    address = %[5]q
-    [proxy_plugins.envsnap.exports]
-      enable_remote_snapshot_annotations = "true"
+    address = %[5]q%[12]s
 
 [plugins]
   [plugins."io.containerd.transfer.v1.local"]
@@ -485,8 +500,7 @@ state = %[2]q
     stream_server_port = "0"
 
   [plugins."io.containerd.cri.v1.images"]
-    snapshotter = "overlayfs"
-    disable_snapshot_annotations = false
+    snapshotter = "overlayfs"%[13]s
     [plugins."io.containerd.cri.v1.images".pinned_images]
       sandbox = %[7]q
     [plugins."io.containerd.cri.v1.images".registry]
@@ -511,7 +525,7 @@ state = %[2]q
         container_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.kubernetes.container.terminationMessagePath"]
 %[10]s
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), e.Address, e.Address+".ttrpc",
-		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports)
+		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports, proxyExports, criAnnotations)
 }
 
 // CRIEndpoint is the CRI socket (crictl --runtime-endpoint).
