@@ -246,3 +246,26 @@ func tail(b []byte, lines int) string {
 	ls := strings.Split(string(b), "\n")
 	return strings.Join(ls[max(0, len(ls)-lines):], "\n")
 }
+
+// TestTransferServicePull: `ctr images pull` through the transfer service,
+// whose proxy plugin here does not export
+// enable_remote_snapshot_annotations.
+func TestTransferServicePull(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap("--fill=false"), testenv.WithoutSnapshotLabels())
+	ref := env.Registry.Host + "/pulls/transfer:1"
+	imageBytes := convertedImage(t, env, ref)
+
+	env.Registry.ResetCounters()
+	out, err := exec.Command(testenv.Tool(t, "ctr"), "--address", env.Address, "--namespace", env.Namespace,
+		"images", "pull", "--hosts-dir", env.HostsDir, "--snapshotter", "envsnap", ref).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ctr images pull: %v\n%s", err, out)
+	}
+	ctx := env.Context()
+	img, err := env.Client.GetImage(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	requireHinted(t, ctx, env, img)
+	checkLazy(t, env, imageBytes)
+}
