@@ -7,7 +7,9 @@
 //
 // Life cycle of a lazy layer: when the unpacker calls Prepare with the
 // remote-snapshot labels (containerd.io/snapshot.ref=<chainID> and the
-// cri.image-ref / cri.manifest-digest / cri.layer-digest labels), the
+// cri.image-ref / cri.manifest-digest / cri.layer-digest labels, or else
+// the layer's hint annotations, layerfmt.AnnotationHintSource and the
+// others, which the unpacker passes for every client), the
 // snapshotter asks its FileSystem to mount the layer at
 // <root>/layers/<alg>/<hex>/mnt (once per layer digest on the node, however
 // many chainIDs contain it), commits a snapshot named <chainID> whose upper
@@ -85,7 +87,12 @@ const (
 
 // FileSystem is the data plane: it makes one image layer readable at a
 // mountpoint. The labels carry the image reference, the manifest digest and
-// the layer digest (LabelImageRef, LabelManifestDigest, LabelLayerDigest).
+// the layer digest (LabelImageRef, LabelManifestDigest, LabelLayerDigest),
+// or, for a layer found through its hints, the hinted repository, the
+// layer digest, its TOC digest and its size (LabelImageRef,
+// LabelLayerDigest, LabelTOCDigest, LabelLayerSize): those are untrusted,
+// and Mount must check them (which repositories it may fetch from, the TOC
+// against LabelTOCDigest).
 // Mount returns an error for layers it cannot serve lazily (errdefs
 // ErrNotImplemented for "not in our format"); the snapshotter then unpacks
 // them normally.

@@ -8,7 +8,10 @@
 // verified against it; the layer descriptor in it carries the TOC digest
 // (layerfmt.AnnotationTOCDigest), against which the TOC read from the blob's
 // tail is verified; the TOC holds the digest of every chunk, verified on
-// every fetch. Nothing unverified is ever served.
+// every fetch. Nothing unverified is ever served. A layer found through its
+// hint annotations has no manifest digest: its TOC digest is the hinted one
+// (from the manifest containerd verified, as passed to Prepare), and its
+// repository must be one Config.Sources allows.
 package layerstore
 
 import (
