@@ -4,6 +4,7 @@
 package buildkit_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -26,18 +27,15 @@ RUN ["/bin/busybox", "sh", "-c", "/bin/busybox echo built by buildkit > /etc/bui
 ENV PATH=/bin
 `
 
-// startBuildkitd runs a rootful buildkitd with the runc worker, its own
-// root and socket below dir, stopped by PID at cleanup, and returns its
-// address once it answers.
-func startBuildkitd(t *testing.T, dir string) string {
+// startBuildkitd runs a rootful buildkitd with workerArgs, its own root
+// and socket below dir, stopped by PID at cleanup, and returns its address
+// once it answers.
+func startBuildkitd(t *testing.T, dir string, workerArgs ...string) string {
 	t.Helper()
 	addr := "unix://" + filepath.Join(dir, "buildkitd.sock")
 	env := []string{"PATH=" + testenv.ToolsDir(t) + ":" + os.Getenv("PATH")}
 	testenv.StartProcess(t, dir, "buildkitd", env, testenv.Tool(t, "buildkitd"),
-		"--root", filepath.Join(dir, "root"), "--addr", addr,
-		"--oci-worker=true", "--containerd-worker=false",
-		// No CNI on the test machine; the build needs no network.
-		"--oci-worker-net=host")
+		append([]string{"--root", filepath.Join(dir, "root"), "--addr", addr}, workerArgs...)...)
 	buildctl := testenv.Tool(t, "buildctl")
 	deadline := time.Now().Add(60 * time.Second)
 	for {
@@ -61,7 +59,9 @@ func TestBuildctlOCIOutputToGroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := startBuildkitd(t, dir)
+	// The runc worker; no CNI on the test machine, and the build needs no
+	// network.
+	addr := startBuildkitd(t, dir, "--oci-worker=true", "--containerd-worker=false", "--oci-worker-net=host")
 
 	ctxDir := t.TempDir()
 	bb, err := os.ReadFile("/bin/busybox")
@@ -126,5 +126,65 @@ func TestBuildctlOCIOutputToGroup(t *testing.T) {
 	res := env.RunContainer(t, img, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sh", "-c", "cat /etc/msg /etc/built; echo $PATH"}})
 	if want := "hello from buildkit\nbuilt by buildkit\n/bin\n"; res.ExitCode != 0 || res.Stdout != want {
 		t.Fatalf("container exited %d with %q (stderr %q), want %q", res.ExitCode, res.Stdout, res.Stderr, want)
+	}
+}
+
+// TestContainerdWorkerFromIsLazy: BuildKit's containerd worker, building
+// FROM an image converted by envsnap, reads the base lazily through the
+// layers' hint annotations. BuildKit passes layer annotations to Prepare
+// only for a snapshotter named "stargz", so containerd knows the envsnap
+// daemon by that name here.
+func TestContainerdWorkerFromIsLazy(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap("--fill=false"), testenv.WithoutSnapshotLabels(), testenv.WithProxyName("stargz"))
+	src := env.PushImage(t, "buildkit/src:1", []testenv.File{
+		{Path: "/msg", Data: []byte("from a lazy base\n")},
+		testenv.RandomFile("/data/unread.bin", 32<<20, 7),
+	})
+	base := env.Registry.Host + "/buildkit/lazy-base:1"
+	if out, err := exec.Command(testenv.Binary(t, "containerd-envsnap"), "convert", "--hosts-dir", env.HostsDir, src.Ref, base).CombinedOutput(); err != nil {
+		t.Fatalf("convert: %v\n%s", err, out)
+	}
+	dir, err := os.MkdirTemp(env.Dir, "bk-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "buildkitd.toml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("[registry.%q]\n  http = true\n", env.Registry.Host)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	addr := startBuildkitd(t, dir, "--config", cfg, "--oci-worker=false", "--containerd-worker=true",
+		"--containerd-worker-addr", env.Address, "--containerd-worker-snapshotter", env.ProxyName(),
+		"--containerd-worker-net=host")
+
+	ctxDir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte("FROM "+base+"\nRUN cat /msg > /copied && test \"$(cat /copied)\" = 'from a lazy base'\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	env.Registry.ResetCounters()
+	// No output: exporting would need every blob of the base.
+	build := exec.Command(testenv.Tool(t, "buildctl"), "--addr", addr, "build", "--frontend", "dockerfile.v0",
+		"--local", "context="+ctxDir, "--local", "dockerfile="+ctxDir)
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("buildctl build: %v\n%s", err, out)
+	}
+	served, imageBytes := env.Registry.BlobBytesServed(), int64(0)
+	status, err := exec.Command(testenv.Binary(t, "containerd-envsnap"), "status", "--address", env.SnapshotterSocket, "--json").Output()
+	if err != nil {
+		t.Fatalf("status: %v", err)
+	}
+	var st struct {
+		Layers []struct {
+			BlobSize int64 `json:"blob_size"`
+		} `json:"layers"`
+	}
+	if err := json.Unmarshal(status, &st); err != nil || len(st.Layers) != 2 {
+		t.Fatalf("status: %v, want the base's 2 layers mounted lazily:\n%s", err, status)
+	}
+	for _, l := range st.Layers {
+		imageBytes += l.BlobSize
+	}
+	t.Logf("registry served %d of %d base image bytes (%.2f%%)", served, imageBytes, 100*float64(served)/float64(imageBytes))
+	if served*10 > imageBytes {
+		t.Errorf("registry served %d of %d base image bytes: the FROM image was not read lazily", served, imageBytes)
 	}
 }

@@ -41,6 +41,7 @@ var (
 	WithConfig            = devenv.WithConfig
 	WithImports           = devenv.WithImports
 	WithoutSnapshotLabels = devenv.WithoutSnapshotLabels
+	WithProxyName         = devenv.WithProxyName
 	WithEntrypoint        = devenv.WithEntrypoint
 	WithCmd               = devenv.WithCmd
 	WithImageEnv          = devenv.WithImageEnv
