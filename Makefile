@@ -1,5 +1,5 @@
 # envsnap build, test and demo entry points. Every target that needs the
-# external tools (containerd, runc, registry, crictl) depends on `deps`,
+# external tools (containerd, runc, registry, crictl, buildkit) depends on `deps`,
 # which installs them idempotently into bin/tools.
 
 SHELL   := /bin/bash

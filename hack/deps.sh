@@ -13,6 +13,7 @@ RUNC_VERSION=v1.5.3
 REGISTRY_VERSION=v3.1.2
 CRITOOLS_VERSION=v1.37.0
 KUSTOMIZE_VERSION=v5.7.1
+BUILDKIT_VERSION=v0.34.2
 
 # systemd: systemd-analyze verifies the shipped units (tests/deploy).
 apt_pkgs=(fuse3 libseccomp-dev busybox-static zstd iproute2 pkg-config systemd)
@@ -50,4 +51,33 @@ CGO_ENABLED=1 install_tool runc "$RUNC_VERSION" github.com/opencontainers/runc -
 install_tool registry "$REGISTRY_VERSION" github.com/distribution/distribution/v3/cmd/registry
 install_tool crictl "$CRITOOLS_VERSION" sigs.k8s.io/cri-tools/cmd/crictl
 install_tool kustomize "$KUSTOMIZE_VERSION" sigs.k8s.io/kustomize/kustomize/v5
+
+# BuildKit cannot be `go install`ed: its go.mod has an `exclude` directive,
+# which `go install pkg@version` refuses. Build inside the module directory
+# that `go mod download` fetched instead (its own go.mod then applies).
+# buildkitd's runc worker needs a seccomp-enabled runc (built above).
+install_module_cmds() {
+	local version=$1 module=$2
+	shift 2
+	local name stale=
+	for name in "$@"; do
+		if ! [ -x "$tools/$name" ] || [ "$(cat "$tools/$name.version" 2>/dev/null)" != "$version" ]; then
+			stale=1
+		fi
+	done
+	[ -z "$stale" ] && return 0
+	local dir
+	dir=$(go mod download -json "$module@$version" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+	if [ -z "$dir" ] || ! [ -d "$dir" ]; then
+		echo "deps: go mod download $module@$version: no module directory" >&2
+		exit 1
+	fi
+	echo "deps: go build $* from $module@$version -> $tools"
+	for name in "$@"; do
+		(cd "$dir" && GOFLAGS=-buildvcs=false go build -o "$tools/$name" "./cmd/$name")
+		echo "$version" >"$tools/$name.version"
+	done
+}
+
+install_module_cmds "$BUILDKIT_VERSION" github.com/moby/buildkit buildkitd buildctl
 echo "deps: ok ($tools)"

@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/prereq"
+	"github.com/envsnap/envsnap/layerfmt"
 )
 
 // fakeFS stands in for the FUSE data plane. As root it mounts a tmpfs per
@@ -56,8 +57,8 @@ func (f *fakeFS) Mount(ctx context.Context, mountpoint string, labels map[string
 	if f.notLazy[d] {
 		return fmt.Errorf("layer %s: %w", d, errdefs.ErrNotImplemented)
 	}
-	if labels[LabelImageRef] == "" || labels[LabelManifestDigest] == "" {
-		return errors.New("missing image ref or manifest labels")
+	if labels[LabelImageRef] == "" || (labels[LabelManifestDigest] == "") == (labels[LabelTOCDigest] == "") {
+		return errors.New("want an image ref and either a manifest or a TOC digest label")
 	}
 	if _, ok := f.mounted[mountpoint]; ok {
 		return fmt.Errorf("%s already mounted", mountpoint)
@@ -633,6 +634,139 @@ func mountsAt(t *testing.T, p string) int {
 		}
 	}
 	return n
+}
+
+// hintOpts are the labels containerd's unpacker sends for one layer whose
+// descriptor has hint annotations, when the client adds none of its own.
+func hintOpts(chainID string, layer digest.Digest, extra map[string]string) snapshots.Opt {
+	labels := map[string]string{
+		snapshots.LabelSnapshotRef:       chainID,
+		"containerd.io/snapshot/diff-id": layer.String(),
+		layerfmt.AnnotationHintSource:    "registry.test/envsnap/base",
+		layerfmt.AnnotationHintLayer:     layer.String(),
+		layerfmt.AnnotationHintSize:      "4096",
+		layerfmt.AnnotationHintTOC:       testManifest,
+	}
+	for k, v := range extra {
+		if v == "" {
+			delete(labels, k)
+		} else {
+			labels[k] = v
+		}
+	}
+	return snapshots.WithLabels(labels)
+}
+
+func TestHintedSnapshot(t *testing.T) {
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l1 := layerDigest(1)
+	if _, err := s.Prepare(ctx, "extract-c1", "", hintOpts("c1", l1, nil)); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("Prepare with hints: %v, want ErrAlreadyExists", err)
+	}
+	info, err := s.Stat(ctx, "c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range map[string]string{
+		LabelLayerDigest:    l1.String(),
+		LabelImageRef:       "registry.test/envsnap/base",
+		LabelTOCDigest:      testManifest,
+		LabelLayerSize:      "4096",
+		LabelManifestDigest: "",
+	} {
+		if got := info.Labels[k]; got != want {
+			t.Errorf("label %s = %q, want %q", k, got, want)
+		}
+	}
+	// The hint labels are enough to mount the layer again after a restart.
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = New(ctx, root, fsys); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if ls := s.Layers(); len(ls) != 1 || !ls[0].Mounted {
+		t.Fatalf("restored layers %+v", ls)
+	}
+}
+
+// TestHintsNotLazy: hints that are incomplete or malformed, or that the
+// FileSystem refuses, leave the layer to a normal unpack.
+func TestHintsNotLazy(t *testing.T) {
+	fsys := newFakeFS()
+	s, _ := newTestSnapshotter(t, fsys)
+	ctx := testContext(t)
+	for i, extra := range []map[string]string{
+		{layerfmt.AnnotationHintTOC: ""},
+		{layerfmt.AnnotationHintSize: "-1"},
+		{layerfmt.AnnotationHintLayer: "sha256:short"},
+	} {
+		chain := fmt.Sprintf("bad%d", i)
+		ms, err := s.Prepare(ctx, "extract-"+chain, "", hintOpts(chain, layerDigest(10+i), extra))
+		if err != nil || len(ms) != 1 {
+			t.Fatalf("Prepare with hints %v: %v %v, want an active snapshot to unpack into", extra, ms, err)
+		}
+	}
+	if _, n := fsys.state(); n != 0 {
+		t.Fatalf("%d layers mounted from bad hints", n)
+	}
+	fsys.mountErr = fmt.Errorf("source not allowed: %w", errdefs.ErrPermissionDenied)
+	ms, err := s.Prepare(ctx, "extract-refused", "", hintOpts("refused", layerDigest(20), nil))
+	if err != nil || len(ms) != 1 {
+		t.Fatalf("Prepare with a refused hint: %v %v, want an active snapshot to unpack into", ms, err)
+	}
+}
+
+// TestInternalLabelsDropped: a manifest annotation named like one of the
+// snapshotter's own labels reaches Prepare as a label; it must not make a
+// normally unpacked snapshot look lazy.
+func TestInternalLabelsDropped(t *testing.T) {
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged := snapshots.WithLabels(map[string]string{
+		snapshots.LabelSnapshotRef: "c1",
+		LabelLayerDigest:           layerDigest(1).String(),
+		LabelImageRef:              "registry.test/envsnap/forged",
+		LabelManifestDigest:        testManifest,
+	})
+	if _, err := s.Prepare(ctx, "extract-c1", "", forged); err != nil {
+		t.Fatal(err)
+	}
+	// The unpacker commits with the same labels.
+	if err := s.Commit(ctx, "c1", "extract-c1", forged); err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Stat(ctx, "c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range internalLabels {
+		if v, ok := info.Labels[k]; ok {
+			t.Errorf("committed snapshot kept forged label %s=%q", k, v)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = New(ctx, root, fsys); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if ls := s.Layers(); len(ls) != 0 {
+		t.Fatalf("a restart took the unpacked snapshot for a lazy one: %+v", ls)
+	}
 }
 
 // TestLayerRefsFollowUsers: a layer's Refs name the images whose snapshots

@@ -7,7 +7,9 @@
 //
 // Life cycle of a lazy layer: when the unpacker calls Prepare with the
 // remote-snapshot labels (containerd.io/snapshot.ref=<chainID> and the
-// cri.image-ref / cri.manifest-digest / cri.layer-digest labels), the
+// cri.image-ref / cri.manifest-digest / cri.layer-digest labels, or else
+// the layer's hint annotations, layerfmt.AnnotationHintSource and the
+// others, which the unpacker passes for every client), the
 // snapshotter asks its FileSystem to mount the layer at
 // <root>/layers/<alg>/<hex>/mnt (once per layer digest on the node, however
 // many chainIDs contain it), commits a snapshot named <chainID> whose upper
@@ -38,6 +40,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -50,6 +53,8 @@ import (
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/layerfmt"
 )
 
 // restoreParallel bounds the layers remounted at once on startup.
@@ -60,11 +65,26 @@ const restoreParallel = 8
 // inherits and preserves only labels with that prefix (FilterInheritedLabels),
 // so an Update that rewrites "labels" through containerd cannot strip them,
 // and they are what a restarted daemon uses to remount the layer.
+//
+// A layer found through the CRI labels has LabelImageRef (the image) and
+// LabelManifestDigest; one found through its hint annotations
+// (layerfmt.AnnotationHintSource and the others, which containerd's
+// unpacker passes for every client) has LabelImageRef (the hinted
+// repository), LabelTOCDigest and LabelLayerSize instead, because
+// containerd tells a snapshotter no manifest digest.
 const (
 	LabelLayerDigest    = "containerd.io/snapshot/envsnap.layer-digest"
 	LabelImageRef       = "containerd.io/snapshot/envsnap.image-ref"
 	LabelManifestDigest = "containerd.io/snapshot/envsnap.manifest-digest"
+	LabelTOCDigest      = "containerd.io/snapshot/envsnap.toc-digest"
+	LabelLayerSize      = "containerd.io/snapshot/envsnap.layer-size"
 )
+
+// internalLabels are the labels only this snapshotter may set. A manifest
+// can carry annotations of these names, which containerd's unpacker would
+// pass to Prepare: Prepare drops them, or an image could make a normally
+// unpacked snapshot look lazy to a restarted daemon.
+var internalLabels = []string{LabelLayerDigest, LabelImageRef, LabelManifestDigest, LabelTOCDigest, LabelLayerSize}
 
 // Labels containerd sends with Prepare on the remote-snapshot path
 // (pkg/snapshotters in containerd; duplicated to keep the dependency small).
@@ -76,7 +96,12 @@ const (
 
 // FileSystem is the data plane: it makes one image layer readable at a
 // mountpoint. The labels carry the image reference, the manifest digest and
-// the layer digest (LabelImageRef, LabelManifestDigest, LabelLayerDigest).
+// the layer digest (LabelImageRef, LabelManifestDigest, LabelLayerDigest),
+// or, for a layer found through its hints, the hinted repository, the
+// layer digest, its TOC digest and its size (LabelImageRef,
+// LabelLayerDigest, LabelTOCDigest, LabelLayerSize): those are untrusted,
+// and Mount must check them (which repositories it may fetch from, the TOC
+// against LabelTOCDigest).
 // Mount returns an error for layers it cannot serve lazily (errdefs
 // ErrNotImplemented for "not in our format"); the snapshotter then unpacks
 // them normally.
@@ -447,8 +472,11 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 			return nil, err
 		}
 	}
+	if dropInternalLabels(base.Labels) {
+		opts = append(slices.Clone(opts), dropInternal)
+	}
 	target := base.Labels[snapshots.LabelSnapshotRef]
-	labels, ok := remoteLabels(base.Labels)
+	labels, ok := remoteLabels(ctx, base.Labels)
 	if target == "" || !ok {
 		return s.Snapshotter.Prepare(ctx, key, parent, opts...)
 	}
@@ -729,25 +757,60 @@ func (s *Snapshotter) NativeInUse(ctx context.Context) (map[digest.Digest]bool, 
 }
 
 // remoteLabels extracts what the data plane needs from Prepare's labels; ok
-// is false unless the caller sent all remote-snapshot labels.
-func remoteLabels(in map[string]string) (map[string]string, bool) {
+// is false unless they name a layer to serve lazily. Two sources, in this
+// order: the CRI labels a client adds (all three of them), and the hint
+// annotations of the layer's descriptor, which containerd's unpacker
+// passes whichever client pulls. Hints are untrusted: the FileSystem
+// checks them (which hosts, and every byte against the hinted TOC
+// digest). Malformed hints are logged and ignored.
+func remoteLabels(ctx context.Context, in map[string]string) (map[string]string, bool) {
 	ref, mfst, layer := in[labelCRIImageRef], in[labelCRIManifestDigest], in[labelCRILayerDigest]
-	if ref == "" || mfst == "" || layer == "" {
+	if ref != "" && mfst != "" && layer != "" {
+		return map[string]string{
+			LabelImageRef:       ref,
+			LabelManifestDigest: mfst,
+			LabelLayerDigest:    layer,
+		}, true
+	}
+	h, ok, err := layerfmt.ParseHints(in)
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("chainID", in[snapshots.LabelSnapshotRef]).Warn("ignoring the layer's hint annotations; unpacking it normally")
+		return nil, false
+	}
+	if !ok {
 		return nil, false
 	}
 	return map[string]string{
-		LabelImageRef:       ref,
-		LabelManifestDigest: mfst,
-		LabelLayerDigest:    layer,
+		LabelImageRef:    h.Source,
+		LabelLayerDigest: h.Layer.String(),
+		LabelTOCDigest:   h.TOC.String(),
+		LabelLayerSize:   strconv.FormatInt(h.Size, 10),
 	}, true
 }
 
+// lazyLabels is the subset of a lazy snapshot's labels that names its
+// layer (either source of remoteLabels).
 func lazyLabels(in map[string]string) map[string]string {
-	return map[string]string{
-		LabelImageRef:       in[LabelImageRef],
-		LabelManifestDigest: in[LabelManifestDigest],
-		LabelLayerDigest:    in[LabelLayerDigest],
+	out := make(map[string]string, len(internalLabels))
+	for _, k := range internalLabels {
+		if v, ok := in[k]; ok {
+			out[k] = v
+		}
 	}
+	return out
+}
+
+// dropInternalLabels deletes internalLabels from labels and reports
+// whether there were any.
+func dropInternalLabels(labels map[string]string) bool {
+	found := false
+	for _, k := range internalLabels {
+		if _, ok := labels[k]; ok {
+			delete(labels, k)
+			found = true
+		}
+	}
+	return found
 }
 
 // upperDir finds the writable directory of a freshly prepared active
@@ -796,6 +859,18 @@ func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpath
 		}
 	}
 	return s.Snapshotter.Update(ctx, info, fieldpaths...)
+}
+
+// Commit is overlay's, without internalLabels: containerd's unpacker
+// passes a layer's annotations to Commit as it does to Prepare.
+func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
+	return s.Snapshotter.Commit(ctx, name, key, append(slices.Clone(opts), dropInternal)...)
+}
+
+// dropInternal is a snapshots.Opt dropping internalLabels.
+func dropInternal(info *snapshots.Info) error {
+	dropInternalLabels(info.Labels)
+	return nil
 }
 
 // Remove removes a snapshot and unmounts its layer when it was the last

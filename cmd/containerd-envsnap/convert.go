@@ -26,6 +26,7 @@ var convertCommand = &cli.Command{
 		&cli.IntFlag{Name: "parallel", Value: 2, Usage: "layers converted at once"},
 		&cli.StringFlag{Name: "address", Value: "/run/containerd/containerd.sock", Usage: "containerd socket, for containerd:IMAGE sources"},
 		&cli.StringFlag{Name: "namespace", Value: "default", Usage: "containerd namespace, for containerd:IMAGE sources"},
+		&cli.StringFlag{Name: "hint-source", Usage: "repository (host/path) to name in the layers' hint annotations, where snapshotters fetch the blobs (default: a registry DST's repository; none for a layout or archive)"},
 	),
 	Action: runConvert,
 }
@@ -54,6 +55,7 @@ func runConvert(ctx context.Context, c *cli.Command) error {
 		Parallel:            int(c.Int("parallel")),
 		ContainerdAddress:   c.String("address"),
 		ContainerdNamespace: c.String("namespace"),
+		HintSource:          c.String("hint-source"),
 	}
 	if isTerminal(os.Stderr) {
 		opts.Progress = func(e convert.LayerEvent) {

@@ -25,6 +25,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "root", Value: daemon.DefaultRoot, Usage: "state directory (snapshots, layer mounts, chunk cache)"},
 		&cli.StringFlag{Name: "address", Value: daemon.DefaultAddress, Usage: "unix socket containerd connects to"},
 		&cli.StringFlag{Name: "hosts-dir", Value: daemon.DefaultHostsDir, Usage: "containerd certs.d directory for registry hosts"},
+		&cli.StringSliceFlag{Name: "hint-source", Usage: "registry host or repository prefix ending in / that layer hint annotations may send the daemon to (repeatable; default: the registries with a directory in --hosts-dir; \"none\" allows none)"},
 		&cli.StringFlag{Name: "docker-config", Usage: "docker config.json (or its directory) with registry credentials"},
 		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics only (off when empty; a port alone listens on 127.0.0.1)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
@@ -84,6 +85,14 @@ func runServe(ctx context.Context, c *cli.Command) error {
 	set("address", func() { cfg.Address = c.String("address") })
 	set("hosts-dir", func() { cfg.HostsDir = c.String("hosts-dir") })
 	set("docker-config", func() { cfg.DockerConfig = c.String("docker-config") })
+	set("hint-source", func() {
+		cfg.HintSources = []string{}
+		for _, v := range c.StringSlice("hint-source") {
+			if v != "none" {
+				cfg.HintSources = append(cfg.HintSources, v)
+			}
+		}
+	})
 	set("metrics-address", func() { cfg.MetricsAddress = c.String("metrics-address") })
 	set("passthrough", func() { cfg.Passthrough = c.Bool("passthrough") })
 	set("native-lowers", func() { cfg.NativeLowers = c.Bool("native-lowers") })

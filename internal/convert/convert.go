@@ -55,6 +55,12 @@ type Options struct {
 	// ContainerdAddress and ContainerdNamespace locate a containerd
 	// source (defaults /run/containerd/containerd.sock and "default").
 	ContainerdAddress, ContainerdNamespace string
+	// HintSource is the repository ("host/path") written into the hint
+	// annotations of every layer in the format (layerfmt.WithHints): where
+	// a snapshotter can fetch the blobs when the puller tells it nothing.
+	// A registry destination's repository by default; no hints for a
+	// layout or archive destination unless set.
+	HintSource string
 }
 
 // LayerEvent reports one finished layer.
@@ -88,6 +94,13 @@ func Run(ctx context.Context, src, dst Location, o Options) (*Summary, error) {
 	}
 	if o.Parallel <= 0 {
 		o.Parallel = 2
+	}
+	if o.HintSource == "" && dst.Kind == Registry {
+		host, repo, err := hostAndRepo(dst.Ref)
+		if err != nil {
+			return nil, fmt.Errorf("destination %s: %w", dst, err)
+		}
+		o.HintSource = host + "/" + repo
 	}
 	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-convert-")
 	if err != nil {
@@ -241,6 +254,9 @@ func (c *converter) convertManifest(ctx context.Context, desc ocispec.Descriptor
 	changed := false
 	for k, r := range results {
 		m.Layers[k] = r.desc
+		if isOurs(r.desc) {
+			m.Layers[k].Annotations = layerfmt.WithHints(r.desc.Annotations, c.opts.HintSource, r.desc.Digest, r.desc.Size)
+		}
 		changed = changed || r.diffID != ""
 	}
 	if changed {

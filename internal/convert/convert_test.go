@@ -274,7 +274,9 @@ func TestConvertArchiveAndRegistry(t *testing.T) {
 	}
 	reg.ResetCounters()
 	ref2 := reg.Host + "/other/app:v1"
-	s2, err := Run(ctx, Location{Kind: Registry, Ref: ref}, Location{Kind: Registry, Ref: ref2}, Options{Registry: ro})
+	// The layers' hints name the first repository, which holds them too:
+	// nothing else changes.
+	s2, err := Run(ctx, Location{Kind: Registry, Ref: ref}, Location{Kind: Registry, Ref: ref2}, Options{Registry: ro, HintSource: reg.Host + "/test/app"})
 	if err != nil {
 		t.Fatal(err)
 	}

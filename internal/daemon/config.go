@@ -58,6 +58,12 @@ type Config struct {
 	Address string `toml:"address"`
 	// HostsDir is a containerd certs.d tree (hosts.toml per registry).
 	HostsDir string `toml:"hosts_dir"`
+	// HintSources lists the registry hosts ("registry.example.com") and
+	// repository prefixes ending in "/" that a layer's hint annotations
+	// may send the daemon to, with its credentials, when no client named
+	// the image (see registry.SourcePolicy). Unset means every registry
+	// with its own directory in HostsDir; an empty list allows none.
+	HintSources []string `toml:"hint_sources"`
 	// DockerConfig is a docker config.json for registry credentials;
 	// empty means $DOCKER_CONFIG/config.json or ~/.docker/config.json.
 	DockerConfig string `toml:"docker_config"`

@@ -3,6 +3,7 @@ package daemon
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 	"time"
 )
@@ -15,7 +16,12 @@ func TestLoadConfig(t *testing.T) {
 		want    func(Config) bool
 		wantErr bool
 	}{
-		{"empty file keeps defaults", "", func(c Config) bool { return c == DefaultConfig() }, false},
+		{"empty file keeps defaults", "", func(c Config) bool { return reflect.DeepEqual(c, DefaultConfig()) && c.HintSources == nil }, false},
+		{"hint sources", `hint_sources = ["registry.example", "other.example/envsnap/"]`, func(c Config) bool {
+			return reflect.DeepEqual(c.HintSources, []string{"registry.example", "other.example/envsnap/"})
+		}, false},
+		// Empty is not unset: it allows no source at all.
+		{"no hint sources", `hint_sources = []`, func(c Config) bool { return c.HintSources != nil && len(c.HintSources) == 0 }, false},
 		{"all fields", `
 root = "/srv/envsnap"
 address = "/run/x.sock"

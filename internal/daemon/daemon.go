@@ -151,6 +151,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Unpacked:        files,
 		UnpackedMinSize: int64(cfg.PassthroughMinSize),
 		Native:          copies,
+		Sources:         registry.SourcePolicy{Allowed: cfg.HintSources, HostsDir: cfg.HostsDir},
 	})
 	if err != nil {
 		return err

@@ -74,6 +74,8 @@ type options struct {
 	dirPrefix    string
 	registryNet  RegistryNetwork
 	envlet       *EnvletConfig
+	noLabels     bool
+	proxyName    string
 }
 
 // Option configures Start.
@@ -120,6 +122,27 @@ func WithEnvlet(c EnvletConfig) Option {
 	return func(o *options) { o.envlet = &c }
 }
 
+// WithoutSnapshotLabels runs containerd as it comes: CRI's
+// disable_snapshot_annotations at its default (true) and no
+// enable_remote_snapshot_annotations export for the envsnap proxy plugin,
+// so no pull path of containerd adds the remote-snapshot labels; only an
+// image's own hint annotations can make a pull lazy.
+func WithoutSnapshotLabels() Option {
+	return func(o *options) { o.noLabels = true }
+}
+
+// WithProxyName registers the envsnap daemon in containerd under name
+// instead of "envsnap" (its proxy plugin, the transfer service's unpack
+// entry and the envlet runtime's snapshotter), e.g. "stargz", the one name
+// for which BuildKit passes layer annotations to Prepare. ProxyName
+// reports it.
+func WithProxyName(name string) Option {
+	return func(o *options) { o.proxyName = name }
+}
+
+// ProxyName is the snapshotter name containerd knows the envsnap daemon by.
+func (e *Env) ProxyName() string { return e.opts.proxyName }
+
 // WithDirPrefix names the temporary directory (default "envsnap-e2e-").
 func WithDirPrefix(prefix string) Option {
 	return func(o *options) { o.dirPrefix = prefix }
@@ -149,7 +172,7 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 	if err := CheckMachine(); err != nil {
 		return nil, err
 	}
-	e := &Env{Logf: func(string, ...any) {}, opts: options{dirPrefix: "envsnap-e2e-"}}
+	e := &Env{Logf: func(string, ...any) {}, opts: options{dirPrefix: "envsnap-e2e-", proxyName: "envsnap"}}
 	for _, o := range opts {
 		o(&e.opts)
 	}
@@ -380,7 +403,7 @@ var probeCounter atomic.Int64
 // alone); a Prepare reaches the daemon. The probe snapshot is removed at
 // once, and from the daemon at containerd's next collection.
 func (e *Env) probeEnvsnap() error {
-	sn := e.Client.SnapshotService("envsnap")
+	sn := e.Client.SnapshotService(e.opts.proxyName)
 	ctx, cancel := context.WithTimeout(e.Context(), 5*time.Second)
 	defer cancel()
 	key := fmt.Sprintf("envsnap-devenv-probe-%d", probeCounter.Add(1))
@@ -457,6 +480,13 @@ func (e *Env) containerdConfig() string {
 		// Top-level keys must precede the first table.
 		imports = "imports = [" + strings.Join(quoted, ", ") + "]\n"
 	}
+	proxyExports := fmt.Sprintf(`
+    [proxy_plugins.%s.exports]
+      enable_remote_snapshot_annotations = "true"`, e.opts.proxyName)
+	criAnnotations := "\n    disable_snapshot_annotations = false"
+	if e.opts.noLabels {
+		proxyExports, criAnnotations = "", ""
+	}
 	return fmt.Sprintf(`version = 3
 root = %[1]q
 state = %[2]q
@@ -469,11 +499,9 @@ state = %[2]q
   level = "info"
 
 [proxy_plugins]
-  [proxy_plugins.envsnap]
+  [proxy_plugins.%[14]s]
     type = "snapshot"
-    address = %[5]q
-    [proxy_plugins.envsnap.exports]
-      enable_remote_snapshot_annotations = "true"
+    address = %[5]q%[12]s
 
 [plugins]
   [plugins."io.containerd.transfer.v1.local"]
@@ -483,15 +511,14 @@ state = %[2]q
       snapshotter = "overlayfs"
     [[plugins."io.containerd.transfer.v1.local".unpack_config]]
       platform = "linux/%[9]s"
-      snapshotter = "envsnap"
+      snapshotter = %[14]q
 
   [plugins."io.containerd.grpc.v1.cri"]
     stream_server_address = "127.0.0.1"
     stream_server_port = "0"
 
   [plugins."io.containerd.cri.v1.images"]
-    snapshotter = "overlayfs"
-    disable_snapshot_annotations = false
+    snapshotter = "overlayfs"%[13]s
     [plugins."io.containerd.cri.v1.images".pinned_images]
       sandbox = %[7]q
     [plugins."io.containerd.cri.v1.images".registry]
@@ -509,14 +536,14 @@ state = %[2]q
         runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.envlet]
         runtime_type = "io.containerd.envlet.v2"
-        snapshotter = "envsnap"
+        snapshotter = %[14]q
         # CRI copies only these pod/container annotations into the OCI
         # spec, where the shim reads its per-environment overrides.
         pod_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*"]
         container_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.kubernetes.container.terminationMessagePath"]
 %[10]s
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), e.Address, e.Address+".ttrpc",
-		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports)
+		e.SnapshotterSocket, e.HostsDir, e.PauseImage, filepath.Join(d, "cni"), runtime.GOARCH, e.opts.extraConfig, imports, proxyExports, criAnnotations, e.opts.proxyName)
 }
 
 // CRIEndpoint is the CRI socket (crictl --runtime-endpoint).

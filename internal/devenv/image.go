@@ -267,6 +267,12 @@ func encodeLayer(ctx context.Context, tb []byte, spec imageSpec) (LayerBlob, err
 			DiffID: res.DiffID, Data: blob.Bytes(), Result: res,
 		}, nil
 	}
+	return GzipLayer(tb)
+}
+
+// GzipLayer encodes an uncompressed layer tar as a tar+gzip layer, the way
+// most registries hold images.
+func GzipLayer(tb []byte) (LayerBlob, error) {
 	var gz bytes.Buffer
 	zw, _ := gzip.NewWriterLevel(&gz, gzip.BestSpeed)
 	if _, err := zw.Write(tb); err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/containerd/containerd/v2/core/remotes"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/pkg/archive/compression"
+	"github.com/containerd/containerd/v2/pkg/reference"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
@@ -184,6 +185,12 @@ func (p *Publisher) PublishLayers(ctx context.Context, ref string, layers []Laye
 		return nil, fmt.Errorf("publish %s: %w", ref, err)
 	}
 	res := &Result{Ref: ref}
+	// Every layer is pushed to ref's repository, so that is where the
+	// hints send a snapshotter.
+	spec, err := reference.Parse(ref)
+	if err != nil {
+		return nil, fmt.Errorf("publish %s: %w", ref, err)
+	}
 	var diffIDs []digest.Digest
 	for i, l := range layers {
 		if l.Desc.Annotations[layerfmt.AnnotationTOCDigest] == "" {
@@ -206,7 +213,9 @@ func (p *Publisher) PublishLayers(ctx context.Context, ref string, layers []Laye
 			}
 			fmt.Fprintf(p.Progress, "layer %d: %s %d bytes (%s)\n", i, l.Desc.Digest, l.Desc.Size, state)
 		}
-		res.Layers = append(res.Layers, l.Desc)
+		desc := l.Desc
+		desc.Annotations = layerfmt.WithHints(desc.Annotations, spec.Locator, desc.Digest, desc.Size)
+		res.Layers = append(res.Layers, desc)
 		diffIDs = append(diffIDs, l.DiffID)
 	}
 	platform := ocispec.Platform{OS: "linux", Architecture: runtime.GOARCH}

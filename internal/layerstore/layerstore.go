@@ -11,7 +11,10 @@
 // every fetch. Nothing unverified is ever served. The manifest and the TOC
 // are also kept in the node cache, where a restarted daemon finds them
 // without the registry (metadata.go); they are verified the same way when
-// loaded from there.
+// loaded from there. A layer found through its hint annotations has no
+// manifest digest: its TOC digest is the hinted one (from the manifest
+// containerd verified, as passed to Prepare), and its repository must be
+// one Config.Sources allows.
 package layerstore
 
 import (
@@ -20,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
@@ -37,6 +41,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
 	"github.com/envsnap/envsnap/internal/native"
+	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -107,6 +112,10 @@ type Config struct {
 	// layer once all its chunks are in the node cache; the snapshotter
 	// hands it to new containers instead of the FUSE mount (NativeDir).
 	Native *native.Store
+	// Sources decides which repositories layer hints may send the store
+	// to (layers named by snapshotter.LabelTOCDigest rather than a
+	// manifest digest). The zero value allows none.
+	Sources registry.SourcePolicy
 	// Keeper, when set, holds a duplicate of every mount's FUSE
 	// descriptor so the mounts survive a restart of this process (see
 	// Restore). May be nil: mounts then die with the process.
@@ -210,10 +219,6 @@ type opened struct {
 // the kernel) or containerd (the socket is not up yet) meanwhile.
 func (s *Store) open(ctx context.Context, labels map[string]string, bounded bool) (*opened, error) {
 	ref := labels[snapshotter.LabelImageRef]
-	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
-	if err != nil {
-		return nil, fmt.Errorf("manifest digest label: %w", err)
-	}
 	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
 	if err != nil {
 		return nil, fmt.Errorf("layer digest label: %w", err)
@@ -224,13 +229,17 @@ func (s *Store) open(ctx context.Context, labels map[string]string, bounded bool
 		defer cancel()
 	}
 
-	mf, err := s.manifest(ctx, ref, mdgst)
+	var (
+		desc  ocispec.Descriptor
+		mdgst digest.Digest
+	)
+	if _, hinted := labels[snapshotter.LabelTOCDigest]; hinted {
+		desc, err = s.hintedLayer(ref, ldgst, labels)
+	} else {
+		desc, mdgst, err = s.manifestLayer(ctx, ref, ldgst, labels)
+	}
 	if err != nil {
 		return nil, err
-	}
-	desc, ok := findLayer(mf, ldgst)
-	if !ok {
-		return nil, fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
 	}
 	tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
 	if err != nil {
@@ -327,7 +336,12 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	s.mounts[mountpoint] = m
 	s.mu.Unlock()
 	// Kept for a successor while mounted; see metadata.go.
-	s.cfg.Cache.Pin(metaPinOwner(mountpoint), []digest.Digest{o.manifest, o.tocDigest})
+	// A hinted layer has no manifest of its own (o.manifest is empty).
+	meta := []digest.Digest{o.tocDigest}
+	if o.manifest != "" {
+		meta = append(meta, o.manifest)
+	}
+	s.cfg.Cache.Pin(metaPinOwner(mountpoint), meta)
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
 }
@@ -373,6 +387,53 @@ func (s *Store) NativeDir(d digest.Digest) (string, bool) {
 		return "", false
 	}
 	return s.cfg.Native.Dir(d)
+}
+
+// manifestLayer is the descriptor of layer ldgst in the manifest the
+// labels name (the CRI labels' path): the manifest is verified against its
+// digest, so the TOC digest is the manifest's.
+func (s *Store) manifestLayer(ctx context.Context, ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, digest.Digest, error) {
+	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
+	if err != nil {
+		return ocispec.Descriptor{}, "", fmt.Errorf("manifest digest label: %w", err)
+	}
+	mf, err := s.manifest(ctx, ref, mdgst)
+	if err != nil {
+		return ocispec.Descriptor{}, "", err
+	}
+	desc, ok := findLayer(mf, ldgst)
+	if !ok {
+		return ocispec.Descriptor{}, "", fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
+	}
+	return desc, mdgst, nil
+}
+
+// hintedLayer is the descriptor the hint annotations of a layer describe
+// (snapshotter.LabelTOCDigest and LabelLayerSize; ref is the hinted
+// repository). Hints are the image's word alone: the repository must be
+// one Config.Sources allows (the daemon's credentials go there), and the
+// TOC read from the blob must match the hinted TOC digest, which then
+// vouches for every chunk, as the manifest's annotation does on the CRI
+// labels' path. A refused hint fails the mount; the snapshotter then
+// unpacks the layer normally.
+func (s *Store) hintedLayer(ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, error) {
+	if err := s.cfg.Sources.Check(ref); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: refusing its hint: %w: %w", ldgst, err, errdefs.ErrPermissionDenied)
+	}
+	toc, err := digest.Parse(labels[snapshotter.LabelTOCDigest])
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: TOC digest label: %w", ldgst, err)
+	}
+	size, err := strconv.ParseInt(labels[snapshotter.LabelLayerSize], 10, 64)
+	if err != nil || size <= 0 {
+		return ocispec.Descriptor{}, fmt.Errorf("layer %s: size label %q: %w", ldgst, labels[snapshotter.LabelLayerSize], errdefs.ErrInvalidArgument)
+	}
+	return ocispec.Descriptor{
+		MediaType:   layerfmt.MediaTypeLayer,
+		Digest:      ldgst,
+		Size:        size,
+		Annotations: map[string]string{layerfmt.AnnotationTOCDigest: toc.String()},
+	}, nil
 }
 
 // fetchAll fills layer completely before it is mounted (Config.Eager). A

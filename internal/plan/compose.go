@@ -21,6 +21,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/envsnap/envsnap/internal/group"
+	"github.com/envsnap/envsnap/layerfmt"
 )
 
 // Annotations on a composed image's manifest: its provenance.
@@ -269,7 +270,14 @@ func (img *Image) build() error {
 		for k, v := range gc.Labels {
 			labels[k] = v
 		}
+		// The group's repository holds every layer of the group: the hints
+		// send a snapshotter there, whatever an earlier publication wrote.
+		src, err := reference.Parse(g.Ref)
+		if err != nil {
+			return fmt.Errorf("group %s: %w", g.Ref, err)
+		}
 		for i, l := range g.Manifest.Layers {
+			l.Annotations = layerfmt.WithHints(l.Annotations, src.Locator, l.Digest, l.Size)
 			layers = append(layers, l)
 			img.LayerGroup = append(img.LayerGroup, gi)
 			cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, g.Config.RootFS.DiffIDs[i])

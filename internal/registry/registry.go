@@ -23,6 +23,7 @@ import (
 	"github.com/containerd/containerd/v2/core/remotes"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/core/remotes/docker/config"
+	"github.com/distribution/reference"
 )
 
 // DefaultHostsDir is where containerd's CRI plugin and ctr look for
@@ -190,4 +191,59 @@ func fromHelper(helper, server string) (string, string, error) {
 		return "", out.Secret, nil
 	}
 	return out.Username, out.Secret, nil
+}
+
+// SourcePolicy decides which repositories a node daemon may fetch from on
+// the word of an image alone: the hint annotations of a layer
+// (layerfmt.AnnotationHintSource) name a repository that no client vouched
+// for, and the daemon sends its own credentials there.
+type SourcePolicy struct {
+	// Allowed lists registry hosts ("registry.example.com",
+	// "127.0.0.1:5000") and repository prefixes ending in "/"
+	// ("registry.example.com/envsnap/"). Nil means every registry host
+	// with its own directory in HostsDir (as containerd names them:
+	// "host" or "host_port_"; "_default" does not count): the registries
+	// the node's operator configured. Empty (non-nil) allows none.
+	Allowed []string
+	// HostsDir is the certs.d tree the default reads.
+	HostsDir string
+}
+
+// ErrSourceNotAllowed is returned by SourcePolicy.Check for a source the
+// policy does not allow.
+var ErrSourceNotAllowed = errors.New("source not allowed")
+
+// Check returns nil if the policy allows fetching from source, a
+// repository "host/path".
+func (p SourcePolicy) Check(source string) error {
+	named, err := reference.ParseNamed(source)
+	if err != nil || !reference.IsNameOnly(named) {
+		return fmt.Errorf("source %q: not a canonical repository name (host/path): %w", source, ErrSourceNotAllowed)
+	}
+	host := reference.Domain(named)
+	if p.Allowed == nil {
+		if p.HostsDir != "" && host != "_default" {
+			for _, dir := range []string{hostDirectory(host), host} {
+				if st, err := os.Stat(filepath.Join(p.HostsDir, dir)); err == nil && st.IsDir() {
+					return nil
+				}
+			}
+		}
+		return fmt.Errorf("source %q: %s has no directory in the hosts dir %q: %w", source, host, p.HostsDir, ErrSourceNotAllowed)
+	}
+	for _, a := range p.Allowed {
+		if a == host || (strings.HasSuffix(a, "/") && strings.HasPrefix(source, a)) {
+			return nil
+		}
+	}
+	return fmt.Errorf("source %q: not in the allowed sources %q: %w", source, p.Allowed, ErrSourceNotAllowed)
+}
+
+// hostDirectory is how containerd names the certs.d directory of a host
+// with a port ("host:5000" -> "host_5000_").
+func hostDirectory(host string) string {
+	if i := strings.LastIndex(host, ":"); i > 0 {
+		return host[:i] + "_" + host[i+1:] + "_"
+	}
+	return host
 }

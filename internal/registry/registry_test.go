@@ -2,8 +2,10 @@ package registry
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -62,5 +64,40 @@ func TestConfigureHostsPlainHTTP(t *testing.T) {
 	}
 	if _, err := NewResolver(ctx, Options{HostsDir: hostsDir}); err != nil {
 		t.Error(err)
+	}
+}
+
+func TestSourcePolicy(t *testing.T) {
+	dir := t.TempDir()
+	for _, d := range []string{"configured.example", "127.0.0.1_5000_", "_default"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		allowed []string
+		source  string
+		ok      bool
+	}{
+		{nil, "configured.example/envsnap/base", true},
+		{nil, "127.0.0.1:5000/envsnap/base", true},
+		{nil, "other.example/envsnap/base", false},
+		{nil, "_default/x", false},
+		{nil, "configured.example/envsnap/base:tag", false},
+		{nil, "configured.example/envsnap/base@sha256:" + strings.Repeat("a", 64), false},
+		{nil, "../etc/x", false},
+		{nil, "base", false},
+		{nil, "", false},
+		{[]string{}, "configured.example/envsnap/base", false},
+		{[]string{"other.example"}, "other.example/a/b", true},
+		{[]string{"other.example"}, "configured.example/a", false},
+		{[]string{"other.example/envsnap/"}, "other.example/envsnap/base", true},
+		{[]string{"other.example/envsnap/"}, "other.example/envsnapper/base", false},
+		{[]string{"other.example/envsnap/"}, "other.example/evil/base", false},
+	} {
+		err := SourcePolicy{Allowed: tc.allowed, HostsDir: dir}.Check(tc.source)
+		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrSourceNotAllowed)) {
+			t.Errorf("allowed %q, source %q: %v, want ok=%v", tc.allowed, tc.source, err, tc.ok)
+		}
 	}
 }
