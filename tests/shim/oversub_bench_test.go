@@ -67,6 +67,7 @@ func (s *suite) runMix(b *testing.B, mix []rlEnv, tiers bool) rlResult {
 	running := 0
 	start := time.Now()
 	lastDone := start
+	var lastRefusal error
 	for len(pending) > 0 || running > 0 {
 		for len(pending) > 0 {
 			e := pending[0]
@@ -85,6 +86,7 @@ func (s *suite) runMix(b *testing.B, mix []rlEnv, tiers bool) rlResult {
 					b.Fatalf("start %s: %v", e.kind, err)
 				}
 				tried[idx[0]] = true
+				lastRefusal = err
 				break
 			}
 			if !tried[idx[0]] {
@@ -105,7 +107,7 @@ func (s *suite) runMix(b *testing.B, mix []rlEnv, tiers bool) rlResult {
 		if running == 0 {
 			// The last one's grant is released just after its exit.
 			if time.Since(lastDone) > 30*time.Second {
-				b.Fatalf("nothing running and %d refused for 30 s: the node admits none", len(pending))
+				b.Fatalf("nothing running and %d refused for 30 s: the node admits none; last refusal: %v\n%s", len(pending), lastRefusal, s.envsnap(b, "envs", "--all"))
 			}
 			time.Sleep(100 * time.Millisecond)
 			continue
