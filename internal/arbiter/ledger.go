@@ -159,9 +159,25 @@ const ledgerUseEvery = time.Second
 // confirmLocked marks env as heard from after a restore.
 func (s *Server) confirmLocked(env string) { delete(s.restored, env) }
 
+// DefaultStaleAfter is how long a live environment may go without a call
+// from its shim before the arbiter returns its grant. Shims report every
+// second; a Release lost to a timeout (the shim gives up on an unreachable
+// arbiter and forgets the environment) would otherwise hold the node's
+// capacity forever. A live shim that was merely silent gets NotFound at
+// its next report and re-registers.
+const DefaultStaleAfter = 30 * time.Second
+
 // expireLocked releases restored environments whose shim stayed silent
-// for the grace period.
+// for the grace period, and live ones silent for DefaultStaleAfter.
 func (s *Server) expireLocked(ctx context.Context, now time.Time) {
+	for env, rec := range s.envs {
+		if _, restored := s.restored[env]; restored || now.Sub(rec.info.Updated) < s.stale {
+			continue
+		}
+		log.G(ctx).WithField("env", env).WithField("silent", now.Sub(rec.info.Updated).Round(time.Second)).
+			Warn("arbiter: no word from the environment's shim; releasing its grant")
+		s.endLocked(ctx, env, "no report from its shim")
+	}
 	for env, deadline := range s.restored {
 		if now.Before(deadline) {
 			continue

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/errdefs"
+
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
@@ -128,5 +130,26 @@ func TestLedgerCorrupt(t *testing.T) {
 	}
 	if len(s.arb.Leases()) != 0 {
 		t.Fatal("leases from a corrupt ledger")
+	}
+}
+
+// A live environment whose shim goes silent (its Release lost) gives its
+// grant back after the stale period; a report afterwards is NotFound, which
+// makes a live shim re-register.
+func TestStaleLeaseExpires(t *testing.T) {
+	ctx := context.Background()
+	s := NewServer(byRequest(envlet.Resources{CPU: 2, Memory: 2 * gib}))
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "lost", Base: Resources{CPU: 2, Memory: gib}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "next", Base: Resources{CPU: 1, Memory: gib}}); err == nil {
+		t.Fatal("admitted beyond the node while lost holds it")
+	}
+	s.stale = 0
+	if _, err := s.admit(ctx, &AdmitRequest{Env: "next", Base: Resources{CPU: 1, Memory: gib}}); err != nil {
+		t.Fatalf("lost's stale grant still held: %v", err)
+	}
+	if _, err := s.report(ctx, &ReportRequest{Env: "lost"}); !errdefs.IsNotFound(err) {
+		t.Fatalf("report of an expired env: %v, want NotFound", err)
 	}
 }

@@ -57,6 +57,7 @@ type Server struct {
 	ledgerAt      time.Time
 	restored      map[string]time.Time
 	grace         time.Duration
+	stale         time.Duration // DefaultStaleAfter
 }
 
 type record struct {
@@ -76,6 +77,7 @@ func NewServer(arb *envlet.NodeArbiter) *Server {
 		rejects:  make(map[string]float64),
 		restored: make(map[string]time.Time),
 		grace:    DefaultLedgerGrace,
+		stale:    DefaultStaleAfter,
 	}
 }
 
@@ -165,6 +167,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 	// An Admit for a known env is a retry or a re-registration: idempotent,
 	// but it restores the grant the shim says it holds.
 	rec.info.Owner = r.Owner
+	rec.info.Updated = time.Now()
 	if r.Current != nil && (r.Current.CPU > rec.info.Current.CPU || r.Current.Memory > rec.info.Current.Memory) {
 		got, err := s.arb.Grow(ctx, r.Env, fromWire(*r.Current))
 		if err != nil {

@@ -118,7 +118,8 @@ func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) {
 //   - Report: when the counted memory use passes capacity x (1 - reserve
 //     / 2), promised memory is really needed and the node cannot supply it:
 //     the victim policy chooses whom to fail until it is back under, and
-//     their next Report answers *EvictionError.
+//     their next Report answers *EvictionError. A victim not told yet is
+//     spared when the excess goes away first.
 type NodeArbiter struct {
 	mu         sync.Mutex
 	capacity   Resources
@@ -128,6 +129,7 @@ type NodeArbiter struct {
 	now        func() time.Time
 	leases     map[string]*Lease
 	evict      map[string]string // env -> why
+	told       map[string]bool   // evicted envs whose Report said so
 }
 
 // Lease is what the arbiter holds for one environment.
@@ -145,7 +147,7 @@ type Lease struct {
 // keeping reserve (0..1, DefaultReserve) free of use.
 func NewNodeArbiter(capacity Resources, reserve float64, opts ...NodeOpt) *NodeArbiter {
 	a := &NodeArbiter{capacity: capacity, reserve: min(max(reserve, 0), 1), overcommit: DefaultOvercommit,
-		victims: DefaultVictimPolicy, now: time.Now, leases: map[string]*Lease{}, evict: map[string]string{}}
+		victims: DefaultVictimPolicy, now: time.Now, leases: map[string]*Lease{}, evict: map[string]string{}, told: map[string]bool{}}
 	for _, o := range opts {
 		o(a)
 	}
@@ -353,6 +355,7 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 	}
 	a.chooseVictims()
 	if why, ok := a.evict[env]; ok {
+		a.told[env] = true
 		return l.Grant, &EvictionError{Message: why}
 	}
 	return l.Grant, nil
@@ -363,6 +366,13 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 // node cannot supply more. Marked ones still count until released.
 func (a *NodeArbiter) chooseVictims() {
 	line := int64(float64(a.capacity.Memory) * (1 - a.reserve/2))
+	// A victim not told yet is chosen again from scratch: the excess may
+	// have gone (a release, a lower report) and then nobody needs to fail.
+	for id := range a.evict {
+		if !a.told[id] {
+			delete(a.evict, id)
+		}
+	}
 	var used, freeing int64
 	cands := make([]Candidate, 0, len(a.leases))
 	for id, l := range a.leases {
@@ -397,5 +407,6 @@ func (a *NodeArbiter) Release(ctx context.Context, env string) error {
 	defer a.mu.Unlock()
 	delete(a.leases, env)
 	delete(a.evict, env)
+	delete(a.told, env)
 	return nil
 }

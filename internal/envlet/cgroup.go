@@ -100,6 +100,12 @@ func (c *v2Cgroup) SetTier(w CPUWeights) error {
 	return nil
 }
 
+// reclaimer is implemented by cgroups that reclaim on request (v2
+// memory.reclaim).
+type reclaimer interface {
+	Reclaim(bytes int64) error
+}
+
 // freezer is implemented by cgroups that can stop every task (v2
 // cgroup.freeze).
 type freezer interface {

@@ -38,6 +38,12 @@ type Config struct {
 	// the limit) for IdleAfter. Kernel events wake the loop in between.
 	SamplePeriod, IdlePeriod, IdleAfter time.Duration
 	IdleUtil                            float64
+	// IdleReclaimAfter: once idle for this long (after IdleAfter), the
+	// memory limit is halved every idle period towards MemMinHeadroom x
+	// the working set, below the base if need be (v2 also writes
+	// memory.reclaim first), so idle environments give memory back to the
+	// node. 0 disables it.
+	IdleReclaimAfter time.Duration
 
 	// CPU grows x2 when usage >= CPUGrowUtil of the quota or the throttled
 	// share of the tick >= CPUGrowThrottled, x4 when throttled >=
@@ -101,6 +107,7 @@ func DefaultConfig() Config {
 		IdlePeriod:        time.Second,
 		IdleAfter:         5 * time.Second,
 		IdleUtil:          0.05,
+		IdleReclaimAfter:  30 * time.Second,
 		CPUGrowUtil:       0.85,
 		CPUGrowThrottled:  0.10,
 		CPUGrow4Throttled: 0.80,
@@ -209,6 +216,14 @@ var knobs = []knob{
 	{"idle-period", durKnob(func(c *Config) *time.Duration { return &c.IdlePeriod })},
 	{"idle-after", durKnob(func(c *Config) *time.Duration { return &c.IdleAfter })},
 	{"idle-util", fracKnob(func(c *Config) *float64 { return &c.IdleUtil })},
+	{"idle-reclaim-after", func(c *Config, v string) error {
+		d, err := time.ParseDuration(v)
+		if err == nil && d < 0 {
+			err = fmt.Errorf("must not be negative")
+		}
+		c.IdleReclaimAfter = d
+		return err
+	}},
 	{"cpu-grow-util", fracKnob(func(c *Config) *float64 { return &c.CPUGrowUtil })},
 	{"cpu-grow-throttled", fracKnob(func(c *Config) *float64 { return &c.CPUGrowThrottled })},
 	{"cpu-grow4-throttled", fracKnob(func(c *Config) *float64 { return &c.CPUGrow4Throttled })},

@@ -489,12 +489,23 @@ func (c *Controller) hold(ctx context.Context, on bool) {
 // memory where it was ("not now"; the next low window retries).
 func (c *Controller) apply(ctx context.Context, next Resources, d *Decision, acts []string) ([]string, error) {
 	old := c.st.Limit
+	if r, ok := c.cg.(reclaimer); ok && d != nil && d.Mem.Idle && c.cur.MemUsage > next.Memory {
+		// Push the reclaimable memory out proactively rather than through
+		// memory.high throttling.
+		if err := r.Reclaim(c.cur.MemUsage - next.Memory); err != nil && !errors.Is(err, ErrBusy) {
+			c.logger(ctx).WithError(err).Debug("envlet: memory.reclaim")
+		}
+	}
 	err := c.cg.Apply(next)
 	switch {
 	case err == nil:
 	case errors.Is(err, ErrBusy):
 		next.Memory = old.Memory
-		acts = append(acts, "mem busy")
+		if d != nil && d.Mem.Idle {
+			acts = append(acts, "mem idle busy")
+		} else {
+			acts = append(acts, "mem busy")
+		}
 		c.mu.Lock()
 		c.status.Busy++
 		c.mu.Unlock()
@@ -522,6 +533,9 @@ func (c *Controller) apply(ctx context.Context, next Resources, d *Decision, act
 	case next.Memory > old.Memory:
 		c.status.MemGrows++
 		acts = append(acts, fmt.Sprintf("mem x%d", max(d.Mem.Factor, 1)))
+	case next.Memory < old.Memory && d.Mem.Idle:
+		c.status.MemShrinks++
+		acts = append(acts, "mem idle")
 	case next.Memory < old.Memory:
 		c.status.MemShrinks++
 		acts = append(acts, "mem /2")

@@ -59,6 +59,9 @@ type MemChange struct {
 	Kind     ChangeKind
 	Factor   int
 	To, Want int64
+	// Idle: a shrink of an idle environment towards its working set,
+	// below the base if need be (Config.IdleReclaimAfter).
+	Idle bool
 }
 
 // Decision is the outcome of Decide.
@@ -84,6 +87,8 @@ type State struct {
 
 	idleSince time.Time
 	Idle      bool // sampled at the idle period
+
+	cpuIdleSince time.Time // CPU under IdleUtil continuously since
 
 	// waitSince: memory denied for want of an arbiter answer while the
 	// group is under pressure at its limit, continuously since. Waiting
@@ -199,8 +204,36 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 	} else {
 		s.idleSince, s.Idle = time.Time{}, false
 	}
+
+	// Idle memory back to the node: an environment whose CPU has been
+	// idle for IdleAfter + IdleReclaimAfter gives back what its working
+	// set does not use, in halvings (one per tick, i.e. per idle period),
+	// below its base if need be, but never so far that the working set
+	// reaches 90% of the grow threshold: a reclaim must not trigger a grow.
+	// The grow path brings it back: the arbiter grants up to the base at
+	// once.
+	if o.CPUValid && s.Limit.CPU > 0 && o.CPUUsed/s.Limit.CPU < cfg.IdleUtil {
+		if s.cpuIdleSince.IsZero() {
+			s.cpuIdleSince = now
+		}
+	} else {
+		s.cpuIdleSince = time.Time{}
+	}
+	if cfg.IdleReclaimAfter > 0 && !s.cpuIdleSince.IsZero() && d.Mem.Kind == Keep && lim > 0 &&
+		now.Sub(s.cpuIdleSince) >= cfg.IdleAfter+cfg.IdleReclaimAfter {
+		floor := int64(math.Ceil(float64(o.WS) / (0.9 * cfg.MemGrowWS)))
+		to := max(lim/2, floor, p.memFloor(o.WS), IdleReclaimFloor)
+		if to < lim {
+			d.Mem = MemChange{Kind: Shrink, To: to, Want: to, Idle: true}
+		}
+	}
 	return s, d
 }
+
+// IdleReclaimFloor is the lowest memory limit idle reclaim sets: a few
+// pages of a sleeping shell and its runtime, so waking up never starts
+// from a limit the first page faults already exceed.
+const IdleReclaimFloor = 32 * MiB
 
 // memFloor is the lowest memory limit ever set for a working set.
 func (p *Policy) memFloor(ws int64) int64 {

@@ -1,6 +1,11 @@
 package cgroupfs
 
-import "path/filepath"
+import (
+	"errors"
+	"path/filepath"
+	"strconv"
+	"syscall"
+)
 
 // Freeze stops (true) or resumes every task of the cgroup through
 // cgroup.freeze. The controller freezes a task stuck at its memory limit
@@ -17,3 +22,14 @@ func (c *V2) Freeze(on bool) error {
 
 // dir is the cgroup's directory.
 func (c *V2) dir() string { return filepath.Dir(c.cpuMax.path) }
+
+// Reclaim asks the kernel to reclaim bytes from the cgroup
+// (memory.reclaim, kernel >= 5.19). The kernel answers EAGAIN when it
+// could not reclaim that much; that is reported as ErrBusy: not now.
+func (c *V2) Reclaim(bytes int64) error {
+	err := writeControl(filepath.Join(c.dir(), "memory.reclaim"), strconv.FormatInt(bytes, 10))
+	if errors.Is(err, syscall.EAGAIN) {
+		return errors.Join(ErrBusy, err)
+	}
+	return err
+}

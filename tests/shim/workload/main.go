@@ -17,7 +17,7 @@ import (
 )
 
 func main() {
-	mode := flag.String("mode", "cpu", "cpu | mem | ramp | respawn | burst | bench | idle")
+	mode := flag.String("mode", "cpu", "cpu | mem | ramp | cache | respawn | burst | bench | idle")
 	threads := flag.Int("threads", 1, "busy threads (cpu: before the jump; burst, bench)")
 	threads2 := flag.Int("threads2", 8, "busy threads after the jump (cpu)")
 	jump := flag.Duration("jump", 2*time.Second, "when the jump happens (cpu)")
@@ -59,6 +59,30 @@ func main() {
 			regions = append(regions, allocate(*step, *step, *step)...)
 		}
 		stamp("allocated")
+		time.Sleep(*hold)
+		free(regions)
+	case "cache":
+		// An agent that built something and now waits on the model: some
+		// anonymous memory plus a file it wrote (page cache) it will not
+		// read again soon.
+		regions := allocate(*from, *from, *from)
+		f, err := os.Create("/cache.bin")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		buf := make([]byte, 1<<20)
+		for i := range buf {
+			buf[i] = byte(i)
+		}
+		for range *to {
+			if _, err := f.Write(buf); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				os.Exit(1)
+			}
+		}
+		f.Close()
+		stamp("cached")
 		time.Sleep(*hold)
 		free(regions)
 	case "respawn":
