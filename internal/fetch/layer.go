@@ -46,6 +46,7 @@ type Layer struct {
 	prefetched  atomic.Int32 // last span index handed to chunkcache.Prefetch
 	lastHit     atomic.Int32 // span index of the last read from the cache
 	lastFullLog atomic.Int64
+	seq         seqTable
 
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
@@ -74,6 +75,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		readTimeout:  DefaultReadTimeout,
 		fill:         true,
 		readAhead:    DefaultReadAhead,
+		seqReadAhead: DefaultSequentialReadAhead,
 		maxGap:       DefaultMaxGap,
 		fillBatch:    DefaultFillBatch,
 		fillParallel: DefaultFillParallel,
@@ -219,6 +221,9 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	l.flights.noteRead()
 	l.noteFootprint(c.FrameIndex)
+	if j := l.find(c); j >= 0 {
+		l.sequential(j)
+	}
 	if frame, ok := l.frames.get(c.Digest); ok && int64(len(frame)) == c.FrameSize &&
 		c.FrameOffset >= 0 && c.Size > 0 && c.FrameOffset+c.Size <= c.FrameSize {
 		// Verified when it was decoded; copied so no caller can alter

@@ -14,6 +14,14 @@ const (
 	// foreground miss fetches in the same request: 1 MiB costs ~8 ms at
 	// 1 Gbit/s, less than half a round trip.
 	DefaultReadAhead = 1 << 20
+	// DefaultSequentialReadAhead caps the window of a file read
+	// sequentially (see Layer.sequential): windows double from
+	// 2*DefaultReadAhead up to it, each fetched before the reader needs
+	// it, so a reader of a large file (an executable's page faults, a
+	// linker) meets the network once per window instead of once per
+	// miss. At most about two windows past where the reader stops are
+	// fetched for nothing.
+	DefaultSequentialReadAhead = 4 << 20
 	// DefaultMaxGap is the largest hole (bytes of no chunk we want: tar
 	// headers, cached chunks are never bridged) coalesced into one request.
 	DefaultMaxGap = 256 << 10
@@ -48,6 +56,7 @@ type layerOptions struct {
 	fill         bool
 	metrics      *Metrics
 	readAhead    int64
+	seqReadAhead int64
 	maxGap       int64
 	fillBatch    int64
 	fillParallel int
@@ -85,6 +94,12 @@ func WithMetrics(m *Metrics) LayerOption { return func(o *layerOptions) { o.metr
 // WithReadAhead sets the compressed bytes of following chunks fetched with a
 // foreground miss (default DefaultReadAhead; 0 disables read-ahead).
 func WithReadAhead(n int64) LayerOption { return func(o *layerOptions) { o.readAhead = n } }
+
+// WithSequentialReadAhead caps the windows fetched ahead of a file read
+// sequentially (default DefaultSequentialReadAhead; 0 disables them).
+func WithSequentialReadAhead(n int64) LayerOption {
+	return func(o *layerOptions) { o.seqReadAhead = n }
+}
 
 // WithMaxGap sets the largest hole coalesced into one foreground request
 // (default DefaultMaxGap).
