@@ -41,6 +41,7 @@ type Flights struct {
 	lastMount   atomic.Int64 // unix ns of the latest yielding Layer's creation
 	lastOp      atomic.Int64 // unix ns of the latest NoteActivity
 	lastRead    atomic.Int64 // unix ns of the latest ReadChunk
+	lastForced  atomic.Int64 // unix ns of the latest batch sent past MaxPause
 
 	gate prefetchGate
 }
@@ -90,6 +91,7 @@ func (f *Flights) foreground() Foreground {
 		LastMount:   at(&f.lastMount),
 		LastOp:      at(&f.lastOp),
 		LastRead:    at(&f.lastRead),
+		LastForced:  at(&f.lastForced),
 	}
 }
 
@@ -99,9 +101,22 @@ func (f *Flights) yieldFill(ctx context.Context, w int) error {
 	held := time.Now()
 	for {
 		now := time.Now()
-		d := f.fillPolicy.Decide(now, f.foreground(), w, held)
-		if d.Send() {
+		fg := f.foreground()
+		d := f.fillPolicy.Decide(now, fg, w, held)
+		if d.Send() && !d.Forced {
 			return ctx.Err()
+		}
+		if d.Send() {
+			// One forced batch per MaxPause node-wide: the first
+			// worker to claim it sends, the others look again.
+			var seen int64
+			if !fg.LastForced.IsZero() {
+				seen = fg.LastForced.UnixNano()
+			}
+			if f.lastForced.CompareAndSwap(seen, now.UnixNano()) {
+				return ctx.Err()
+			}
+			continue
 		}
 		t := time.NewTimer(max(d.Until.Sub(now), time.Millisecond))
 		select {

@@ -33,7 +33,11 @@ type FillPolicy struct {
 	// read queues behind at most one batch and one core stays with it.
 	Calm time.Duration
 	// MaxPause: the first worker, held back this long, sends one batch
-	// anyway, so a workload that misses steadily cannot starve the fill.
+	// anyway, so a workload that misses steadily cannot starve the fill;
+	// node-wide at most one such batch per MaxPause, whichever layer it
+	// belongs to: with 8 environments starting at once, a dozen layers
+	// each forcing a batch every MaxPause would be a fill running at
+	// full speed through the starts.
 	MaxPause time.Duration
 	// Poll is how often a fill held back by a count (a read waiting, a
 	// prefetch running) looks again; a fill held back by a time looks
@@ -62,6 +66,7 @@ type Foreground struct {
 	LastMount   time.Time // creation of the latest yielding Layer
 	LastOp      time.Time // latest file-system operation (Layer.NoteActivity)
 	LastRead    time.Time // latest Layer.ReadChunk
+	LastForced  time.Time // latest batch sent past MaxPause, node-wide
 }
 
 // FillHold is why a fill batch waits (FillSend: it does not).
@@ -82,10 +87,12 @@ func (h FillHold) String() string {
 }
 
 // FillDecision is the outcome of Decide: send now, or hold and look again
-// at Until (foreground activity can only push that later).
+// at Until (foreground activity can only push that later). Forced marks a
+// send past MaxPause despite foreground work.
 type FillDecision struct {
-	Hold  FillHold
-	Until time.Time
+	Hold   FillHold
+	Until  time.Time
+	Forced bool
 }
 
 // Send reports whether the batch may go out now.
@@ -126,9 +133,13 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 		if hold == FillSend {
 			return FillDecision{}
 		}
-		pause := heldSince.Add(p.MaxPause)
+		pause := heldSince
+		if fg.LastForced.After(pause) {
+			pause = fg.LastForced
+		}
+		pause = pause.Add(p.MaxPause)
 		if !now.Before(pause) {
-			return FillDecision{}
+			return FillDecision{Forced: true}
 		}
 		return FillDecision{Hold: hold, Until: minTime(until, pause)}
 	}

@@ -40,6 +40,9 @@ func TestFillPolicyDecide(t *testing.T) {
 		{name: "file system in use long after the mounts", fg: Foreground{LastWait: ago(long), LastMount: ago(2 * p.Startup), LastOp: now, LastRead: ago(long)}},
 		{name: "busy but held too long", fg: Foreground{Waiting: 1, LastWait: now, LastMount: now, LastRead: now}, held: p.MaxPause,
 			workerN: HoldWaiting},
+		{name: "held too long, but another layer forced a batch lately", held: p.MaxPause,
+			fg:      Foreground{Waiting: 1, LastWait: now, LastMount: now, LastRead: now, LastForced: ago(p.MaxPause / 2)},
+			worker0: HoldWaiting, workerN: HoldWaiting},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if got := p.Decide(now, tt.fg, 0, ago(tt.held)); got.Hold != tt.worker0 {
@@ -100,6 +103,9 @@ func replayFill(t *testing.T, p FillPolicy, w int, events []fgEvent, batch, end 
 			out = append(out, fmt.Sprintf("t=%d %v", now.Milliseconds(), d.Hold))
 		}
 		last = d.Hold
+		if d.Forced {
+			fg.LastForced = t0.Add(now)
+		}
 		if d.Send() {
 			now += batch
 			held = now
