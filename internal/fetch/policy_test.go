@@ -1,6 +1,7 @@
 package fetch
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"testing"
@@ -174,5 +175,32 @@ func TestFillPolicyTraces(t *testing.T) {
 				t.Errorf("decisions:\n got %q\nwant %q", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestForcedBatchNodeWide: two layers' fills held back by a read stuck on
+// the network get one forced batch per MaxPause between them, not one
+// each.
+func TestForcedBatchNodeWide(t *testing.T) {
+	p := DefaultFillPolicy()
+	p.MaxPause, p.Poll = 300*time.Millisecond, 5*time.Millisecond
+	f := NewFlights(WithFillPolicy(p))
+	f.waiting.Store(1) // a read waits on the network for the whole test
+	start := time.Now()
+	got := make(chan time.Duration, 2)
+	for range 2 {
+		go func() {
+			if err := f.yieldFill(context.Background(), 0); err != nil {
+				t.Error(err)
+			}
+			got <- time.Since(start)
+		}()
+	}
+	first, second := <-got, <-got
+	if first < p.MaxPause {
+		t.Errorf("first forced batch after %v, before MaxPause %v", first, p.MaxPause)
+	}
+	if second-first < p.MaxPause-p.Poll {
+		t.Errorf("forced batches %v and %v apart; want at least MaxPause %v between them", first, second, p.MaxPause)
 	}
 }
