@@ -221,8 +221,10 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	l.flights.noteRead()
 	l.noteFootprint(c.FrameIndex)
-	if j := l.find(c); j >= 0 {
-		l.sequential(j)
+	if l.o.seqReadAhead > 0 {
+		if j := l.find(c); j >= 0 {
+			l.sequential(j)
+		}
 	}
 	if frame, ok := l.frames.get(c.Digest); ok && int64(len(frame)) == c.FrameSize &&
 		c.FrameOffset >= 0 && c.Size > 0 && c.FrameOffset+c.Size <= c.FrameSize {
