@@ -12,8 +12,8 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -32,14 +32,19 @@ import (
 
 // Config is what one benchmark run measures.
 type Config struct {
-	Tasks      string        // workload task list
-	Envs       int           // environments per system and phase (envsnap, overlayfs)
-	AuxEnvs    int           // the same for envsnap-nofill and envsnap-eager
-	Concurrent int           // environments started at once
-	RTT        time.Duration // registry round trip added by the proxy
-	Rate       int64         // registry link rate, bits/s
-	Systems    []string      // subset of AllSystems
-	Timeout    time.Duration // per episode
+	Tasks      string // workload task list
+	Envs       int    // environments per system and phase (envsnap, overlayfs)
+	AuxEnvs    int    // the same for envsnap-nofill and envsnap-eager
+	Concurrent int    // environments started at once
+	// IterationEnvs environments (distinct tasks, shared groups) run
+	// IterationConcurrent at a time from an empty node: one RL
+	// iteration (runIteration). Zero skips the scenario.
+	IterationEnvs       int
+	IterationConcurrent int
+	RTT                 time.Duration // registry round trip added by the proxy
+	Rate                int64         // registry link rate, bits/s
+	Systems             []string      // subset of AllSystems
+	Timeout             time.Duration // per episode
 	// NoPrefetch skips recording footprints and attaching them to the
 	// shared groups before the runs (recordPrefetch).
 	NoPrefetch bool
@@ -89,12 +94,29 @@ type Report struct {
 	GroupSize map[string]int64              `json:"group_bytes"` // kind -> layer bytes (one env)
 	Runs      []Run                         `json:"runs"`
 	Summary   map[string]map[string]Summary `json:"summary"` // system/phase -> measure -> summary
-	Headline  Headline                      `json:"headline"`
-	Notes     []string                      `json:"notes"`
+	// Iterations: system -> the iteration scenario's outcome.
+	Iterations map[string]Iteration `json:"iterations,omitempty"`
+	Headline   Headline             `json:"headline"`
+	Notes      []string             `json:"notes"`
+}
+
+// Iteration is one system's run of the iteration scenario: an empty node,
+// then Envs environments, Concurrent at a time.
+type Iteration struct {
+	Envs          int           `json:"envs"`
+	Concurrent    int           `json:"concurrent"`
+	Makespan      time.Duration `json:"makespan_ns"` // first pull to last episode's end
+	Episode       Summary       `json:"episode_s"`   // per environment, pull to evaluator
+	Ready         Summary       `json:"ready_s"`
+	RegistryBytes int64         `json:"registry_bytes"` // every blob byte of the iteration
+	Failed        int           `json:"failed"`
 }
 
 // Headline ratios (median, cold).
 type Headline struct {
+	// IterationRatio: envsnap makespan / overlayfs makespan of the
+	// iteration scenario.
+	IterationRatio float64 `json:"iteration_ratio,omitempty"`
 	InitRatio      float64 `json:"init_ratio"`       // envsnap ready / overlayfs ready
 	EpisodeRatio   float64 `json:"episode_ratio"`    // envsnap episode / overlayfs episode
 	PulledPerRead  float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
@@ -108,29 +130,6 @@ type env struct {
 	image *plan.Image
 }
 
-// shapedNet runs the registry in the link's namespace behind a latency proxy.
-type shapedNet struct {
-	ctx  context.Context
-	link *netshape.Link
-	rtt  time.Duration
-	desc string
-}
-
-const registryPort = 5000
-
-func (n *shapedNet) Command(bin string, args ...string) *exec.Cmd {
-	return n.link.Command(n.ctx, bin, args...)
-}
-func (n *shapedNet) ListenAddr() string { return fmt.Sprintf("%s:%d", n.link.NSAddr, registryPort) }
-func (n *shapedNet) Front(string) (string, io.Closer, error) {
-	p, desc, err := n.link.Proxy(n.ctx, registryPort, n.rtt)
-	if err != nil {
-		return "", nil, err
-	}
-	n.desc = desc
-	return p.Addr(), p, nil
-}
-
 func (c *Config) logf(format string, args ...any) {
 	if c.Log != nil {
 		fmt.Fprintf(c.Log, format+"\n", args...)
@@ -139,7 +138,8 @@ func (c *Config) logf(format string, args ...any) {
 
 // Measure runs the benchmark.
 func Measure(ctx context.Context, cfg Config) (*Report, error) {
-	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{}}
+	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{},
+		Iterations: map[string]Iteration{}}
 	rep.Machine = machine()
 	w, err := episode.LoadWorkload(cfg.Tasks)
 	if err != nil {
@@ -152,15 +152,17 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, fmt.Errorf("shaped link: %w", err)
 	}
 	defer link.Close(context.Background())
-	net := &shapedNet{ctx: ctx, link: link, rtt: cfg.RTT}
+	net := netshape.NewRegistryNet(ctx, link, cfg.RTT)
 	metricsAddr := "127.0.0.1:19166"
+	// Every system runs its environments under the envlet shim, the
+	// runtime envsnap ships with (Runtime in system).
 	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
-		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"))
+		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}))
 	if err != nil {
 		return nil, err
 	}
 	defer denv.Close()
-	rep.Link = net.desc
+	rep.Link = net.Describe()
 
 	cfg.logf("publishing groups through the shaped link")
 	tasks := w.Tasks
@@ -186,10 +188,12 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		rep.Notes = append(rep.Notes, note)
 	}
-	envs, err := composeEnvs(ctx, denv.Hosts(), denv.Registry.Host, pub, tasks, cfg.Envs)
+	envs, err := composeEnvs(ctx, denv.Hosts(), denv.Registry.Host, pub, tasks, max(cfg.Envs, cfg.IterationEnvs))
 	if err != nil {
 		return nil, err
 	}
+	iterEnvs := envs[:min(cfg.IterationEnvs, len(envs))]
+	envs = envs[:min(cfg.Envs, len(envs))]
 	for _, e := range envs {
 		rep.Images[e.name] = episode.ImageSize(e.image)
 	}
@@ -200,6 +204,26 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	systems := cfg.Systems
 	if len(systems) == 0 {
 		systems = AllSystems
+	}
+	// The iteration first: it is the headline, and a run cut short
+	// should still have it.
+	if len(iterEnvs) > 0 {
+		for _, sys := range []string{Overlayfs, Envsnap} {
+			if !slices.Contains(systems, sys) {
+				continue
+			}
+			if err := b.useSystem(sys); err != nil {
+				return nil, fmt.Errorf("iteration on %s: %w", sys, err)
+			}
+			it, rs, err := b.runIteration(ctx, iterEnvs, sys, max(1, cfg.IterationConcurrent))
+			if err != nil {
+				return nil, fmt.Errorf("iteration on %s: %w", sys, err)
+			}
+			rep.Runs = append(rep.Runs, rs...)
+			rep.Iterations[sys] = it
+			cfg.logf("%-15s iteration of %d envs, %d at a time: makespan %.1fs, episode p50 %.2fs p95 %.2fs, registry %s, %d failed",
+				sys, it.Envs, it.Concurrent, it.Makespan.Seconds(), it.Episode.Median, it.Episode.P95, mib(it.RegistryBytes), it.Failed)
+		}
 	}
 	for _, sys := range systems {
 		if err := b.useSystem(sys); err != nil {
@@ -397,7 +421,7 @@ func (b *bench) system(sys string) episode.System {
 	if sys == Overlayfs {
 		sn = "overlayfs"
 	}
-	return episode.System{Name: sys, Snapshotter: sn, Runtime: "io.containerd.runc.v2"}
+	return episode.System{Name: sys, Snapshotter: sn, Runtime: "io.containerd.envlet.v2"}
 }
 
 func (b *bench) run(ctx context.Context, e env, sys, phase string) Run {
@@ -433,6 +457,53 @@ func (b *bench) runConcurrent(ctx context.Context, envs []env, sys string, n int
 	}
 	wg.Wait()
 	return out
+}
+
+// runIteration runs envs on an empty node, k at a time in list order (a
+// new one starts when one ends), as an RL iteration's rollout workers
+// do: the first environments are cold, later ones find the shared
+// groups on the node.
+func (b *bench) runIteration(ctx context.Context, envs []env, sys string, k int) (Iteration, []Run, error) {
+	if err := b.reset(); err != nil {
+		return Iteration{}, nil, err
+	}
+	b.env.Registry.ResetCounters()
+	out := make([]Run, len(envs))
+	next := make(chan int)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range min(k, len(envs)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				e := envs[i]
+				res := episode.Run(ctx, b.env, e.ref, e.task, b.system(sys), b.cfg.Timeout)
+				res.Phase, res.ImageBytes = "iteration", episode.ImageSize(e.image)
+				// Registry bytes cannot be told apart per environment here.
+				res.RegistryBytes = 0
+				out[i] = Run{Result: res}
+				b.cfg.logf("%-15s iter  %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d %s",
+					sys, i+1, len(envs), e.name, res.Ready.Seconds(), res.Episode.Seconds(), res.Reward, res.Error)
+			}
+		}()
+	}
+	for i := range envs {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+	it := Iteration{Envs: len(envs), Concurrent: k, Makespan: time.Since(start), RegistryBytes: b.env.Registry.BlobBytesServed()}
+	var ready, ep []time.Duration
+	for _, r := range out {
+		if r.Error != "" {
+			it.Failed++
+			continue
+		}
+		ready, ep = append(ready, r.Ready), append(ep, r.Episode)
+	}
+	it.Ready, it.Episode = summarize(seconds(ready)), summarize(seconds(ep))
+	return it, out, nil
 }
 
 // readBytes sums envsnap_lazyfs_read_bytes_total over the daemon's mounts.
@@ -483,6 +554,9 @@ func (rep *Report) summarize() {
 		}
 	}
 	med := func(key, m string) float64 { return rep.Summary[key][m].Median }
+	if o, e := rep.Iterations[Overlayfs], rep.Iterations[Envsnap]; o.Makespan > 0 && e.Makespan > 0 && o.Failed == 0 && e.Failed == 0 {
+		rep.Headline.IterationRatio = e.Makespan.Seconds() / o.Makespan.Seconds()
+	}
 	if o := med(Overlayfs+"/cold", "ready_s"); o > 0 {
 		rep.Headline.InitRatio = med(Envsnap+"/cold", "ready_s") / o
 		rep.Headline.EpisodeRatio = med(Envsnap+"/cold", "episode_s") / med(Overlayfs+"/cold", "episode_s")

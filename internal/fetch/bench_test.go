@@ -109,7 +109,7 @@ func BenchmarkFill(b *testing.B) {
 			b.Fatal(err)
 		}
 		// The raw fill speed: nothing runs in the foreground here, and
-		// the yield policy (fillQuiet, fillCalm) would only add its
+		// the yield policy (FillPolicy) would only add its
 		// waits.
 		l := NewLayer(br, toc, cache, WithFillYield(false))
 		reg.resetCounts()

@@ -651,51 +651,6 @@ func TestLayerCorruptCacheFile(t *testing.T) {
 	}
 }
 
-// TestFillMay: the fill's admission rule, from the foreground activity
-// Flights recorded (no clocks involved: the timestamps are set).
-func TestFillMay(t *testing.T) {
-	long := 10 * time.Second
-	for _, tt := range []struct {
-		name             string
-		waiting          int32
-		sinceWait        time.Duration // since the last network wait
-		sinceMount       time.Duration // since the last Layer was created
-		fsBusy           bool          // NoteActivity just now
-		sinceRead        time.Duration // since the last ReadChunk
-		waited           time.Duration // how long the worker has been held
-		worker0, workerN bool
-	}{
-		{name: "idle node", sinceWait: long, sinceMount: long, sinceRead: long, worker0: true, workerN: true},
-		{name: "foreground read waiting", waiting: 1, sinceWait: long, sinceMount: long, sinceRead: long},
-		{name: "just mounted", sinceWait: long, sinceMount: 0, sinceRead: 0},
-		{name: "mounted a while ago, no read yet", sinceWait: long, sinceMount: fillAfterMount / 2, sinceRead: fillAfterMount / 2},
-		{name: "network wait just ended", sinceWait: fillQuiet / 2, sinceMount: long, sinceRead: long},
-		{name: "quiet, cache hits recent", sinceWait: 2 * fillQuiet, sinceMount: long, sinceRead: fillCalm / 2, worker0: true},
-		{name: "quiet, reads long ago", sinceWait: 2 * fillQuiet, sinceMount: long, sinceRead: 2 * fillCalm, worker0: true, workerN: true},
-		{name: "file system in use during a start", sinceWait: long, sinceMount: fillStartup / 2, fsBusy: true, sinceRead: long},
-		{name: "file system in use long after the mounts", sinceWait: long, sinceMount: 2 * fillStartup, fsBusy: true, sinceRead: long, worker0: true, workerN: true},
-		{name: "busy but held too long", waiting: 1, sinceWait: 0, sinceMount: 0, sinceRead: 0, waited: fillMaxPause, worker0: true},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			f := NewFlights()
-			now := time.Now()
-			f.waiting.Store(tt.waiting)
-			f.lastWait.Store(now.Add(-tt.sinceWait).UnixNano())
-			f.lastMount.Store(now.Add(-tt.sinceMount).UnixNano())
-			if tt.fsBusy {
-				f.lastOp.Store(now.UnixNano())
-			}
-			f.lastRead.Store(now.Add(-tt.sinceRead).UnixNano())
-			if got := f.fillMay(0, tt.waited); got != tt.worker0 {
-				t.Errorf("first worker may fill: %v, want %v", got, tt.worker0)
-			}
-			if got := f.fillMay(1, tt.waited); got != tt.workerN {
-				t.Errorf("other workers may fill: %v, want %v", got, tt.workerN)
-			}
-		})
-	}
-}
-
 // TestFillYieldsNodeWide: a foreground read of one layer waiting on the
 // network holds back the fill of another layer sharing the Flights.
 func TestFillYieldsNodeWide(t *testing.T) {
@@ -720,7 +675,7 @@ func TestFillYieldsNodeWide(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	b.layer.StartFill(context.Background())
-	time.Sleep(fillAfterMount - time.Since(mounted) + 200*time.Millisecond) // past the mounts' quiet period, inside the read's wait
+	time.Sleep(DefaultFillPolicy().AfterMount - time.Since(mounted) + 200*time.Millisecond) // past the mounts' quiet period, inside the read's wait
 	if n := b.reg.requests(); n != 0 {
 		t.Fatalf("layer b's fill sent %d requests while layer a's read waited on the network", n)
 	}

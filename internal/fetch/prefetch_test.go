@@ -121,9 +121,9 @@ func TestWriteFileFromCache(t *testing.T) {
 // next free slot earliest due first, whichever layer they come from; a
 // cancelled waiter gives up its place.
 func TestPrefetchGateOrder(t *testing.T) {
-	var g prefetchGate
+	g := prefetchGate{limit: DefaultPrefetchPolicy().Inflight}
 	ctx := context.Background()
-	for range prefetchInflight {
+	for range g.limit {
 		if err := g.acquire(ctx, time.Time{}); err != nil {
 			t.Fatal(err)
 		}

@@ -106,7 +106,7 @@ func TestPrefetchFromFootprint(t *testing.T) {
 	}
 	// Let the other layers' lists finish: a request in flight when the
 	// counters are reset would count against the episode. A request may
-	// wait until shortly before its recorded time (fetch.prefetchLead).
+	// wait until shortly before its recorded time (fetch.PrefetchPolicy.Lead).
 	for stable, last := time.Now(), int64(-1); time.Since(stable) < 2*time.Second; time.Sleep(100 * time.Millisecond) {
 		if n := env.Registry.BlobBytesServed(); n != last {
 			stable, last = time.Now(), n

@@ -37,6 +37,7 @@ type (
 
 var (
 	WithEnvsnap           = devenv.WithEnvsnap
+	WithEnvsnapBinary     = devenv.WithEnvsnapBinary
 	WithEnvlet            = devenv.WithEnvlet
 	WithContainerdEnv     = devenv.WithContainerdEnv
 	WithConfig            = devenv.WithConfig

@@ -1,8 +1,12 @@
 // Command envsnap-demo is `make demo`: it starts a private containerd,
 // registry and envsnap daemon, publishes the small benchmark workload as
-// layer groups, composes environments for a few tasks, runs their agent
-// episodes lazily under the envlet shim, and prints what each one fetched,
-// with a comparison against the usual full pull on overlayfs.
+// layer groups, composes environments for a few tasks, and runs their
+// agent episodes under the envlet shim one after another, as a rollout
+// worker runs an iteration: lazily on envsnap, then the same environments
+// the usual way (full pull and unpack on overlayfs), from an empty node
+// each time. The registry sits behind the link the benchmark uses
+// (1 Gbit/s, 20 ms round trip: bench/netshape), so what it prints is the
+// real setting. It ends with the iteration's comparison.
 package main
 
 import (
@@ -23,6 +27,7 @@ import (
 	"github.com/containerd/log"
 
 	"github.com/envsnap/envsnap/bench/episode"
+	"github.com/envsnap/envsnap/bench/netshape"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/plan"
 )
@@ -30,10 +35,12 @@ import (
 func main() {
 	tasksPath := flag.String("tasks", "", "workload task list (default: build and use the small workload)")
 	n := flag.Int("n", 3, "environments to run")
+	rtt := flag.Duration("rtt", 20*time.Millisecond, "registry round trip")
+	rate := flag.Int64("rate", 1_000_000_000, "registry link rate in bits/s")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *tasksPath, *n); err != nil {
+	if err := run(ctx, *tasksPath, *n, *rtt, *rate); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-demo: %v\n", err)
 		os.Exit(1)
 	}
@@ -43,7 +50,7 @@ func step(format string, args ...any) {
 	fmt.Printf("==> "+format+"\n", args...)
 }
 
-func run(ctx context.Context, tasksPath string, n int) error {
+func run(ctx context.Context, tasksPath string, n int, rtt time.Duration, rate int64) error {
 	// Library progress goes to the report, not to the log.
 	_ = log.SetLevel("error")
 	if err := devenv.CheckMachine(); err != nil {
@@ -72,12 +79,18 @@ func run(ctx context.Context, tasksPath string, n int) error {
 		n = len(w.Tasks)
 	}
 
-	step("starting a private registry, containerd and the envsnap daemon")
+	step("starting a private registry behind a shaped link (%d Mbit/s, %s round trip), containerd and the envsnap daemon", rate/1e6, rtt)
+	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(rate))
+	if err != nil {
+		return fmt.Errorf("shaped link: %w", err)
+	}
+	defer link.Close(context.Background())
+	regNet := netshape.NewRegistryNet(ctx, link, rtt)
 	// Environments start small and grow with their demand (the envlet
 	// shim, with the node arbiter); the report shows the quota changes.
 	// Background fill is off so "fetched" is what each environment needed
 	// (with fill on, the rest of the image follows within seconds).
-	env, err := devenv.Start(ctx, devenv.WithEnvsnap("--fill=false"), devenv.WithDirPrefix("envsnap-demo-"),
+	env, err := devenv.Start(ctx, devenv.WithEnvsnap("--fill=false"), devenv.WithDirPrefix("envsnap-demo-"), devenv.WithRegistryNetwork(regNet),
 		devenv.WithEnvlet(devenv.EnvletConfig{Policy: map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"}}))
 	if err != nil {
 		return err
@@ -142,29 +155,56 @@ func run(ctx context.Context, tasksPath string, n int) error {
 		}
 		quotas[t.ID] = quotaChanges(env, r.Container)
 	}
-	step("the same first environment the usual way (full pull + unpack on overlayfs)")
-	base := episode.Run(ctx, env, refs[0], w.Tasks[0], full, 10*time.Minute)
-	base.ImageBytes = sizes[0]
-	baseQuota := quotaChanges(env, base.Container)
+	lazyBytes := env.Registry.BlobBytesServed()
+	step("the same %d environments the usual way (full pull + unpack on overlayfs)", n)
+	env.Registry.ResetCounters()
+	var fulls []episode.Result
+	fullQuotas := map[string]string{}
+	for i, t := range w.Tasks[:n] {
+		r := episode.Run(ctx, env, refs[i], t, full, 10*time.Minute)
+		r.ImageBytes = sizes[i]
+		fulls = append(fulls, r)
+		if r.Error != "" {
+			fmt.Printf("    %s: FAILED: %s\n", t.ID, r.Error)
+		}
+		fullQuotas[t.ID] = quotaChanges(env, r.Container)
+	}
+	fullBytes := env.Registry.BlobBytesServed()
 
 	fmt.Println()
 	tw = tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "environment\tsystem\tready\tepisode\treward\tfetched when ready\tfetched by the end\timage\tquota")
-	for _, r := range append(results, base) {
+	for _, r := range append(results, fulls...) {
 		q := quotas[r.Task]
 		if r.System != lazy.Name {
-			q = baseQuota
+			q = fullQuotas[r.Task]
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%.1f%%)\t%s\t%s\t%s\n", r.Task, r.System, dur(r.Ready), dur(r.Episode), reward(r),
 			mib(r.ReadyRegistryBytes), 100*float64(r.ReadyRegistryBytes)/float64(max(r.ImageBytes, 1)), mib(r.RegistryBytes), mib(r.ImageBytes), q)
 	}
 	tw.Flush()
-	if first := results[0]; first.Error == "" && base.Error == "" {
-		fmt.Printf("\nfirst environment: ready %.2fx and episode %.2fx of overlayfs time; %.2fx of its registry bytes\n",
-			first.Ready.Seconds()/base.Ready.Seconds(), first.Episode.Seconds()/base.Episode.Seconds(),
-			float64(first.RegistryBytes)/float64(max(base.RegistryBytes, 1)))
+	lazyTotal, lazyOK := total(results)
+	fullTotal, fullOK := total(fulls)
+	if lazyOK && fullOK {
+		fmt.Printf("\niteration of %d environments one after another: envsnap %.1f s, overlayfs %.1f s (%.2fx); registry %s vs %s (%.2fx); first environment's episode %.2fx of overlayfs\n",
+			n, lazyTotal.Seconds(), fullTotal.Seconds(), lazyTotal.Seconds()/fullTotal.Seconds(),
+			mib(lazyBytes), mib(fullBytes), float64(lazyBytes)/float64(max(fullBytes, 1)),
+			results[0].Episode.Seconds()/fulls[0].Episode.Seconds())
 	}
 	return nil
+}
+
+// total sums the episodes (pull to evaluator) of rs, which ran one after
+// another; false when one failed.
+func total(rs []episode.Result) (time.Duration, bool) {
+	var d time.Duration
+	for _, r := range rs {
+		if r.Error != "" {
+			return 0, false
+		}
+		d += r.Episode
+	}
+	return d, len(rs) > 0
 }
 
 func mib(n int64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }

@@ -1,0 +1,187 @@
+package fetch
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/containerd/log"
+
+	"github.com/envsnap/envsnap/internal/chunkcache"
+)
+
+// StartFill fetches every chunk not yet cached in the background, in large
+// coalesced requests, a few in parallel. Unless WithFillYield(false), it
+// yields to foreground work of every Layer sharing its Flights, as their
+// FillPolicy decides: no batch while a foreground read waits on the
+// network, shortly after a mount or during a container start, one batch
+// at a time while reads arrive, and one anyway after a long pause. It
+// returns at once; the fill stops at ctx's end, at Close, when the cache
+// is full, or after repeated registry failures. Calling it again does
+// nothing.
+func (l *Layer) StartFill(ctx context.Context) {
+	if !l.o.fill || !l.fillStarted.CompareAndSwap(false, true) {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return
+	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		l.fill(ctx)
+	}()
+}
+
+func (l *Layer) fill(parent context.Context) {
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	stop := context.AfterFunc(l.ctx, cancel)
+	defer stop()
+	logger := log.G(ctx).WithField("layer", l.label)
+
+	batches := l.fillPlan()
+	start := time.Now()
+	var (
+		issued   atomic.Int64
+		failures atomic.Int32
+		full     atomic.Bool
+		wg       sync.WaitGroup
+		work     = make(chan []int)
+	)
+	for w := range l.o.fillParallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				if l.o.fillYield && l.flights.yieldFill(ctx, w) != nil {
+					return
+				}
+				b, ok := <-work
+				if !ok {
+					return
+				}
+				if ctx.Err() != nil || full.Load() || failures.Load() >= fillAbortAfter {
+					continue
+				}
+				err := l.fillBatch(ctx, b, start, &issued)
+				switch {
+				case err == nil:
+					failures.Store(0)
+				case errors.Is(err, chunkcache.ErrFull):
+					full.Store(true)
+				case ctx.Err() == nil:
+					failures.Add(1)
+					logger.WithError(err).Warn("background fill batch failed")
+				}
+			}
+		}()
+	}
+feed:
+	for _, b := range batches {
+		select {
+		case work <- b:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(work)
+	wg.Wait()
+
+	cached, total := l.Progress()
+	entry := logger.WithField("cached", cached).WithField("total", total).WithField("elapsed", time.Since(start).Round(time.Millisecond))
+	switch {
+	case ctx.Err() != nil:
+		entry.Debug("background fill cancelled")
+	case full.Load():
+		entry.Warn("background fill stopped: chunk cache full")
+	case failures.Load() >= fillAbortAfter:
+		entry.Error("background fill aborted after repeated registry failures; reads continue on demand")
+	default:
+		entry.Info("background fill complete")
+	}
+}
+
+// fillPlan groups the chunks not cached yet into batches of span indexes in
+// blob order.
+func (l *Layer) fillPlan() [][]int {
+	var todo []int
+	for j := range l.spans {
+		if l.canonical(j) != j {
+			continue
+		}
+		l.mu.Lock()
+		cached := l.cached[j]
+		l.mu.Unlock()
+		if cached {
+			continue
+		}
+		if l.cache.Contains(l.chunk(j).Digest) {
+			// Cached meanwhile, possibly by another layer sharing it.
+			l.markCached(j)
+			continue
+		}
+		todo = append(todo, j)
+	}
+	return l.coalesce(todo, fillGap, l.o.fillBatch)
+}
+
+// coalesce groups spans (indexes in blob order) into requests: a request
+// ends at a hole larger than maxGap or before it would span more than
+// maxBytes.
+func (l *Layer) coalesce(spans []int, maxGap, maxBytes int64) [][]int {
+	var batches [][]int
+	var cur []int
+	var curStart, curEnd int64
+	for _, j := range spans {
+		s := l.spans[j]
+		if len(cur) > 0 && (s.off-curEnd > maxGap || s.off+s.csize-curStart > maxBytes) {
+			batches = append(batches, cur)
+			cur = nil
+		}
+		if len(cur) == 0 {
+			curStart = s.off
+		}
+		cur = append(cur, j)
+		curEnd = s.off + s.csize
+	}
+	if len(cur) > 0 {
+		batches = append(batches, cur)
+	}
+	return batches
+}
+
+// fillBatch fetches one batch, paced to the fill rate.
+func (l *Layer) fillBatch(ctx context.Context, idx []int, start time.Time, issued *atomic.Int64) error {
+	l.mu.Lock()
+	if l.blob.RangeIgnored() && l.blob.Size() <= l.o.wholeBlobMax {
+		// Every request streams the whole blob: window-by-window would
+		// cost the blob size per batch. Take everything at once.
+		idx = idx[:0:0]
+		for j := range l.spans {
+			if l.canonical(j) == j {
+				idx = append(idx, j)
+			}
+		}
+	}
+	l.mu.Unlock()
+	var paced func(n int64)
+	if rate := l.o.fillRate; rate > 0 {
+		paced = func(n int64) {
+			due := start.Add(time.Duration(float64(issued.Add(n)-n) / float64(rate) * float64(time.Second)))
+			if d := time.Until(due); d > 0 {
+				t := time.NewTimer(d)
+				select {
+				case <-ctx.Done():
+					t.Stop()
+				case <-t.C:
+				}
+			}
+		}
+	}
+	return l.fetchSpans(ctx, idx, "fill", paced)
+}
