@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"io"
 	"os"
 	"path/filepath"
@@ -25,7 +26,7 @@ import (
 func requireRoot(t *testing.T) {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("needs root: overlayfs mounts, whiteout devices, trusted xattrs")
+		prereq.Missing(t, "needs root: overlayfs mounts, whiteout devices, trusted xattrs")
 	}
 }
 
@@ -191,7 +192,7 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	apply(t, lower, base)
 	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work)
 	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
-		t.Skipf("overlayfs: %v", err)
+		prereq.Missing(t, "overlayfs: %v", err)
 	}
 	mounted := true
 	unmount := func() {
@@ -296,7 +297,7 @@ func TestUpperTarRefusesLowerState(t *testing.T) {
 			t.Fatal(err)
 		}
 		if err := unix.Lsetxattr(p, attr, []byte("/old"), 0); err != nil {
-			t.Skipf("set %s: %v", attr, err)
+			prereq.Missing(t, "set %s: %v", attr, err)
 		}
 		_, err := WriteUpperTar(context.Background(), io.Discard, upper, 0)
 		if err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {

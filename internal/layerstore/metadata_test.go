@@ -4,6 +4,7 @@ package layerstore
 
 import (
 	"context"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
 	"testing"
@@ -21,12 +22,7 @@ import (
 // the registry, and serves the chunks in the cache; metadata that fails
 // verification is not used.
 func TestMetadataKeptInCache(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse")
-	}
+	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"a.txt": "kept across restarts\n"}))
 	labels := r.addManifest(t, "test/kept:1", desc)[0]

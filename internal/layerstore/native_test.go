@@ -4,6 +4,7 @@ package layerstore
 
 import (
 	"context"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
 	"testing"
@@ -20,9 +21,7 @@ import (
 // TestNativeCopyAfterFill: a mounted layer gets its native copy once the
 // background fill has every chunk, with the layer's bytes.
 func TestNativeCopyAfterFill(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts FUSE: needs root")
-	}
+	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	lazy, _, _ := testImage(t, r)
 	cache, err := chunkcache.Open(t.TempDir(), 256<<20)

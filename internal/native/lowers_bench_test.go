@@ -6,6 +6,7 @@ import (
 	"archive/tar"
 	"context"
 	"fmt"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"io"
 	"io/fs"
 	"os"
@@ -129,9 +130,7 @@ func median(v []float64) float64 {
 // Page cache warm (walked just before) and dropped. Rounds interleave;
 // medians of 5. Gated by ENVSNAP_BENCH=1.
 func TestBenchLowers(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		t.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
-	}
+	prereq.RequireBench(t)
 	requireRoot(t)
 	blob, toc, cache := cachedLayer(t, buildTar(t, benchTree(300, 40)))
 	ctx := context.Background()

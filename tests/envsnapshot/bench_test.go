@@ -5,7 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"sort"
 	"testing"
 	"time"
@@ -48,9 +48,7 @@ echo edited >> /etc/app.conf
 // the parent's node, against 8 cold starts of the original image on an
 // empty node. Run with ENVSNAP_BENCH=1 (make bench).
 func TestBenchSnapshot(t *testing.T) {
-	if os.Getenv("ENVSNAP_BENCH") == "" {
-		t.Skip("benchmark: set ENVSNAP_BENCH=1")
-	}
+	prereq.RequireBench(t)
 	const rounds = 3
 	r := newRig(t)
 	e := r.env

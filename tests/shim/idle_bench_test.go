@@ -1,6 +1,7 @@
 package shim_test
 
 import (
+	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -19,9 +20,7 @@ import (
 //
 //	ENVSNAP_BENCH=1 go test -run '^$' -bench IdleReclaim -benchtime 1x ./tests/shim/
 func BenchmarkIdleReclaim(b *testing.B) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		b.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
-	}
+	prereq.RequireBench(b)
 	const perGroup = 10
 	s := newSuite(b, node{})
 	groups := map[string][]*ctr{}

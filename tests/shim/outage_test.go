@@ -1,6 +1,7 @@
 package shim_test
 
 import (
+	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
 	"strings"
@@ -30,7 +31,7 @@ func TestArbiterKilledDuringRamp(t *testing.T) {
 	killed := time.Now()
 	oomCtl := filepath.Join("/sys/fs/cgroup/memory", c.ns, c.id, "memory.oom_control")
 	if _, err := os.Stat(oomCtl); err != nil {
-		t.Skipf("no v1 memory cgroup for the container (%v): this test watches v1 under_oom", err)
+		prereq.Skip(t, prereq.NoCgroupV1, "no v1 memory cgroup for the container (%v): this test watches v1 under_oom", err)
 	}
 	deadline := time.Now().Add(time.Minute)
 	for {

@@ -2,6 +2,7 @@ package shim_test
 
 import (
 	"fmt"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
 	"slices"
@@ -189,9 +190,7 @@ func (s *suite) setOvercommit(b *testing.B, ratio string) {
 //
 //	ENVSNAP_BENCH=1 go test -run '^$' -bench RLIteration -benchtime 1x ./tests/shim/
 func BenchmarkRLIteration(b *testing.B) {
-	if os.Getenv("ENVSNAP_BENCH") != "1" {
-		b.Skip("set ENVSNAP_BENCH=1 to run benchmarks")
-	}
+	prereq.RequireBench(b)
 	s := newSuite(b, node{cpu: "2"})
 	mix := rlMix()
 	var latencyOnly []rlEnv
