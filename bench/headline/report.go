@@ -210,8 +210,19 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 			fmt.Fprintf(&b, "![%s](%s)\n\n", strings.TrimSuffix(filepath.Base(p), ".png"), rel)
 		}
 	}
+	// Other benchmarks (snapshots, the arbiter) keep their sections below
+	// KeptMarker; a regenerated headline must not delete them.
+	if old, err := os.ReadFile(path); err == nil {
+		if i := strings.Index(string(old), KeptMarker); i >= 0 {
+			fmt.Fprintf(&b, "\n%s", old[i:])
+		}
+	}
 	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
+
+// KeptMarker starts the part of docs/benchmarks.md that WriteMarkdown
+// keeps as it is: sections written from other benchmarks' runs.
+const KeptMarker = "<!-- Sections below come from other benchmarks; make bench's headline run keeps them. -->"
 
 func countConcurrent(rep *Report) int {
 	n := 0
