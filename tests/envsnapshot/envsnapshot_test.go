@@ -243,7 +243,7 @@ func TestSnapshotForkChain(t *testing.T) {
 	img := e.Pull(t, base.Ref, "envsnap")
 	r.start(t, img, "parent", episode)
 	// An xattr, set through the container's root filesystem.
-	if err := unix.Lsetxattr(filepath.Join(r.rootfs("parent"), "work/out.txt"), "user.rl.step", []byte("k"), 0); err != nil {
+	if err := unix.Lsetxattr(filepath.Join(r.rootfs("parent"), "srv/out.txt"), "user.rl.step", []byte("k"), 0); err != nil {
 		t.Fatal(err)
 	}
 	parentAtK := r.describe(t, "parent")
@@ -275,7 +275,7 @@ func TestSnapshotForkChain(t *testing.T) {
 
 	// The parent keeps running after the snapshot and changes further;
 	// the forks must show step k, not what came after.
-	if err := os.WriteFile(filepath.Join(r.rootfs("parent"), "work/after-k"), []byte("later"), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(r.rootfs("parent"), "srv/after-k"), []byte("later"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	forks := r.fork(t, snapA, "a", 2, "true")
@@ -285,19 +285,19 @@ func TestSnapshotForkChain(t *testing.T) {
 	}
 
 	// Forks diverge independently.
-	if err := os.WriteFile(filepath.Join(r.rootfs(forks[0]), "work/only-a0"), []byte("a0"), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(r.rootfs(forks[0]), "srv/only-a0"), []byte("a0"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Remove(filepath.Join(r.rootfs(forks[1]), "work/repo/main.go")); err != nil {
+	if err := os.Remove(filepath.Join(r.rootfs(forks[1]), "srv/repo/main.go")); err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range []struct{ id, path string }{{forks[1], "work/only-a0"}, {"parent", "work/only-a0"}} {
+	for _, c := range []struct{ id, path string }{{forks[1], "srv/only-a0"}, {"parent", "srv/only-a0"}} {
 		if _, err := os.Stat(filepath.Join(r.rootfs(c.id), c.path)); err == nil {
 			t.Errorf("%s sees %s written by %s", c.id, c.path, forks[0])
 		}
 	}
 	for _, id := range []string{forks[0], "parent"} {
-		if _, err := os.Stat(filepath.Join(r.rootfs(id), "work/repo/main.go")); err != nil {
+		if _, err := os.Stat(filepath.Join(r.rootfs(id), "srv/repo/main.go")); err != nil {
 			t.Errorf("%s lost main.go deleted by %s: %v", id, forks[1], err)
 		}
 	}
