@@ -229,59 +229,6 @@ check cpu-shrink "cpu.max did not come back to 50000 100000 after the burst: $(c
 	wait_for 45 sh -c "[ \"\$(cat $D1/cpu.max)\" = '50000 100000' ]"
 stop_watch $W
 
-# --- memory grows, and shrinks back ---
-watch_file "$D1/memory.high" 90 /tmp/mem.seen &
-W=$!
-crictl exec "$C1" dd if=/dev/zero of=/mem/a bs=1M count=200 >/dev/null 2>&1
-check mem-grow "memory.high did not grow above 128 MiB with 200 MiB in use: $(cat "$D1"/memory.high)" \
-	wait_for 15 sh -c "[ \"\$(cat $D1/memory.high)\" -gt 134217728 ]"
-log "after 200 MiB: memory.current=$(cat "$D1"/memory.current) memory.high=$(cat "$D1"/memory.high) memory.max=$(cat "$D1"/memory.max) memory.events: $(tr '\n' ' ' <"$D1"/memory.events)"
-crictl exec "$C1" rm -f /mem/a
-if grep -qv '^134217728$' /tmp/mem.seen; then
-	check mem-shrink "memory.high did not come back to 128 MiB after the file was removed: $(tr '\n' ' ' </tmp/mem.seen)" \
-		wait_for 60 sh -c "[ \"\$(cat $D1/memory.high)\" = 134217728 ]"
-else
-	fail mem-shrink "memory.high never grew, so it cannot shrink"
-fi
-stop_watch $W
-
-# --- the admission reserve holds; node exhaustion ends in a loud failure ---
-# The hog takes 600 MiB and waits: the node (1 GiB, 15% reserve) has
-# granted it up to its grow limit. A small environment is still admitted
-# from the reserve, a large one is not. Then the hog asks for more than
-# the node has, is denied while stuck at memory.high, and fails.
-rm -f /var/lib/vmtest/mem/go
-C2=$(run_ctr "$POD" hog "dd if=/dev/zero of=/mem/hog1 bs=1M count=600 2>/dev/null; while [ ! -e /mem/go ]; do sleep 0.2; done; i=0; while [ \$i -lt 20 ]; do dd if=/dev/zero of=/mem/hog2.\$i bs=1M count=100 2>/dev/null; i=\$((i + 1)); done; exec sleep 100000")
-D2=$(cgdir "$C2")
-log "hog $C2 cgroup=$D2"
-watch_file "$D2/memory.high" 120 /tmp/hog.seen &
-W=$!
-wait_for 60 sh -c "[ \$(cat $D2/memory.current) -ge 629145600 ]"
-sleep 2
-log "hog holds memory.current=$(cat "$D2"/memory.current) memory.high=$(cat "$D2"/memory.high) memory.max=$(cat "$D2"/memory.max)"
-C3=$(run_ctr "$POD" small "exec sleep 100000" '{"io.envsnap.envlet.initial-memory": "64Mi"}')
-check admission-reserve "a 64 MiB environment was not admitted next to the hog" test -n "$C3"
-if out=$(run_ctr "$POD" big "exec sleep 100000" '{"io.envsnap.envlet.initial-memory": "600Mi"}' 2>&1); then
-	fail admission-reject "a 600 MiB environment was admitted on a full node: $out"
-else
-	log "600 MiB admission refused: $(echo "$out" | grep -o 'ADMISSION_REJECTED.*' | head -c 300)"
-	check admission-reject "the refusal does not say ADMISSION_REJECTED: $out" sh -c "echo '$out' | grep -q ADMISSION_REJECTED"
-fi
-touch /var/lib/vmtest/mem/go
-wait_for 120 sh -c "[ \"\$(crictl inspect $C2 | jq -r .status.state)\" = CONTAINER_EXITED ]"
-stop_watch $W
-ST=$(crictl inspect "$C2" | jq -c '.status | {state, exitCode, reason, message}')
-log "hog status: $ST"
-log "termination message: $(cat /var/lib/vmtest/term-hog)"
-journalctl --no-pager -u containerd | grep -E 'envlet: (environment failed|froze|memory working set)' | tail -n 4 | sed 's/^/VMTEST: LOG shim: /'
-check loud-failure "hog did not end with exit 137, OOMKilled and MEM_NODE_EXHAUSTED: $ST $(cat /var/lib/vmtest/term-hog)" \
-	sh -c "echo '$ST' | jq -e '.exitCode == 137 and .reason == \"OOMKilled\"' >/dev/null && grep -q MEM_NODE_EXHAUSTED /var/lib/vmtest/term-hog"
-check loud-failure-frozen "the shim did not freeze the failed environment before killing it" \
-	sh -c "journalctl --no-pager -u containerd | grep -q 'froze failed environment'"
-[ -n "$C3" ] && { crictl stop -t 1 "$C3" >/dev/null; crictl rm "$C3" >/dev/null; }
-crictl rm "$C2" >/dev/null
-rm -f /var/lib/vmtest/mem/*
-
 # --- the envsnap daemon restarts under a container reading a lazy layer ---
 WANT=$(cat "$S"/big.sha256)
 C4=$(run_ctr "$POD" reader "while :; do sha256sum /data/big.bin | cut -c1-64; sleep 1; done")
@@ -292,13 +239,13 @@ before=$(sums)
 log "reader read the lazy 64 MiB file $before time(s); restarting containerd-envsnap"
 systemctl restart containerd-envsnap
 check restart-unit "containerd-envsnap not active after systemctl restart" systemctl is-active --quiet containerd-envsnap
-wait_for 60 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((before + 2)) ]"
+wait_for 120 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((before + 2)) ]"
 mid=$(sums)
 log "after restart: $mid good reads; SIGKILL containerd-envsnap"
 kill -KILL "$(systemctl show -p MainPID --value containerd-envsnap)"
 sleep 3
 wait_for 60 systemctl is-active --quiet containerd-envsnap
-wait_for 60 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((mid + 2)) ]"
+wait_for 120 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((mid + 2)) ]"
 after=$(sums)
 bad=$(grep -vc "$WANT" "$LOGF" || true)
 log "after SIGKILL: $after good reads, $bad other lines: $(grep -v "$WANT" "$LOGF" | tail -2 | tr '\n' ' ')"
