@@ -30,8 +30,11 @@ RESULTS     := $(BIN)/test-results
 
 all: build
 
+# The VM test bed's guest image (tests/vm) is built and cached under
+# .cache/vm by hack/vm-image.sh; a no-op while its recipe is unchanged.
 deps:
 	@hack/deps.sh
+	@hack/vm-image.sh >/dev/null
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/containerd-envsnap ./cmd/containerd-shim-envlet-v2

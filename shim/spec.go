@@ -63,8 +63,9 @@ func managed(s *specs.Spec, disabled bool) bool {
 	return s.Linux != nil
 }
 
-// cgroupsPath is the container's cgroup as runc resolves it: what
-// envlet.OpenCgroup expects.
+// cgroupsPath is the container's OCI cgroupsPath, in whichever form the
+// runtime's cgroup driver uses (systemd "slice:prefix:name", or a
+// cgroupfs path): envlet.OpenCgroup resolves it as runc does.
 func cgroupsPath(s *specs.Spec) string {
 	if s.Linux == nil {
 		return ""

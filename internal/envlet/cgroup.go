@@ -45,13 +45,19 @@ type memoryCapper interface {
 	SetMemoryCap(int64)
 }
 
-// OpenCgroup opens the container cgroup at path, the OCI cgroupsPath as
-// runc resolves it ("/ns/id"), on v1 (cpu, cpuacct, memory hierarchies;
-// also on hybrid hosts, whose unified mount has no controllers) or on v2.
+// OpenCgroup opens the container cgroup of the OCI cgroupsPath path, in
+// any of the forms runc accepts (systemd "slice:prefix:name", absolute or
+// relative; cgroupfs.ResolveV2), on v2 or on v1 (cpu, cpuacct, memory
+// hierarchies; also on hybrid hosts, whose unified mount has no
+// controllers).
 func OpenCgroup(path string) (Cgroup, error) {
 	switch cgroups.Mode() {
 	case cgroups.Unified:
-		c, err := cgroupfs.OpenV2("/sys/fs/cgroup", path)
+		dir, err := cgroupfs.ResolveV2(path)
+		if err != nil {
+			return nil, err
+		}
+		c, err := cgroupfs.OpenV2(dir)
 		if err != nil {
 			return nil, err
 		}
@@ -61,7 +67,11 @@ func OpenCgroup(path string) (Cgroup, error) {
 		if err != nil {
 			return nil, err
 		}
-		c, err := cgroupfs.OpenV1(m, path)
+		rel, err := cgroupfs.ResolveV1(path)
+		if err != nil {
+			return nil, err
+		}
+		c, err := cgroupfs.OpenV1(m, rel)
 		if err != nil {
 			return nil, err
 		}
@@ -110,6 +120,12 @@ type reclaimer interface {
 // cgroup.freeze).
 type freezer interface {
 	Freeze(bool) error
+}
+
+// oomGrouper is implemented by cgroups whose kernel OOM kill can take the
+// whole group (v2 memory.oom.group).
+type oomGrouper interface {
+	SetOOMGroup(bool) error
 }
 
 // limitsReader is implemented by cgroups that know the limits in force.

@@ -69,7 +69,10 @@ type Config struct {
 	// a task at its memory limit sleeps instead of being OOM-killed until
 	// the controller grows the limit or fails the environment with its
 	// reason (without it, a single-process task is killed by the kernel
-	// before the failure can be reported). Reset when Run returns.
+	// before the failure can be reported). Reset when Run returns. On v2,
+	// which has no such pause, it sets memory.oom.group=0 instead: a kernel
+	// OOM at the memory.max safety net takes one task, not the whole
+	// environment, and the controller decides what follows.
 	PauseOnOOM bool
 
 	// ArbiterTimeout bounds each arbiter call; on timeout CPU fails open up

@@ -207,6 +207,19 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 			l.WithError(err).WithField("tier", c.cfg.Tier).Warn("envlet: set the CPU tier")
 		}
 	}
+	if og, ok := c.cg.(oomGrouper); ok && c.cfg.PauseOnOOM {
+		// v2 cannot pause tasks at the limit; memory.high squeezes them
+		// instead while the controller decides. A group OOM kill (kubelet
+		// asks for memory.oom.group=1) would end the environment silently
+		// at the 1.25x safety net; with 0 the kernel takes one task, the
+		// controller sees it in memory.events and grows or fails loudly.
+		if err := og.SetOOMGroup(false); err != nil {
+			if errors.Is(err, ErrVanished) {
+				return nil
+			}
+			l.WithError(err).Warn("envlet: cannot set memory.oom.group")
+		}
+	}
 	if err := c.cg.Apply(c.cfg.Initial); err != nil {
 		if errors.Is(err, ErrVanished) {
 			return nil
@@ -240,6 +253,16 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 			if errors.Is(err, ErrVanished) {
 				l.Debug("envlet: cgroup vanished, stopping")
 				return nil
+			}
+			var fe *FailureError
+			if fz, ok := c.cg.(freezer); ok && errors.As(err, &fe) {
+				// Stop the environment where it is while the caller
+				// reports and kills it (SIGKILL ends frozen tasks).
+				if ferr := fz.Freeze(true); ferr != nil && !errors.Is(ferr, ErrVanished) {
+					l.WithError(ferr).Warn("envlet: freeze failed environment")
+				} else if ferr == nil {
+					l.Info("envlet: froze failed environment")
+				}
 			}
 			return err
 		}

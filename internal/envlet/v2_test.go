@@ -61,7 +61,10 @@ func TestControllerV2Tree(t *testing.T) {
 	write("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
 	write("memory.high", "max\n")
 	write("memory.max", "max\n")
-	v2, err := cgroupfs.OpenV2(root, "/pod/ctr")
+	write("cgroup.controllers", "cpu memory pids\n")
+	write("memory.oom.group", "1\n")
+	write("cgroup.freeze", "0\n")
+	v2, err := cgroupfs.OpenV2(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +97,7 @@ func TestControllerV2Tree(t *testing.T) {
 		}
 	}
 	waitTL(1)
-	for f, want := range map[string]string{"cpu.max": "50000 100000", "cpu.max.burst": "50000", "memory.high": "268435456", "memory.max": "335544320"} {
+	for f, want := range map[string]string{"cpu.max": "50000 100000", "cpu.max.burst": "50000", "memory.high": "268435456", "memory.max": "335544320", "memory.oom.group": "0"} {
 		if got := read(f); got != want {
 			t.Errorf("initial %s = %q, want %q", f, got, want)
 		}

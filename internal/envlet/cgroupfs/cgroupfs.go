@@ -12,7 +12,8 @@
 //
 // Between samples the kernel wakes the controller through Events: v1
 // memory usage-threshold eventfds re-armed on every limit change, v2
-// inotify on memory.events.
+// inotify on memory.events and PSI triggers on cpu.pressure and
+// memory.pressure.
 package cgroupfs
 
 import (
@@ -70,6 +71,9 @@ const (
 	EventMemThreshold EventKind = iota + 1
 	// EventMemEvents: v2 memory.events changed (high, max, oom or oom_kill).
 	EventMemEvents
+	// EventCPUPressure, EventMemPressure: a v2 PSI trigger fired.
+	EventCPUPressure
+	EventMemPressure
 )
 
 func (k EventKind) String() string {
@@ -78,6 +82,10 @@ func (k EventKind) String() string {
 		return "mem-threshold"
 	case EventMemEvents:
 		return "mem-events"
+	case EventCPUPressure:
+		return "cpu-pressure"
+	case EventMemPressure:
+		return "mem-pressure"
 	}
 	return "unknown"
 }
@@ -94,6 +102,8 @@ var (
 	// ErrBusy means the kernel refused to lower the memory limit below
 	// current usage (v1 EBUSY). Nothing was killed; retry later.
 	ErrBusy = errors.New("memory limit below usage refused")
+	// ErrUnsupported means the kernel lacks the control file.
+	ErrUnsupported = errors.New("not supported by this kernel")
 )
 
 // classify maps the errnos of a removed cgroup to ErrVanished and v1's

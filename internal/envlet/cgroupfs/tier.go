@@ -12,7 +12,7 @@ func (c *V1) SetShares(shares uint64) error {
 
 // SetWeight writes cpu.weight (v2).
 func (c *V2) SetWeight(weight uint64) error {
-	return writeControl(filepath.Join(c.dir(), "cpu.weight"), strconv.FormatUint(weight, 10))
+	return writeControl(filepath.Join(c.dir, "cpu.weight"), strconv.FormatUint(weight, 10))
 }
 
 // SetIdle writes cpu.idle (v2, kernel >= 5.15): an idle group's tasks run
@@ -22,5 +22,5 @@ func (c *V2) SetIdle(idle bool) error {
 	if idle {
 		v = "1"
 	}
-	return writeControl(filepath.Join(c.dir(), "cpu.idle"), v)
+	return writeControl(filepath.Join(c.dir, "cpu.idle"), v)
 }

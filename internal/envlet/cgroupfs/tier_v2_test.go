@@ -10,7 +10,7 @@ import (
 // on v1; the real v2 runs are in a VM).
 func TestV2TierAndFreezeWriters(t *testing.T) {
 	root, path := fakeV2(t, map[string]string{"cpu.weight": "100\n", "cpu.idle": "0\n", "cgroup.freeze": "0\n"})
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}

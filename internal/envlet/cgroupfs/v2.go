@@ -1,10 +1,13 @@
 package cgroupfs
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -14,8 +17,17 @@ import (
 // (the grant: throttles and reclaims, never OOM-kills) with memory.max as
 // the safety net at 1.25 x the grant (bounded by the cap), because lowering
 // memory.max below usage OOM-kills on v2.
+//
+// Between samples the controller is woken by memory.events changes
+// (inotify) and by PSI triggers on cpu.pressure and memory.pressure, which
+// fire as soon as the group stalls for longer than the trigger's threshold
+// within its window instead of at the next tick.
 type V2 struct {
 	cpuStat, cpuMax, cpuBurst, memCurrent, memStat, memEvents, memHigh, memMax cfile
+	oomGroup, freeze, cpuPressure, memPressure                                 cfile
+
+	dir string
+	psi *os.File // epoll instance over the PSI trigger fds, nil without PSI
 
 	buf      []byte
 	periodUs int64
@@ -29,14 +41,24 @@ type V2 struct {
 	lastStat time.Time
 }
 
-// OpenV2 opens the cgroup at root/path (root is the unified mount:
-// /sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).
-func OpenV2(root, path string) (_ *V2, retErr error) {
-	dir := filepath.Join(root, path)
-	c := &V2{buf: make([]byte, 16<<10), events: make(chan Event, 1), periodUs: 100000, curMax: -1}
-	files := []*cfile{&c.cpuStat, &c.cpuMax, &c.cpuBurst, &c.memCurrent, &c.memStat, &c.memEvents, &c.memHigh, &c.memMax}
-	for _, f := range files {
+// PSI triggers armed on cpu.pressure and memory.pressure: wake the
+// controller when some task of the group stalled for this long within the
+// window (the kernel's minimum window is 500 ms).
+var (
+	CPUPressureTrigger = []byte("some 150000 1000000")
+	MemPressureTrigger = []byte("some 50000 1000000")
+)
+
+// OpenV2 opens the cgroup directory dir (see ResolveV2). The cgroup must
+// have the cpu and memory controllers: without them a container would run
+// unlimited while envlet believed it controlled it.
+func OpenV2(dir string) (_ *V2, retErr error) {
+	c := &V2{dir: dir, buf: make([]byte, 16<<10), events: make(chan Event, 1), periodUs: 100000, curMax: -1}
+	for _, f := range c.files() {
 		f.fd = -1
+	}
+	if err := checkControllers(dir); err != nil {
+		return nil, err
 	}
 	defer func() {
 		if retErr != nil {
@@ -62,8 +84,14 @@ func OpenV2(root, path string) (_ *V2, retErr error) {
 	open(&c.memEvents, "memory.events", unix.O_RDONLY, false)
 	open(&c.memHigh, "memory.high", unix.O_RDWR, false)
 	open(&c.memMax, "memory.max", unix.O_RDWR, false)
+	open(&c.oomGroup, "memory.oom.group", unix.O_RDWR, true)
+	open(&c.freeze, "cgroup.freeze", unix.O_RDWR, true)
+	// PSI files exist unless the kernel runs with psi=0; a trigger is armed
+	// by writing it to a file descriptor of their own.
+	open(&c.cpuPressure, "cpu.pressure", unix.O_RDWR|unix.O_NONBLOCK, true)
+	open(&c.memPressure, "memory.pressure", unix.O_RDWR|unix.O_NONBLOCK, true)
 	if err != nil {
-		return nil, fmt.Errorf("open cgroup v2 %s (are the cpu and memory controllers enabled?): %w", dir, err)
+		return nil, fmt.Errorf("open cgroup v2 %s: %w", dir, err)
 	}
 	// cpu.max is "max 100000" or "25000 100000".
 	b, err := c.cpuMax.read(c.buf)
@@ -106,7 +134,122 @@ func OpenV2(root, path string) (_ *V2, retErr error) {
 	}
 	c.inotify = os.NewFile(uintptr(ifd), "memory.events-inotify")
 	go c.watch(c.inotify)
+	if err := c.armPSI(); err != nil {
+		return nil, err
+	}
 	return c, nil
+}
+
+func (c *V2) files() []*cfile {
+	return []*cfile{&c.cpuStat, &c.cpuMax, &c.cpuBurst, &c.memCurrent, &c.memStat, &c.memEvents, &c.memHigh, &c.memMax,
+		&c.oomGroup, &c.freeze, &c.cpuPressure, &c.memPressure}
+}
+
+// checkControllers fails unless dir's cgroup.controllers lists cpu and
+// memory: a delegated subtree whose parent does not enable them has no
+// cpu.max or memory.high to write.
+func checkControllers(dir string) error {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
+	if err != nil {
+		return fmt.Errorf("open cgroup v2 %s: %w", dir, classify(err))
+	}
+	have := map[string]bool{}
+	for _, f := range bytes.Fields(b) {
+		have[string(f)] = true
+	}
+	var missing []string
+	for _, want := range []string{"cpu", "memory"} {
+		if !have[want] {
+			missing = append(missing, want)
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("cgroup v2 %s lacks the %v controller(s) (cgroup.controllers: %q): enable them in the parent's cgroup.subtree_control (systemd: Delegate=yes on the runtime's unit) or envlet cannot limit it",
+			dir, missing, bytes.TrimSpace(b))
+	}
+	return nil
+}
+
+// armPSI writes the triggers and watches them through one epoll instance.
+// PSI triggers signal POLLPRI, which Go's poller does not wait for; the
+// epoll fd itself turns readable when a trigger fires, and that the poller
+// does wait for, so no thread blocks per cgroup.
+func (c *V2) armPSI() error {
+	if !c.cpuPressure.ok() && !c.memPressure.ok() {
+		return nil
+	}
+	efd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("epoll: %w", err)
+	}
+	armed := 0
+	for _, t := range []struct {
+		f    *cfile
+		trig []byte
+	}{{&c.cpuPressure, CPUPressureTrigger}, {&c.memPressure, MemPressureTrigger}} {
+		if !t.f.ok() {
+			continue
+		}
+		if _, err := unix.Write(t.f.fd, t.trig); err != nil {
+			if errors.Is(err, syscall.EOPNOTSUPP) {
+				// psi=0 on the kernel command line: the files exist but
+				// refuse triggers.
+				continue
+			}
+			unix.Close(efd)
+			return fmt.Errorf("arm PSI trigger %q on %s: %w", t.trig, t.f.path, classify(err))
+		}
+		ev := unix.EpollEvent{Events: unix.EPOLLPRI, Fd: int32(t.f.fd)}
+		if err := unix.EpollCtl(efd, unix.EPOLL_CTL_ADD, t.f.fd, &ev); err != nil {
+			if errors.Is(err, syscall.EPERM) {
+				continue // a regular file (test trees): nothing to wait for
+			}
+			unix.Close(efd)
+			return fmt.Errorf("watch %s: %w", t.f.path, err)
+		}
+		armed++
+	}
+	if armed == 0 {
+		unix.Close(efd)
+		return nil
+	}
+	if err := unix.SetNonblock(efd, true); err != nil {
+		unix.Close(efd)
+		return fmt.Errorf("epoll: %w", err)
+	}
+	c.psi = os.NewFile(uintptr(efd), "psi-epoll")
+	go c.watchPSI(c.psi)
+	return nil
+}
+
+func (c *V2) watchPSI(f *os.File) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return
+	}
+	var evs [2]unix.EpollEvent
+	for {
+		var n int
+		var werr error
+		err := rc.Read(func(fd uintptr) bool {
+			n, werr = unix.EpollWait(int(fd), evs[:], 0)
+			return n != 0 || (werr != nil && werr != unix.EINTR)
+		})
+		if err != nil || werr != nil {
+			return // closed
+		}
+		for _, ev := range evs[:n] {
+			kind := EventCPUPressure
+			if int(ev.Fd) == c.memPressure.fd {
+				kind = EventMemPressure
+				c.pending.Store(true)
+			}
+			select {
+			case c.events <- Event{Kind: kind}:
+			default:
+			}
+		}
+	}
 }
 
 func (c *V2) watch(f *os.File) {
@@ -275,17 +418,41 @@ func (c *V2) applyMemory(grant int64) error {
 	return nil
 }
 
-// Events delivers memory.events changes; it is never closed.
+// Events delivers memory.events changes and PSI triggers; it is never
+// closed.
 func (c *V2) Events() <-chan Event { return c.events }
 
-// Close releases every fd and stops the inotify watch.
+// Close releases every fd and stops the inotify and PSI watches.
 func (c *V2) Close() error {
 	if c.inotify != nil {
 		c.inotify.Close()
 		c.inotify = nil
 	}
-	for _, f := range []*cfile{&c.cpuStat, &c.cpuMax, &c.cpuBurst, &c.memCurrent, &c.memStat, &c.memEvents, &c.memHigh, &c.memMax} {
+	if c.psi != nil {
+		c.psi.Close()
+		c.psi = nil
+	}
+	for _, f := range c.files() {
 		f.close()
+	}
+	return nil
+}
+
+// Dir is the cgroup's directory.
+func (c *V2) Dir() string { return c.dir }
+
+// SetOOMGroup writes memory.oom.group: with 1 the kernel's OOM killer
+// takes every task of the group at once, with 0 only the task it picks.
+func (c *V2) SetOOMGroup(on bool) error {
+	if !c.oomGroup.ok() {
+		return fmt.Errorf("set memory.oom.group: %s: %w", c.oomGroup.path, ErrUnsupported)
+	}
+	v := []byte("0")
+	if on {
+		v = []byte("1")
+	}
+	if err := c.oomGroup.write(v); err != nil {
+		return fmt.Errorf("set memory.oom.group=%s: %w", v, err)
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package cgroupfs
 
 import (
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strconv"
 	"syscall"
@@ -17,17 +18,20 @@ func (c *V2) Freeze(on bool) error {
 	if on {
 		v = "1"
 	}
-	return writeControl(filepath.Join(c.dir(), "cgroup.freeze"), v)
+	if !c.freeze.ok() {
+		return fmt.Errorf("freeze: %s: %w", c.freeze.path, ErrUnsupported)
+	}
+	if err := c.freeze.write([]byte(v)); err != nil {
+		return fmt.Errorf("write %s to %s: %w", v, c.freeze.path, err)
+	}
+	return nil
 }
-
-// dir is the cgroup's directory.
-func (c *V2) dir() string { return filepath.Dir(c.cpuMax.path) }
 
 // Reclaim asks the kernel to reclaim bytes from the cgroup
 // (memory.reclaim, kernel >= 5.19). The kernel answers EAGAIN when it
 // could not reclaim that much; that is reported as ErrBusy: not now.
 func (c *V2) Reclaim(bytes int64) error {
-	err := writeControl(filepath.Join(c.dir(), "memory.reclaim"), strconv.FormatInt(bytes, 10))
+	err := writeControl(filepath.Join(c.dir, "memory.reclaim"), strconv.FormatInt(bytes, 10))
 	if errors.Is(err, syscall.EAGAIN) {
 		return errors.Join(ErrBusy, err)
 	}

@@ -27,6 +27,13 @@ func fakeV2(t *testing.T, files map[string]string) (root, path string) {
 		"memory.events":  "low 0\nhigh 3\nmax 1\noom 0\noom_kill 0\noom_group_kill 0\n",
 		"memory.high":    "max\n",
 		"memory.max":     "max\n",
+		// A v2 container cgroup also has these; the tree is a regular
+		// directory, so the PSI files take triggers but cannot be polled.
+		"cgroup.controllers": "cpuset cpu io memory pids\n",
+		"memory.oom.group":   "1\n",
+		"cgroup.freeze":      "0\n",
+		"cpu.pressure":       "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+		"memory.pressure":    "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
 	}
 	for k, v := range files {
 		base[k] = v
@@ -50,7 +57,7 @@ func readFile(t *testing.T, p string) string {
 
 func TestV2Sample(t *testing.T) {
 	root, path := fakeV2(t, nil)
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +87,7 @@ func TestV2Sample(t *testing.T) {
 func TestV2Apply(t *testing.T) {
 	root, path := fakeV2(t, nil)
 	dir := filepath.Join(root, path)
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,7 +123,7 @@ func TestV2Apply(t *testing.T) {
 
 func TestV2EventsInotify(t *testing.T) {
 	root, path := fakeV2(t, nil)
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,13 +153,51 @@ func TestV2EventsInotify(t *testing.T) {
 
 func TestV2Vanished(t *testing.T) {
 	root, path := fakeV2(t, nil)
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	if _, err := OpenV2(root, "/missing"); !errors.Is(err, ErrVanished) {
+	if _, err := OpenV2(filepath.Join(root, "/missing")); !errors.Is(err, ErrVanished) {
 		t.Fatalf("open of a missing cgroup: %v, want ErrVanished", err)
+	}
+}
+
+// A delegated subtree without the cpu or memory controller has no
+// cpu.max or memory.high: opening it names the cgroup and what is missing
+// instead of running the container unlimited.
+func TestV2MissingControllers(t *testing.T) {
+	root, path := fakeV2(t, map[string]string{"cgroup.controllers": "cpu pids\n"})
+	dir := filepath.Join(root, path)
+	_, err := OpenV2(dir)
+	if err == nil || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "[memory]") || errors.Is(err, ErrVanished) {
+		t.Fatalf("open without the memory controller: %v", err)
+	}
+}
+
+func TestV2FreezeAndOOMGroup(t *testing.T) {
+	root, path := fakeV2(t, nil)
+	dir := filepath.Join(root, path)
+	c, err := OpenV2(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := c.SetOOMGroup(false); err != nil {
+		t.Fatal(err)
+	}
+	if got := readFile(t, filepath.Join(dir, "memory.oom.group")); got != "0" {
+		t.Fatalf("memory.oom.group = %q", got)
+	}
+	if err := c.Freeze(true); err != nil {
+		t.Fatal(err)
+	}
+	if got := readFile(t, filepath.Join(dir, "cgroup.freeze")); got != "1" {
+		t.Fatalf("cgroup.freeze = %q", got)
+	}
+	// The triggers went to the PSI files (a regular file keeps them).
+	if got := readFile(t, filepath.Join(dir, "cpu.pressure")); !strings.HasPrefix(got, string(CPUPressureTrigger)) {
+		t.Fatalf("cpu.pressure = %q", got)
 	}
 }
 
@@ -178,7 +223,7 @@ func TestParse(t *testing.T) {
 
 func TestSampleAllocs(t *testing.T) {
 	root, path := fakeV2(t, nil)
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +248,7 @@ func BenchmarkSampleV2(b *testing.B) {
 	} {
 		os.WriteFile(filepath.Join(root, path, k), []byte(v), 0o644)
 	}
-	c, err := OpenV2(root, path)
+	c, err := OpenV2(filepath.Join(root, path))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -1,0 +1,278 @@
+#!/bin/bash
+# The in-guest suite of tests/vm, run by vmtest.service (hack/vm-image.sh)
+# on a Debian standard node: systemd, cgroup v2 unified. It installs the
+# binaries and configs from the share (/mnt/host), runs containerd, the
+# envsnap daemon and the arbiter as systemd units, and drives pods through
+# CRI with crictl. Every check prints one "VMTEST: PASS name" or
+# "VMTEST: FAIL name: why" line on the serial console; the host side
+# parses them. Functional checks only: nothing here is timed.
+set -u
+S=/mnt/host
+PASS=0 FAIL=0
+T0=$(date +%s)
+log() { echo "VMTEST: LOG [$(($(date +%s) - T0))s] $*"; }
+pass() { echo "VMTEST: PASS $1"; PASS=$((PASS + 1)); }
+fail() { echo "VMTEST: FAIL $1: $2"; FAIL=$((FAIL + 1)); }
+check() { # check NAME WHY CMD...: PASS when CMD succeeds
+	local name=$1 why=$2
+	shift 2
+	if "$@"; then pass "$name"; else fail "$name" "$why"; fi
+}
+finish() {
+	if [ "$FAIL" -gt 0 ]; then
+		journalctl --no-pager -u containerd | grep -i 'envlet\|arbiter' | tail -n 60 | sed 's/^/VMTEST: JOURNAL /'
+		journalctl --no-pager -u containerd-envsnap -u envsnap-arbiter | tail -n 30 | sed 's/^/VMTEST: JOURNAL /'
+	fi
+	echo "VMTEST: DONE $PASS passed, $FAIL failed"
+	sync
+	exit 0
+}
+# wait_for SECONDS CMD...: polls CMD every 0.2 s.
+wait_for() {
+	local until=$(($(date +%s) + $1))
+	shift
+	while ! "$@"; do
+		[ "$(date +%s)" -ge "$until" ] && return 1
+		sleep 0.2
+	done
+}
+crictl() { /usr/local/bin/crictl --timeout 120s "$@"; }
+
+echo "VMTEST: START kernel=$(uname -r) cgroupfs=$(stat -fc %T /sys/fs/cgroup) controllers=[$(cat /sys/fs/cgroup/cgroup.controllers)] systemd=$(systemctl --version | head -1 | cut -d' ' -f2)"
+check cgroup-v2 "/sys/fs/cgroup is not cgroup2 with cpu and memory" \
+	sh -c '[ "$(stat -fc %T /sys/fs/cgroup)" = cgroup2fs ] && grep -qw cpu /sys/fs/cgroup/cgroup.controllers && grep -qw memory /sys/fs/cgroup/cgroup.controllers'
+
+# --- install: binaries, shipped units and configs ---
+install -m 0755 "$S"/bin/* /usr/local/bin/
+cp "$S"/deploy/systemd/containerd-envsnap.service "$S"/deploy/systemd/envsnap-arbiter.service /etc/systemd/system/
+mkdir -p /etc/envsnap /etc/containerd/conf.d /etc/containerd/certs.d/127.0.0.1:5000 /var/lib/vmtest/mem /var/log/vmpods
+# The shipped daemon config, with background fill off so reads stay lazy
+# (what the restart checks need).
+sed 's/^fill = true/fill = false/' "$S"/deploy/envsnap/config.toml >/etc/envsnap/config.toml
+cp "$S"/envlet.toml /etc/envsnap/envlet.toml
+cp "$S"/deploy/containerd/envsnap.toml /etc/containerd/conf.d/envsnap.toml
+cat >/etc/containerd/certs.d/127.0.0.1:5000/hosts.toml <<'EOF'
+server = "http://127.0.0.1:5000"
+[host."http://127.0.0.1:5000"]
+  capabilities = ["pull", "resolve"]
+EOF
+cat >/etc/crictl.yaml <<'EOF'
+runtime-endpoint: unix:///run/containerd/containerd.sock
+image-endpoint: unix:///run/containerd/containerd.sock
+EOF
+# containerd's own unit, as its release ships it.
+cat >/etc/systemd/system/containerd.service <<'EOF'
+[Unit]
+Description=containerd container runtime
+After=local-fs.target
+[Service]
+ExecStartPre=-/sbin/modprobe overlay
+ExecStart=/usr/local/bin/containerd
+Type=notify
+Delegate=yes
+KillMode=process
+Restart=always
+RestartSec=5
+LimitNPROC=infinity
+LimitCORE=infinity
+TasksMax=infinity
+OOMScoreAdjust=-999
+[Install]
+WantedBy=multi-user.target
+EOF
+# driver systemd|cgroupfs: the main config (runc's driver, as kubeadm
+# sets it) and, for systemd, the shipped drop-in that gives the envlet
+# handler runc's SystemdCgroup option.
+write_containerd_config() {
+	local sd=false
+	[ "$1" = systemd ] && sd=true
+	cat >/etc/containerd/config.toml <<EOF
+version = 3
+imports = ["/etc/containerd/conf.d/*.toml"]
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "127.0.0.1:5000/vm/pause:1"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "/etc/containerd/certs.d"
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+    SystemdCgroup = $sd
+EOF
+	rm -f /etc/containerd/conf.d/systemd-cgroup.toml
+	if [ "$1" = systemd ]; then
+		cp "$S"/deploy/containerd/systemd-cgroup.toml /etc/containerd/conf.d/
+	fi
+}
+write_containerd_config systemd
+
+# The registry with the test images the host pushed into its storage.
+mkdir -p /var/lib/registry
+cp -a "$S"/registry/. /var/lib/registry/
+cat >/etc/registry.yml <<'EOF'
+version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: /var/lib/registry
+  delete:
+    enabled: true
+http:
+  addr: 127.0.0.1:5000
+EOF
+systemd-run --quiet --unit=vm-registry -p Type=exec /usr/local/bin/registry serve /etc/registry.yml
+wait_for 30 bash -c 'exec 3<>/dev/tcp/127.0.0.1/5000' 2>/dev/null || fail registry "registry did not listen on 127.0.0.1:5000"
+
+systemctl daemon-reload
+systemctl enable --quiet envsnap-arbiter containerd-envsnap containerd
+if ! systemctl start envsnap-arbiter containerd-envsnap containerd; then
+	fail units "systemctl start of the shipped units failed"
+	finish
+fi
+wait_for 60 crictl info >/dev/null 2>&1
+check units "containerd, containerd-envsnap and envsnap-arbiter active" \
+	systemctl is-active --quiet containerd containerd-envsnap envsnap-arbiter
+log "units up: $(systemctl show -p MainPID --value containerd-envsnap) envsnap, containerd $(containerd --version | cut -d' ' -f3)"
+
+IMG=127.0.0.1:5000/vm/env:1
+pod_json() { # name uid cgroup_parent
+	cat <<EOF
+{"metadata": {"name": "$1", "namespace": "default", "uid": "$2"},
+ "log_directory": "/var/log/vmpods/$1",
+ "linux": {"cgroup_parent": "$3", "security_context": {"namespace_options": {"network": 2}}}}
+EOF
+}
+ctr_json() { # name command [annotations-json]
+	cat <<EOF
+{"metadata": {"name": "$1"}, "image": {"image": "$IMG"},
+ "command": ["/bin/sh", "-c", "$2"], "log_path": "$1.log",
+ "annotations": ${3:-{\}},
+ "mounts": [{"container_path": "/mem", "host_path": "/var/lib/vmtest/mem"},
+            {"container_path": "/dev/termination-log", "host_path": "/var/lib/vmtest/term-$1"}]}
+EOF
+}
+cd /var/lib/vmtest
+run_ctr() { # pod-id name command [annotations]: prints the container id
+	: >"/var/lib/vmtest/term-$2"
+	ctr_json "$2" "$3" "${4:-}" >"$2.json"
+	local id
+	id=$(crictl create "$1" "$2.json" pod-"$1".json) || return 1
+	crictl start "$id" >/dev/null || return 1
+	echo "$id"
+}
+cgdir() { # container id: its cgroup directory, read from its init's /proc/PID/cgroup
+	local pid
+	pid=$(crictl inspect "$1" | jq -r .info.pid)
+	echo "/sys/fs/cgroup$(sed -n 's/^0:://p' "/proc/$pid/cgroup")"
+}
+
+# --- lazy pull through envsnap (FUSE in the guest) ---
+echo '{"metadata": {"name": "pull", "namespace": "default", "uid": "pull"}, "annotations": {"io.containerd.cri.runtime-handler": "envlet"}}' >pull.json
+if crictl pull --pod-config pull.json "$IMG" >/dev/null; then
+	log "pulled $IMG: $(grep -c ' fuse' /proc/self/mountinfo) FUSE mounts, envsnap cache $(du -smx /var/lib/containerd-envsnap | cut -f1) MiB"
+	check lazy-pull "no envsnap FUSE mount after the pull, or the unread 64 MiB file was downloaded" \
+		sh -c '[ "$(grep -c " fuse" /proc/self/mountinfo)" -gt 0 ] && [ "$(du -smx /var/lib/containerd-envsnap | cut -f1)" -lt 48 ]'
+else
+	fail lazy-pull "crictl pull failed"
+fi
+
+# --- a pod under the systemd driver: the cgroup is a scope in a .slice ---
+PODUID=vm1
+pod_json envpod $PODUID kubepods-burstable-pod$PODUID.slice >pod-envpod.json
+POD=$(crictl runp --runtime envlet pod-envpod.json)
+if [ -z "$POD" ]; then
+	fail slice-cgroup "crictl runp --runtime envlet failed"
+	finish
+fi
+log "pod $POD runtime envlet, cgroup_parent kubepods-burstable-pod$PODUID.slice"
+cp pod-envpod.json pod-"$POD".json
+C1=$(run_ctr "$POD" agent "cat /msg; exec sleep 100000")
+if [ -z "$C1" ]; then
+	fail slice-cgroup "container did not start under the envlet handler"
+	finish
+fi
+D1=$(cgdir "$C1")
+log "container $C1 cgroupsPath=$(crictl inspect "$C1" | jq -r .info.runtimeSpec.linux.cgroupsPath) cgroup=$D1"
+check slice-cgroup "cgroup $D1 is not the expanded kubepods slice scope" \
+	test "$D1" = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod$PODUID.slice/cri-containerd-$C1.scope"
+check envlet-initial "cpu.max/memory.high not at the initial 0.5 cores/128 MiB: $(cat "$D1"/cpu.max) $(cat "$D1"/memory.high)" \
+	wait_for 20 sh -c "[ \"\$(cat $D1/cpu.max)\" = '50000 100000' ] && [ \"\$(cat $D1/memory.high)\" = 134217728 ]"
+log "initial: cpu.max=$(cat "$D1"/cpu.max) cpu.max.burst=$(cat "$D1"/cpu.max.burst) memory.high=$(cat "$D1"/memory.high) memory.max=$(cat "$D1"/memory.max) memory.oom.group=$(cat "$D1"/memory.oom.group)"
+check lazy-read "the container did not read /msg from the lazy image" \
+	sh -c "[ \"\$(crictl exec $C1 cat /msg)\" = envlet-vm ]"
+
+# watch_file FILE SECONDS SEEN: logs every distinct value of a cgroup
+# file and appends it to SEEN.
+watch_file() {
+	local f=$1 until=$(($(date +%s) + $2)) seen=$3 last="" v
+	while [ "$(date +%s)" -lt "$until" ]; do
+		v=$(cat "$f" 2>/dev/null) || break
+		if [ "$v" != "$last" ]; then
+			log "$(basename "$(dirname "$f")") $(basename "$f")=$v"
+			echo "$v" >>"$seen"
+			last=$v
+		fi
+		sleep 0.1
+	done
+}
+stop_watch() { kill "$1" 2>/dev/null; wait "$1" 2>/dev/null; }
+
+# --- CPU: a burst grows cpu.max, and it shrinks back ---
+watch_file "$D1/cpu.max" 60 /tmp/cpu.seen &
+W=$!
+crictl exec "$C1" sh -c 'timeout 10 sh -c "while :; do :; done" & timeout 10 sh -c "while :; do :; done" & wait' >/dev/null 2>&1
+check cpu-grow "cpu.max never rose above 50000 during the burst: $(tr '\n' ' ' </tmp/cpu.seen)" \
+	sh -c "awk '\$1 != \"max\" && \$1 > 50000' /tmp/cpu.seen | grep -q ."
+check cpu-shrink "cpu.max did not come back to 50000 100000 after the burst: $(cat "$D1"/cpu.max)" \
+	wait_for 45 sh -c "[ \"\$(cat $D1/cpu.max)\" = '50000 100000' ]"
+stop_watch $W
+
+# --- the envsnap daemon restarts under a container reading a lazy layer ---
+WANT=$(cat "$S"/big.sha256)
+C4=$(run_ctr "$POD" reader "while :; do sha256sum /data/big.bin | cut -c1-64; sleep 1; done")
+LOGF=/var/log/vmpods/envpod/reader.log
+sums() { local n; n=$(grep -c "$WANT" "$LOGF" 2>/dev/null); echo "${n:-0}"; }
+wait_for 180 sh -c "grep -q $WANT $LOGF 2>/dev/null"
+before=$(sums)
+log "reader read the lazy 64 MiB file $before time(s); restarting containerd-envsnap"
+systemctl restart containerd-envsnap
+check restart-unit "containerd-envsnap not active after systemctl restart" systemctl is-active --quiet containerd-envsnap
+wait_for 120 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((before + 2)) ]"
+mid=$(sums)
+log "after restart: $mid good reads; SIGKILL containerd-envsnap"
+kill -KILL "$(systemctl show -p MainPID --value containerd-envsnap)"
+sleep 3
+wait_for 60 systemctl is-active --quiet containerd-envsnap
+wait_for 120 sh -c "[ \$(grep -c $WANT $LOGF) -ge $((mid + 2)) ]"
+after=$(sums)
+bad=$(grep -vc "$WANT" "$LOGF" || true)
+log "after SIGKILL: $after good reads, $bad other lines: $(grep -v "$WANT" "$LOGF" | tail -2 | tr '\n' ' ')"
+check restart-reads "reads through restart and SIGKILL: $before -> $mid -> $after good, $bad bad" \
+	sh -c "[ $mid -gt $before ] && [ $after -gt $mid ] && [ $bad -eq 0 ]"
+crictl stopp "$POD" >/dev/null
+crictl rmp "$POD" >/dev/null
+
+# --- the cgroupfs driver: the basic pod life cycle ---
+systemctl stop containerd
+write_containerd_config cgroupfs
+systemctl start containerd
+wait_for 60 crictl info >/dev/null 2>&1
+pod_json fspod vm2 /kubepods/burstable/podvm2 >pod-fspod.json
+POD2=$(crictl runp --runtime envlet pod-fspod.json)
+cp pod-fspod.json pod-"$POD2".json
+C5=$(run_ctr "$POD2" fsagent "cat /msg; exec sleep 100000")
+if [ -n "$C5" ]; then
+	D5=$(cgdir "$C5")
+	log "cgroupfs container $C5 cgroupsPath=$(crictl inspect "$C5" | jq -r .info.runtimeSpec.linux.cgroupsPath) cgroup=$D5 cpu.max=$(cat "$D5"/cpu.max) memory.high=$(cat "$D5"/memory.high)"
+	check cgroupfs-cgroup "cgroup $D5 is not /sys/fs/cgroup/kubepods/burstable/podvm2/$C5" \
+		test "$D5" = "/sys/fs/cgroup/kubepods/burstable/podvm2/$C5"
+	check cgroupfs-envlet "cpu.max not at the initial quota under the cgroupfs driver: $(cat "$D5"/cpu.max)" \
+		wait_for 20 sh -c "[ \"\$(cat $D5/cpu.max)\" = '50000 100000' ]"
+	crictl stop -t 1 "$C5" >/dev/null
+	check cgroupfs-lifecycle "stop/rm/stopp/rmp failed" sh -c "crictl rm $C5 >/dev/null && crictl stopp $POD2 >/dev/null && crictl rmp $POD2 >/dev/null"
+else
+	fail cgroupfs-cgroup "container did not start under the cgroupfs driver"
+fi
+finish
