@@ -18,6 +18,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"io"
 	"os"
 	"os/exec"
@@ -43,18 +44,13 @@ const (
 	guestMemMiB = 4096
 )
 
-// require skips t when a prerequisite is missing, or fails it under
-// CI=true, where a missing prerequisite must not pass silently.
+// require stops t when a prerequisite is missing: a skip, or a failure
+// under CI=true (prereq.Missing).
 func require(t *testing.T, ok bool, format string, args ...any) {
 	t.Helper()
-	if ok {
-		return
+	if !ok {
+		prereq.Missing(t, format, args...)
 	}
-	msg := fmt.Sprintf(format, args...)
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("prerequisite missing under CI=true: %s", msg)
-	}
-	t.Skip(msg)
 }
 
 func TestGuestSuite(t *testing.T) {
