@@ -105,12 +105,22 @@ func TestCPUBurst(t *testing.T) {
 	// 1.7 cores and 8 busy threads would be throttled 15% by design.
 	e := startEnv(t, cfg, envlet.Resources{CPU: 2, Memory: 16 * GiB}, 0)
 	// 1 thread at 15% duty: 0.15 cores, 60% of the quota, no grow.
+	loaded := time.Now()
 	if _, err := e.proc.Do("threads 1 15"); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(time.Second)
 	before := e.ctl.Status().Limit.CPU
 	jump := time.Now()
+	// The first tick after the thread starts can see it run at the
+	// quota for a moment (seen in CI runs: 0.25 cores, one x2); the
+	// steady 0.15-core load after that must not grow the quota.
+	var steadyGrows []string
+	for _, p := range e.ctl.Timeline() {
+		if p.T.After(loaded.Add(300*time.Millisecond)) && p.T.Before(jump) && strings.Contains(p.Actions, "cpu x") {
+			steadyGrows = append(steadyGrows, fmt.Sprintf("%s at %.2f cores used", p.Actions, p.CPUUsed))
+		}
+	}
 	if _, err := e.proc.Do("threads 8 100"); err != nil {
 		t.Fatal(err)
 	}
@@ -137,8 +147,8 @@ func TestCPUBurst(t *testing.T) {
 	psi := hostCPUPressure(t)
 	t.Logf("quota before the jump %.2f; >= 1.6 cores %v after the jump; from 1 s to 3 s after: %.2f cores used, %.0f%% throttled; host cpu pressure some avg10 %.0f%%",
 		before, reached.Round(time.Millisecond), used, thr*100, psi)
-	if before >= 0.5 {
-		t.Errorf("quota grew to %.2f before the jump under a 0.15-core load", before)
+	if len(steadyGrows) > 0 || before >= 1 {
+		t.Errorf("quota grew to %.2f before the jump under a steady 0.15-core load: %v", before, steadyGrows)
 	}
 	if reached <= time.Second {
 		if thr > 0.10 {
