@@ -21,6 +21,7 @@ import (
 	"github.com/opencontainers/image-spec/identity"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -148,7 +149,7 @@ func TestConvertedImageOnFreshContainerd(t *testing.T) {
 			requireLazyChain(t, env, img)
 		}
 		got := treeOf(t, env.Context(), env.Client, img, sn)
-		if diffs := diffTrees(want, got); len(diffs) > 0 {
+		if diffs := devenv.DiffTrees(want, got); len(diffs) > 0 {
 			t.Errorf("converted image on %s differs from the source (first: source, second: converted):\n%s", sn, strings.Join(diffs, "\n"))
 		}
 		res := env.RunContainer(t, img, testenv.RunOptions{Snapshotter: sn, Args: script})

@@ -193,22 +193,3 @@ func xattrs(p string) (string, error) {
 	sort.Strings(kv)
 	return strings.Join(kv, ","), nil
 }
-
-// diffTrees lists the paths whose description differs between a and b.
-func diffTrees(a, b map[string]string) []string {
-	var diffs []string
-	for p, la := range a {
-		if lb, ok := b[p]; !ok {
-			diffs = append(diffs, fmt.Sprintf("%s: only in the first: %s", p, la))
-		} else if la != lb {
-			diffs = append(diffs, fmt.Sprintf("%s:\n\t%s\n\t%s", p, la, lb))
-		}
-	}
-	for p, lb := range b {
-		if _, ok := a[p]; !ok {
-			diffs = append(diffs, fmt.Sprintf("%s: only in the second: %s", p, lb))
-		}
-	}
-	sort.Strings(diffs)
-	return diffs
-}
