@@ -6,6 +6,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
@@ -72,6 +74,10 @@ func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
 	if maxSize == 0 {
 		maxSize = -1 // no cap
 	}
+	// An interrupt cancels the snapshot instead of killing the process,
+	// which could otherwise leave the container frozen.
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	cl, err := connect(c)
 	if err != nil {
 		return err

@@ -25,6 +25,7 @@ import (
 	"github.com/opencontainers/image-spec/identity"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/layerfmt"
 )
@@ -88,11 +89,14 @@ type Result struct {
 	Layer  ocispec.Descriptor
 	DiffID digest.Digest
 	Diff   DiffStats
-	// Frozen is how long the container's cgroup was frozen (Pause to
-	// Resume); 0 for a container that was not running. Copy is the part
-	// of it spent copying the writable layer; the rest is the Pause and
-	// Resume calls (containerd, the shim, runc).
+	// Frozen is how long the container's cgroup was frozen (freeze to
+	// thaw); 0 for a container that was not running. Copy is the part of
+	// it spent copying the writable layer; the rest is freezing and
+	// thawing.
 	Frozen, Copy time.Duration
+	// Freezer says how the container was frozen: "cgroup DIR" (directly)
+	// or "task pause" (through containerd); empty when it was not.
+	Freezer string
 	// UploadedBytes counts the blob bytes sent: the layer, the config
 	// and the manifest. Base layers are linked, never sent.
 	UploadedBytes int64
@@ -372,26 +376,56 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 		return dst, cleanup, nil
 	}
 	t0 := time.Now()
-	if err := task.Pause(ctx); err != nil {
+	thaw, err := freeze(ctx, task, res)
+	if err != nil {
 		cleanup()
-		return "", noop, fmt.Errorf("freeze (pause task): %w", err)
+		return "", noop, err
 	}
 	serr := copyUpper()
-	// Thaw even when ctx is cancelled: a container must never stay frozen
-	// because its snapshot failed.
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	rerr := task.Resume(rctx)
-	cancel()
+	rerr := thaw()
 	res.Frozen = time.Since(t0)
 	if rerr != nil {
 		cleanup()
-		return "", noop, fmt.Errorf("thaw (resume task): %w", rerr)
+		return "", noop, rerr
 	}
 	if serr != nil {
 		cleanup()
 		return "", noop, serr
 	}
 	return dst, cleanup, nil
+}
+
+// freeze stops every process of a running task and returns the function
+// that resumes them. It freezes the task's cgroup directly (v1 freezer or
+// v2 cgroup.freeze, waiting until the kernel reports it frozen): the
+// same state containerd's task Pause reaches through the shim and a runc
+// process, in milliseconds instead of the 0.3-1 s that round trip took
+// on a loaded node. A task whose cgroup cannot be found from its process
+// (a runtime that keeps it elsewhere, such as a VM) is paused through
+// containerd instead. The returned thaw runs even when ctx is cancelled:
+// a container must never stay frozen because its snapshot failed.
+func freeze(ctx context.Context, task client.Task, res *Result) (thaw func() error, err error) {
+	fz, ferr := cgroupfs.FreezerOf(int(task.Pid()))
+	if ferr == nil {
+		if err := fz.Freeze(); err != nil {
+			return nil, err
+		}
+		res.Freezer = "cgroup " + fz.Dir()
+		return fz.Thaw, nil
+	}
+	log.G(ctx).WithError(ferr).WithField("pid", task.Pid()).Warn("no cgroup freezer for the task's process; pausing it through containerd")
+	if err := task.Pause(ctx); err != nil {
+		return nil, fmt.Errorf("freeze (pause task): %w", err)
+	}
+	res.Freezer = "task pause"
+	return func() error {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		if err := task.Resume(rctx); err != nil {
+			return fmt.Errorf("thaw (resume task): %w", err)
+		}
+		return nil
+	}, nil
 }
 
 // blob is an encoded envsnap layer in a local file.
