@@ -95,8 +95,8 @@ func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
 		return err
 	}
 	fmt.Printf("%s@%s\n", res.Ref, res.Manifest.Digest)
-	fmt.Printf("frozen %s (copy %s), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
-		res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond), res.Diff.Entries, res.Diff.Whiteouts, res.Diff.Opaque, res.Diff.DataBytes,
+	fmt.Printf("pre-copied %s while running; frozen %s (%s; copy %s: %d files copied, %d taken from the pre-copy), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
+		res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Freezer, res.Copy.Round(time.Microsecond), res.FilesCopied, res.FilesReused, res.Diff.Entries, res.Diff.Whiteouts, res.Diff.Opaque, res.Diff.DataBytes,
 		res.Layer.Size, res.UploadedBytes, res.LayersLinked, res.Depth)
 	if res.Squashed > 0 {
 		fmt.Printf(" (squashed %d earlier snapshot layers)", res.Squashed)

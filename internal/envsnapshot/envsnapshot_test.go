@@ -249,7 +249,7 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	// The envsnap encoding keeps it all, and a staged copy reads the same.
 	reader(t, diff.Bytes())
 	staged := filepath.Join(t.TempDir(), "staged")
-	if err := stage(upper, staged); err != nil {
+	if _, err := stage(upper, staged, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	var diff2 bytes.Buffer
@@ -262,6 +262,140 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 
 	if _, err := WriteUpperTar(context.Background(), &bytes.Buffer{}, upper, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
 		t.Errorf("8 MiB sparse file under a 1 MiB cap: err %v, want ErrDiffTooLarge", err)
+	}
+}
+
+// TestPrecopy: a frozen pass over a pre-copy reuses exactly the files that
+// cannot have changed since, and its result is the tree a full copy gives.
+func TestPrecopy(t *testing.T) {
+	requireRoot(t)
+	upper := t.TempDir()
+	write := func(name, data string) {
+		t.Helper()
+		p := filepath.Join(upper, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range []string{"keep", "d/keep2", "inplace", "gone", "replaced", "chmodded"} {
+		write(n, "before "+n)
+	}
+	if err := os.Link(filepath.Join(upper, "keep"), filepath.Join(upper, "keep-link")); err != nil {
+		t.Fatal(err)
+	}
+	work := t.TempDir()
+	full := func(name string) []byte {
+		t.Helper()
+		dst := filepath.Join(work, name)
+		if _, err := stage(upper, dst, nil, nil); err != nil {
+			t.Fatal(err)
+		}
+		var b bytes.Buffer
+		if _, err := WriteUpperTar(context.Background(), &b, dst, 0); err != nil {
+			t.Fatal(err)
+		}
+		return b.Bytes()
+	}
+
+	// Everything was written just now: nothing is older than the pre-copy
+	// by precopySlack, so nothing is reused.
+	pre, err := precopy(upper, filepath.Join(work, "pre-fresh"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := stage(upper, filepath.Join(work, "fresh"), pre, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Reused != 0 {
+		t.Errorf("files written %s before the pre-copy were reused: %+v", precopySlack, st)
+	}
+
+	// As if the files had been written long before the pre-copy.
+	pre, err = precopy(upper, filepath.Join(work, "pre"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := pre.files["keep"]; ok {
+		t.Error("the pre-copy copied the data of a file with two names")
+	}
+	pre.start = pre.start.Add(2 * precopySlack)
+	// Changes while the container ran on: an overwrite in place of the
+	// same size with the mtime put back (only ctime tells), a deletion,
+	// a replacement, a chmod, a new file.
+	p := filepath.Join(upper, "inplace")
+	fi, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte("AFTER! inplace"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(p, fi.ModTime(), fi.ModTime()); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(upper, "gone")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(upper, "replaced")); err != nil {
+		t.Fatal(err)
+	}
+	write("replaced", "after replaced")
+	if err := os.Chmod(filepath.Join(upper, "chmodded"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	write("new", "new")
+	want := full("want")
+	st, err = stage(upper, filepath.Join(work, "got"), pre, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Reused != 1 || st.Copied != 5 {
+		t.Errorf("reused %d and copied %d files, want 1 (d/keep2) and 5", st.Reused, st.Copied)
+	}
+	var got bytes.Buffer
+	if _, err := WriteUpperTar(context.Background(), &got, filepath.Join(work, "got"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(want, got.Bytes()) {
+		t.Error("the copy brought up to date from a pre-copy differs from a full copy")
+	}
+
+	// A file mapped shared and writable is never reused.
+	f, err := os.OpenFile(filepath.Join(upper, "d/keep2"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	dirty, err := mappedShared([]int{os.Getpid()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sys unix.Stat_t
+	if err := unix.Stat(filepath.Join(upper, "d/keep2"), &sys); err != nil {
+		t.Fatal(err)
+	}
+	if !dirty[inode{sys.Dev, sys.Ino}] {
+		t.Fatalf("mappedShared misses a shared writable mapping of d/keep2 (%d entries)", len(dirty))
+	}
+	pre, err = precopy(upper, filepath.Join(work, "pre2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pre.start = pre.start.Add(2 * precopySlack)
+	if st, err = stage(upper, filepath.Join(work, "got2"), pre, dirty); err != nil {
+		t.Fatal(err)
+	}
+	if st.Reused != 4 {
+		t.Errorf("reused %d files, want 4 (all single-name files but the mapped d/keep2)", st.Reused)
 	}
 }
 

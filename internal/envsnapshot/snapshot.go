@@ -94,6 +94,12 @@ type Result struct {
 	// it spent copying the writable layer; the rest is freezing and
 	// thawing.
 	Frozen, Copy time.Duration
+	// Precopy is how long the writable layer was copied before the
+	// freeze, while the container ran. FilesCopied counts the regular
+	// files copied while frozen, FilesReused those moved over from the
+	// pre-copy instead.
+	Precopy                  time.Duration
+	FilesCopied, FilesReused int
 	// Freezer says how the container was frozen: "cgroup DIR" (directly)
 	// or "task pause" (through containerd); empty when it was not.
 	Freezer string
@@ -171,7 +177,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	defer cleanup()
-	fmt.Fprintf(o.Log, "captured %s (frozen %s, of which copying %s)\n", id, res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
+	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which copying %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 
 	diff, err := encodeLayer(ctx, filepath.Join(tmp, "diff"), func(w io.Writer) error {
 		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
@@ -334,10 +340,13 @@ func writableDir(mounts []mount.Mount) (string, error) {
 }
 
 // capture returns a directory holding a consistent copy of the container's
-// writable layer and records the freeze in res. A running task is paused
-// (its cgroup frozen) while the upper directory is copied to a staging
-// directory, then resumed; a container without a running task is read in
-// place. cleanup removes the copy and may be called more than once.
+// writable layer and records the freeze in res. The upper directory of a
+// running task is first pre-copied to a staging directory while the task
+// runs; then its cgroup is frozen, the copy is brought up to date (files
+// that changed, or may have, since the pre-copy are copied again; the
+// rest are moved from the pre-copy), and the cgroup is thawed, also when
+// anything failed. A container without a running task is read in place.
+// cleanup removes the copy and may be called more than once.
 func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
 	noop := func() {}
 	task, err := src.container.Task(ctx, nil)
@@ -355,35 +364,59 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 		// Created (never started) or stopped: nothing writes.
 		return src.upper, noop, nil
 	}
-	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
+	// Room for the pre-copy and the final copy side by side.
+	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, 2*size), "envsnap-stage-")
 	if err != nil {
 		return "", noop, err
 	}
 	cleanup = func() { os.RemoveAll(staging) }
 	dst := filepath.Join(staging, "upper")
-	copyUpper := func() error {
+	copyUpper := func(pre *staged, dirty map[inode]bool) error {
 		t := time.Now()
-		err := stage(src.upper, dst)
+		st, err := stage(src.upper, dst, pre, dirty)
 		res.Copy = time.Since(t)
+		if st != nil {
+			res.FilesCopied, res.FilesReused = st.Copied, st.Reused
+		}
 		return err
 	}
 	if status.Status == client.Paused {
 		// Frozen by someone else, who also decides when it thaws.
-		if err := copyUpper(); err != nil {
+		if err := copyUpper(nil, nil); err != nil {
 			cleanup()
 			return "", noop, err
 		}
 		return dst, cleanup, nil
 	}
+	t := time.Now()
+	pre, err := precopy(src.upper, filepath.Join(staging, "pre"))
+	res.Precopy = time.Since(t)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; copying all of it while frozen")
+		pre = nil
+	}
 	t0 := time.Now()
-	thaw, err := freeze(ctx, task, res)
+	fz, err := freeze(ctx, task, res)
 	if err != nil {
 		cleanup()
 		return "", noop, err
 	}
-	serr := copyUpper()
-	rerr := thaw()
+	serr := func() error {
+		pids, err := fz.pids()
+		if err != nil {
+			return fmt.Errorf("processes of the frozen task: %w", err)
+		}
+		dirty, err := mappedShared(pids)
+		if err != nil {
+			return fmt.Errorf("shared mappings of the frozen task: %w", err)
+		}
+		return copyUpper(pre, dirty)
+	}()
+	rerr := fz.thaw()
 	res.Frozen = time.Since(t0)
+	if pre != nil {
+		os.RemoveAll(pre.dir)
+	}
 	if rerr != nil {
 		cleanup()
 		return "", noop, rerr
@@ -395,36 +428,54 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 	return dst, cleanup, nil
 }
 
-// freeze stops every process of a running task and returns the function
-// that resumes them. It freezes the task's cgroup directly (v1 freezer or
-// v2 cgroup.freeze, waiting until the kernel reports it frozen): the
-// same state containerd's task Pause reaches through the shim and a runc
-// process, in milliseconds instead of the 0.3-1 s that round trip took
-// on a loaded node. A task whose cgroup cannot be found from its process
-// (a runtime that keeps it elsewhere, such as a VM) is paused through
-// containerd instead. The returned thaw runs even when ctx is cancelled:
-// a container must never stay frozen because its snapshot failed.
-func freeze(ctx context.Context, task client.Task, res *Result) (thaw func() error, err error) {
+// frozen is a task frozen by freeze.
+type frozen struct {
+	thaw func() error
+	// pids lists the task's processes (all of them stopped).
+	pids func() ([]int, error)
+}
+
+// freeze stops every process of a running task. It freezes the task's
+// cgroup directly (v1 freezer or v2 cgroup.freeze, waiting until the
+// kernel reports it frozen): the same state containerd's task Pause
+// reaches through the shim and a runc process, in milliseconds instead of
+// the 0.3-1 s that round trip took on a loaded node. A task whose cgroup
+// cannot be found from its process (a runtime that keeps it elsewhere,
+// such as a VM) is paused through containerd instead. thaw runs even when
+// ctx is cancelled: a container must never stay frozen because its
+// snapshot failed.
+func freeze(ctx context.Context, task client.Task, res *Result) (*frozen, error) {
 	fz, ferr := cgroupfs.FreezerOf(int(task.Pid()))
 	if ferr == nil {
 		if err := fz.Freeze(); err != nil {
 			return nil, err
 		}
 		res.Freezer = "cgroup " + fz.Dir()
-		return fz.Thaw, nil
+		return &frozen{thaw: fz.Thaw, pids: fz.Pids}, nil
 	}
 	log.G(ctx).WithError(ferr).WithField("pid", task.Pid()).Warn("no cgroup freezer for the task's process; pausing it through containerd")
 	if err := task.Pause(ctx); err != nil {
 		return nil, fmt.Errorf("freeze (pause task): %w", err)
 	}
 	res.Freezer = "task pause"
-	return func() error {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if err := task.Resume(rctx); err != nil {
-			return fmt.Errorf("thaw (resume task): %w", err)
-		}
-		return nil
+	nctx := context.WithoutCancel(ctx)
+	return &frozen{
+		thaw: func() error {
+			rctx, cancel := context.WithTimeout(nctx, 30*time.Second)
+			defer cancel()
+			if err := task.Resume(rctx); err != nil {
+				return fmt.Errorf("thaw (resume task): %w", err)
+			}
+			return nil
+		},
+		pids: func() ([]int, error) {
+			ps, err := task.Pids(nctx)
+			var out []int
+			for _, p := range ps {
+				out = append(out, int(p.Pid))
+			}
+			return out, err
+		},
 	}, nil
 }
 

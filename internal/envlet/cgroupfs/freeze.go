@@ -117,6 +117,15 @@ func (f *Freezer) set(state cgroups.FreezerState) error {
 	return nil
 }
 
+// Pids lists the processes of the cgroup and its descendants.
+func (f *Freezer) Pids() ([]int, error) {
+	pids, err := cgroups.GetAllPids(f.dir)
+	if err != nil {
+		return nil, fmt.Errorf("processes of cgroup %s: %w", f.dir, classify(err))
+	}
+	return pids, nil
+}
+
 // Frozen reports whether the cgroup itself is frozen (not merely below a
 // frozen ancestor).
 func (f *Freezer) Frozen() (bool, error) {
