@@ -102,6 +102,18 @@ func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
 		fmt.Printf(" (squashed %d earlier snapshot layers)", res.Squashed)
 	}
 	fmt.Printf("; total %s\n", res.Duration.Round(time.Millisecond))
+	if res.Squash != nil {
+		// The snapshot is pushed and usable; the squash only has to
+		// finish before this process exits.
+		fmt.Printf("depth %d is over --max-depth: squashing in the background (the snapshot above is usable meanwhile)\n", res.Depth)
+		sq, err := res.Squash.Wait()
+		if err != nil {
+			return err
+		}
+		fmt.Printf("%s@%s\n", sq.Ref, sq.Manifest.Digest)
+		fmt.Printf("squashed %d snapshot layers into one (layer %d bytes), uploaded %d bytes; depth 1; took %s\n",
+			sq.Squashed, sq.Layer.Size, sq.UploadedBytes, sq.Duration.Round(time.Millisecond))
+	}
 	return nil
 }
 

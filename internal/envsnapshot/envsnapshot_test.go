@@ -227,6 +227,8 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	must(unix.Mkfifo(m("fifo"), 0o600))
 	f, err := os.Create(m("sparse"))
 	must(err)
+	_, err = f.WriteAt([]byte("middle"), 4<<20)
+	must(err)
 	_, err = f.WriteAt([]byte("end"), 8<<20)
 	must(err)
 	must(f.Close())
@@ -258,6 +260,11 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	}
 	if !bytes.Equal(diff.Bytes(), diff2.Bytes()) {
 		t.Error("the staged copy of the upper directory gives another diff than the upper itself")
+	}
+	var sp unix.Stat_t
+	must(unix.Stat(filepath.Join(staged, "sparse"), &sp))
+	if sp.Size != 8<<20+3 || sp.Blocks*512 > 1<<20 {
+		t.Errorf("staged sparse file: %d bytes in %d blocks; want its holes kept", sp.Size, sp.Blocks)
 	}
 
 	if _, err := WriteUpperTar(context.Background(), &bytes.Buffer{}, upper, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
@@ -406,11 +413,14 @@ func TestDecide(t *testing.T) {
 	}{
 		{0, 8, Layout{Keep: 0}},
 		{7, 8, Layout{Keep: 7}},
-		{8, 8, Layout{Squash: 8}},
-		{2, 2, Layout{Squash: 2}},
+		{8, 8, Layout{Keep: 8, Squash: 8, Background: true}},
+		{9, 8, Layout{Squash: 9}},
+		{12, 8, Layout{Squash: 12}},
+		{2, 2, Layout{Keep: 2, Squash: 2, Background: true}},
 		{1, 2, Layout{Keep: 1}},
 		{0, 1, Layout{Keep: 0}},
-		{1, 1, Layout{Squash: 1}},
+		{1, 1, Layout{Keep: 1, Squash: 1, Background: true}},
+		{2, 1, Layout{Squash: 2}},
 		{3, 0, Layout{Keep: 3}}, // default depth
 	} {
 		if got := Decide(tc.parent, tc.max); got != tc.want {

@@ -74,11 +74,20 @@ func buildImage(src *source, layout Layout, top *blob) (*snapshotImage, error) {
 		Layers:      append(append([]ocispec.Descriptor(nil), img.linked...), top.desc),
 		Annotations: annotations,
 	}
-	if img.manifestRaw, err = json.Marshal(img.manifest); err != nil {
+	if err := img.finish(); err != nil {
 		return nil, err
 	}
-	img.desc = ocispec.Descriptor{MediaType: ocispec.MediaTypeImageManifest, Digest: digest.FromBytes(img.manifestRaw), Size: int64(len(img.manifestRaw))}
 	return img, nil
+}
+
+// finish encodes the manifest (again, after a change) and its descriptor.
+func (img *snapshotImage) finish() error {
+	var err error
+	if img.manifestRaw, err = json.Marshal(img.manifest); err != nil {
+		return err
+	}
+	img.desc = ocispec.Descriptor{MediaType: ocispec.MediaTypeImageManifest, Digest: digest.FromBytes(img.manifestRaw), Size: int64(len(img.manifestRaw))}
+	return nil
 }
 
 // trimHistory keeps the history entries of the first layers layers; ok
@@ -104,8 +113,9 @@ func trimHistory(h []ocispec.History, layers int) ([]ocispec.History, bool) {
 
 // push links the kept layers into target's repository from the source
 // image's repository, uploads the new layer, then the config, and the
-// manifest last.
-func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, srcRef, target string, top *blob, res *Result) error {
+// manifest last; guard, if set, runs just before the manifest push and
+// stops it with its error.
+func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, srcRef, target string, top *blob, res *Result, guard func(context.Context) error) error {
 	dst, err := reference.Parse(target)
 	if err != nil {
 		return fmt.Errorf("target %s: %w", target, err)
@@ -141,6 +151,11 @@ func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, 
 	}
 	if sent {
 		res.UploadedBytes += img.manifest.Config.Size
+	}
+	if guard != nil {
+		if err := guard(ctx); err != nil {
+			return fmt.Errorf("push %s: %w", target, err)
+		}
 	}
 	if sent, err = group.PushBytes(ctx, pusher, img.desc, img.manifestRaw); err != nil {
 		return fmt.Errorf("push %s: manifest: %w", target, err)

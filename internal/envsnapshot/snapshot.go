@@ -5,6 +5,7 @@ package envsnapshot
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -41,6 +42,10 @@ const (
 	AnnotationParent = "io.envsnap.snapshot.parent"
 	// AnnotationContainer (manifest) is the snapshotted container's ID.
 	AnnotationContainer = "io.envsnap.snapshot.container"
+	// AnnotationSquashedFrom (manifest) is, on an image made by a
+	// background squash, the manifest digest of the unsquashed snapshot
+	// it replaced under the same reference.
+	AnnotationSquashedFrom = "io.envsnap.snapshot.squashed-from"
 	// AnnotationSquashed (layer) counts the snapshot diffs merged into a
 	// squashed layer.
 	AnnotationSquashed = "io.envsnap.snapshot.squashed"
@@ -109,9 +114,18 @@ type Result struct {
 	LayersLinked  int
 	// Depth is the number of snapshot layers above the original image.
 	Depth int
-	// Squashed is how many earlier snapshot layers were merged into Layer.
+	// Squashed is how many earlier snapshot layers were merged into Layer
+	// before the push.
 	Squashed int
-	Duration time.Duration
+	// Squash is set when the snapshot went one layer over the depth
+	// limit: the squash then runs in the background (see Decide); Wait
+	// for it before the process exits.
+	Squash *Squashing
+	// Encode is the time spent writing the diff as an envsnap layer, Push
+	// the time spent linking, uploading and tagging; Duration is the
+	// whole snapshot.
+	Encode, Push time.Duration
+	Duration     time.Duration
 }
 
 func (o *Options) defaults() {
@@ -171,7 +185,12 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(tmp)
+	keepTmp := false // a background squash takes it over
+	defer func() {
+		if !keepTmp {
+			os.RemoveAll(tmp)
+		}
+	}()
 	dir, cleanup, err := capture(ctx, src, size, o, res)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
@@ -179,6 +198,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	defer cleanup()
 	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which copying %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 
+	t := time.Now()
 	diff, err := encodeLayer(ctx, filepath.Join(tmp, "diff"), func(w io.Writer) error {
 		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
 		res.Diff = st
@@ -188,11 +208,12 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	cleanup()
+	res.Encode = time.Since(t)
 
 	parentDiffs := len(src.manifest.Layers) - src.base
 	layout := Decide(parentDiffs, o.MaxDepth)
 	top := diff
-	if layout.Squash > 0 {
+	if layout.Squash > 0 && !layout.Background {
 		top, err = squashLayers(ctx, filepath.Join(tmp, "squash"), src, diff, o)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot %s: squash %d layers: %w", id, layout.Squash+1, err)
@@ -201,19 +222,118 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		res.Squashed = layout.Squash
 		fmt.Fprintf(o.Log, "squashed %d snapshot layers into one\n", layout.Squash+1)
 	}
-	img, err := buildImage(src, layout, top)
+	first := layout
+	if layout.Background {
+		first = Layout{Keep: layout.Keep}
+	}
+	img, err := buildImage(src, first, top)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	res.Layer, res.DiffID, res.Depth = top.desc, top.diffID, layout.Keep+1
-	if err := img.push(ctx, o.Hosts, src.imageRef, target, top, res); err != nil {
+	res.Layer, res.DiffID, res.Depth = top.desc, top.diffID, first.Keep+1
+	t = time.Now()
+	err = img.push(ctx, o.Hosts, src.imageRef, target, top, res, nil)
+	res.Push = time.Since(t)
+	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
 	}
 	res.Manifest = img.desc
 	res.Duration = time.Since(start)
 	log.G(ctx).WithField("container", id).WithField("ref", target).WithField("frozen", res.Frozen).
 		WithField("uploaded", res.UploadedBytes).Info("pushed environment snapshot")
+	if layout.Background {
+		keepTmp = true
+		res.Squash = startSquash(ctx, src, diff, tmp, target, img.desc, layout, o)
+	}
 	return res, nil
+}
+
+// Squashing is a squash running in the background after a snapshot was
+// pushed (see Decide).
+type Squashing struct {
+	done chan struct{}
+	res  *SquashResult
+	err  error
+}
+
+// SquashResult describes a finished background squash.
+type SquashResult struct {
+	// Manifest is the squashed image, Ref now points at it.
+	Ref      string
+	Manifest ocispec.Descriptor
+	Layer    ocispec.Descriptor
+	// Squashed is how many snapshot layers were merged into Layer.
+	Squashed      int
+	UploadedBytes int64
+	Duration      time.Duration
+}
+
+// Wait blocks until the squash has finished or failed. A failed squash
+// leaves the snapshot as first pushed (one layer over the limit; the next
+// snapshot of it squashes before it pushes).
+func (s *Squashing) Wait() (*SquashResult, error) {
+	<-s.done
+	return s.res, s.err
+}
+
+// ErrRefMoved is returned by a background squash that found its
+// reference pointing at another manifest than the one it squashes: it
+// then pushes no manifest (the squashed blobs stay unreferenced), so a
+// newer image under the name is never replaced by an older one.
+var ErrRefMoved = errors.New("reference moved since the snapshot")
+
+// startSquash merges the snapshot layers of the image just pushed to
+// target as pushed (whose manifest is pushed) into one layer, pushes the
+// squashed image's blobs, and re-tags target to it if target still
+// points at pushed. It owns tmp (holding the new diff) and removes it.
+func startSquash(ctx context.Context, src *source, diff *blob, tmp, target string, pushed ocispec.Descriptor, layout Layout, o Options) *Squashing {
+	s := &Squashing{done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		defer os.RemoveAll(tmp)
+		start := time.Now()
+		n := layout.Squash + 1
+		fail := func(err error) {
+			s.err = fmt.Errorf("background squash of %s (%d snapshot layers): %w", target, n, err)
+			log.G(ctx).WithError(s.err).Warn("snapshot stays unsquashed")
+		}
+		top, err := squashLayers(ctx, filepath.Join(tmp, "squash"), src, diff, o)
+		if err != nil {
+			fail(err)
+			return
+		}
+		top.desc.Annotations[AnnotationSquashed] = strconv.Itoa(n)
+		img, err := buildImage(src, Layout{Squash: layout.Squash}, top)
+		if err != nil {
+			fail(err)
+			return
+		}
+		img.manifest.Annotations[AnnotationSquashedFrom] = pushed.Digest.String()
+		if err := img.finish(); err != nil {
+			fail(err)
+			return
+		}
+		var tmpRes Result
+		resolver := docker.NewResolver(docker.ResolverOptions{Hosts: o.Hosts})
+		guard := func(ctx context.Context) error {
+			_, now, err := resolver.Resolve(ctx, target)
+			if err != nil {
+				return fmt.Errorf("resolve %s: %w", target, err)
+			}
+			if now.Digest != pushed.Digest {
+				return fmt.Errorf("%s now points at %s, not at the snapshot %s: %w", target, now.Digest, pushed.Digest, ErrRefMoved)
+			}
+			return nil
+		}
+		if err := img.push(ctx, o.Hosts, src.imageRef, target, top, &tmpRes, guard); err != nil {
+			fail(err)
+			return
+		}
+		s.res = &SquashResult{Ref: target, Manifest: img.desc, Layer: top.desc, Squashed: n,
+			UploadedBytes: tmpRes.UploadedBytes, Duration: time.Since(start)}
+		log.G(ctx).WithField("ref", target).WithField("manifest", img.desc.Digest).WithField("layers", n).Info("squashed snapshot layers in the background")
+	}()
+	return s
 }
 
 func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*source, error) {

@@ -71,8 +71,8 @@ type inode struct{ dev, ino uint64 }
 
 // stage copies an upper directory to dst, keeping everything WriteUpperTar
 // reads: types, owners, modes, mtimes, xattrs (overlay's opaque marker
-// included), whiteout devices and hard links (sparse files are copied
-// densely, as the diff stores them). dst should be on tmpfs.
+// included), whiteout devices, hard links and holes of sparse files. dst
+// should be on tmpfs.
 //
 // With pre == nil the copy is complete and exact only if nothing writes
 // to upper meanwhile: it is what runs while the container is frozen. It
@@ -321,10 +321,14 @@ func copyRegular(src, dst string, st *unix.Stat_t) error {
 	}
 	defer out.Close()
 	buf := copyBufs.Get().(*[]byte)
-	// Plain reads and writes: copy_file_range fails across file systems
-	// (upper on disk, staging on tmpfs), and the failed attempt costs a
-	// system call per file.
-	_, err = io.CopyBuffer(struct{ io.Writer }{out}, struct{ io.Reader }{in}, *buf)
+	if st.Blocks*512 < st.Size {
+		err = copyHoles(out, in, st.Size, *buf)
+	} else {
+		// Plain reads and writes: copy_file_range fails across file
+		// systems (upper on disk, staging on tmpfs), and the failed
+		// attempt costs a system call per file.
+		_, err = io.CopyBuffer(struct{ io.Writer }{out}, struct{ io.Reader }{in}, *buf)
+	}
 	copyBufs.Put(buf)
 	if err != nil {
 		return fmt.Errorf("copy %s: %w", src, err)
@@ -333,6 +337,36 @@ func copyRegular(src, dst string, st *unix.Stat_t) error {
 		return err
 	}
 	return out.Close()
+}
+
+// copyHoles copies the first size bytes of a sparse file: only its data
+// extents (SEEK_DATA, SEEK_HOLE), leaving the holes as holes, so a mostly
+// empty file costs the staging tmpfs and the freeze what it holds, not
+// its length.
+func copyHoles(out, in *os.File, size int64, buf []byte) error {
+	fd := int(in.Fd())
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break // holes up to the end
+		}
+		if err != nil {
+			return fmt.Errorf("seek data from %d: %w", off, err)
+		}
+		if data >= size {
+			break
+		}
+		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return fmt.Errorf("seek hole from %d: %w", data, err)
+		}
+		hole = min(hole, size)
+		if _, err := io.CopyBuffer(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data), buf); err != nil {
+			return err
+		}
+		off = hole
+	}
+	return out.Truncate(size)
 }
 
 // setMeta gives dst src's xattrs, owner, mode and times (fd >= 0: dst is

@@ -74,7 +74,8 @@ func TestBenchSnapshot(t *testing.T) {
 		}
 		snapWall, snapFreeze, snapBytes = append(snapWall, res.Duration), append(snapFreeze, res.Frozen), res.UploadedBytes
 		snapCopy = append(snapCopy, res.Copy)
-		t.Logf("envsnap round %d: frozen %s (copy %s), wall %s, diff %d data bytes -> %d-byte layer, uploaded %d", i, res.Frozen, res.Copy, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
+		t.Logf("envsnap round %d: pre-copy %s, frozen %s by %s (copy %s: %d files copied, %d from the pre-copy), encode %s, push %s, wall %s, diff %d data bytes -> %d-byte layer, uploaded %d",
+			i, res.Precopy, res.Frozen, res.Freezer, res.Copy, res.FilesCopied, res.FilesReused, res.Encode, res.Push, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
 
 		wall, frozen, sent := commitAndPush(t, e, ovlTask, "bench-overlayfs", fmt.Sprintf("%s/envsnap-bench/commit-%d:1", e.Registry.Host, i))
 		commitWall, commitFreeze, commitBytes = append(commitWall, wall), append(commitFreeze, frozen), sent

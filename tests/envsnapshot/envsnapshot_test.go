@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/internal/envsnapshot"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/layerfmt"
 	"github.com/envsnap/envsnap/tests/testenv"
@@ -318,12 +319,19 @@ echo k+2m >> /etc/app.conf
 rm /srv/out.txt`)
 	atK2 := r.describe(t, bForks[0])
 	snapC := e.Registry.Host + "/envsnap-test/snap:c"
+	// One over the limit: pushed at depth 3 at once, then squashed in the
+	// background and re-tagged at depth 1.
 	_, depth, out = r.snapshot(t, bForks[0], snapC, "--max-depth", "2")
-	if depth != 1 || !strings.Contains(out, "squashed 2 earlier snapshot layers") {
-		t.Errorf("third snapshot in a chain with max depth 2: depth %d, want 1 after a squash; output:\n%s", depth, out)
+	if depth != 3 || !strings.Contains(out, "squashed 3 snapshot layers into one") {
+		t.Errorf("third snapshot in a chain with max depth 2: depth %d, want 3 then a background squash; output:\n%s", depth, out)
 	}
-	if mc := r.manifest(t, snapC); len(mc.Layers) != len(base.Layers)+1 {
+	mc := r.manifest(t, snapC)
+	if len(mc.Layers) != len(base.Layers)+1 {
 		t.Errorf("squashed snapshot has %d layers, want %d", len(mc.Layers), len(base.Layers)+1)
+	}
+	from := mc.Annotations[envsnapshot.AnnotationSquashedFrom]
+	if mu := r.manifest(t, e.Registry.Host+"/envsnap-test/snap@"+from); len(mu.Layers) != len(base.Layers)+3 {
+		t.Errorf("the snapshot pushed before the squash (%q) has %d layers, want %d", from, len(mu.Layers), len(base.Layers)+3)
 	}
 	// Plain ctr runs a snapshot too: the transfer service's pull with the
 	// remote-snapshot labels, then ctr run on envsnap.
