@@ -4,17 +4,21 @@
 // image whose other layers are linked, never copied; forks start from that
 // image lazily on any node.
 //
-// A snapshot is taken in four steps: the container's cgroup is frozen
-// (containerd's task Pause) while its writable layer, the overlayfs upper
-// directory of its active snapshot, is copied to a staging directory on
-// tmpfs; the container is thawed; the copy is written as an OCI diff
-// (overlay whiteouts and opaque directories become OCI whiteouts) and
-// encoded with layerfmt; the layer, then the config, then the manifest are
-// pushed. Only the manifest makes the snapshot visible, so a failure never
-// leaves an image that refers to missing blobs.
+// A snapshot is taken in five steps: the container's writable layer, the
+// overlayfs upper directory of its active snapshot, is pre-copied to a
+// staging directory on tmpfs while the container runs; the container's
+// cgroup is frozen (directly, v1 freezer or v2 cgroup.freeze) while the
+// copy is brought up to date (only files that changed, or may have,
+// since the pre-copy are copied again); the container is thawed; the
+// copy is written as an OCI diff (overlay whiteouts and opaque
+// directories become OCI whiteouts) and encoded with layerfmt; the layer,
+// then the config, then the manifest are pushed. Only the manifest makes
+// the snapshot visible, so a failure never leaves an image that refers to
+// missing blobs.
 //
-// Chains of snapshots (a fork snapshotted again) add one layer each until
-// Decide says to squash them into one.
+// Chains of snapshots (a fork snapshotted again) add one layer each; past
+// the depth limit Decide has them squashed into one, in the background
+// after the snapshot was pushed.
 //
 // Process state (memory, open files, sockets) is not captured: see
 // docs/snapshots.md.

@@ -165,10 +165,12 @@ type source struct {
 
 // Take snapshots the files of container id (in ctx's namespace) and pushes
 // them to target as an image: the container's image plus one diff layer in
-// the envsnap format. A running container is frozen (containerd's task
-// Pause, the cgroup freezer) only while its writable layer is copied to a
-// staging directory; it keeps running afterwards. The manifest is pushed
-// last, so a failure leaves no image referring to missing blobs.
+// the envsnap format. A running container's writable layer is pre-copied
+// while it runs, then its cgroup is frozen only while the copy is brought
+// up to date; it keeps running afterwards. The manifest is pushed last,
+// so a failure leaves no image referring to missing blobs. When the
+// snapshot goes one layer over o.MaxDepth, Result.Squash reports a squash
+// running in the background (see Decide).
 func Take(ctx context.Context, c *client.Client, id, target string, o Options) (*Result, error) {
 	o.defaults()
 	start := time.Now()
@@ -484,8 +486,9 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 		// Created (never started) or stopped: nothing writes.
 		return src.upper, noop, nil
 	}
-	// Room for the pre-copy and the final copy side by side.
-	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, 2*size), "envsnap-stage-")
+	// The final copy takes the pre-copy's files over (rename), so the two
+	// together hold about one diff plus what changed in between.
+	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
 	if err != nil {
 		return "", noop, err
 	}

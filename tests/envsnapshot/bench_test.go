@@ -41,8 +41,8 @@ echo edited >> /etc/app.conf
 `
 
 // TestBenchSnapshot measures, side by side in one run on the same
-// container contents: envsnap's snapshot (freeze, wall time, bytes
-// uploaded) against a commit and push the way nerdctl does it (pause,
+// container contents: envsnap's snapshot (freeze, wall time and its
+// phases, bytes uploaded) against a commit and push the way nerdctl does it (pause,
 // containerd's diff service with gzip, resume, push) of a container on
 // overlayfs; then the time for 8 forks of the snapshot to be running on
 // the parent's node, against 8 cold starts of the original image on an
@@ -62,6 +62,7 @@ func TestBenchSnapshot(t *testing.T) {
 	ovlTask := r.startOn(t, gzImg, "bench-overlayfs", "overlayfs", benchEpisode)
 
 	var snapWall, commitWall, snapFreeze, snapCopy, commitFreeze []time.Duration
+	var snapPre, snapEncode, snapPush []time.Duration
 	var snapBytes, commitBytes int64
 	var snapRef string
 	for i := range rounds {
@@ -74,6 +75,7 @@ func TestBenchSnapshot(t *testing.T) {
 		}
 		snapWall, snapFreeze, snapBytes = append(snapWall, res.Duration), append(snapFreeze, res.Frozen), res.UploadedBytes
 		snapCopy = append(snapCopy, res.Copy)
+		snapPre, snapEncode, snapPush = append(snapPre, res.Precopy), append(snapEncode, res.Encode), append(snapPush, res.Push)
 		t.Logf("envsnap round %d: pre-copy %s, frozen %s by %s (copy %s: %d files copied, %d from the pre-copy), encode %s, push %s, wall %s, diff %d data bytes -> %d-byte layer, uploaded %d",
 			i, res.Precopy, res.Frozen, res.Freezer, res.Copy, res.FilesCopied, res.FilesReused, res.Encode, res.Push, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
 
@@ -86,6 +88,8 @@ func TestBenchSnapshot(t *testing.T) {
 	t.Logf("| freeze | %s (copy %s) | %s (paused for the whole diff) | %.3fx |", ms(median(snapFreeze)), ms(median(snapCopy)), ms(median(commitFreeze)), ratio(median(snapFreeze), median(commitFreeze)))
 	t.Logf("| wall time | %s | %s | %.2fx |", ms(median(snapWall)), ms(median(commitWall)), ratio(median(snapWall), median(commitWall)))
 	t.Logf("| bytes uploaded | %d | %d | %.2fx |", snapBytes, commitBytes, float64(snapBytes)/float64(commitBytes))
+	t.Logf("| where the time goes | pre-copy %s, frozen %s, encode %s, push %s | paused (diff + gzip) %s, the rest (config, manifest, push) %s | |",
+		ms(median(snapPre)), ms(median(snapFreeze)), ms(median(snapEncode)), ms(median(snapPush)), ms(median(commitFreeze)), ms(median(commitWall)-median(commitFreeze)))
 
 	forks := forkTimes(t, ctx, e, snapRef, "bench-fork", 8)
 	node2 := testenv.New(t, testenv.WithEnvsnap())

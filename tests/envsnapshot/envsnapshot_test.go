@@ -479,6 +479,23 @@ func TestSnapshotBadInput(t *testing.T) {
 	if err != nil || st.Status != client.Running {
 		t.Errorf("after the failed snapshot the task is %v (%v), want running", st.Status, err)
 	}
+	// The blobs go up but the manifest is refused: still no image.
+	e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+		if strings.Contains(req.URL.Path, "/manifests/") && req.Method == http.MethodPut {
+			http.Error(w, "injected manifest failure", http.StatusInternalServerError)
+			return true
+		}
+		return false
+	})
+	out, err = r.cli("env", "snapshot", "--push", target, "big")
+	e.Registry.Intercept(nil)
+	t.Logf("manifest push failure: %s", out)
+	if err == nil || !strings.Contains(out, "manifest") || !strings.Contains(out, "the manifest was not pushed") {
+		t.Errorf("manifest push failure: err %v, output:\n%s", err, out)
+	}
+	if r.exists(target) {
+		t.Errorf("%s exists after a refused manifest push", target)
+	}
 	// The same snapshot goes through once the registry is healthy.
 	r.snapshot(t, "big", target)
 
