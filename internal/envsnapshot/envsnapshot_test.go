@@ -287,7 +287,7 @@ func TestPrecopy(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, n := range []string{"keep", "d/keep2", "inplace", "gone", "replaced", "chmodded"} {
+	for _, n := range []string{"keep", "d/keep2", "inplace", "gone", "replaced", "chmodded", "d2/child", "f2", "s", "dd/sub/x"} {
 		write(n, "before "+n)
 	}
 	if err := os.Link(filepath.Join(upper, "keep"), filepath.Join(upper, "keep-link")); err != nil {
@@ -355,16 +355,31 @@ func TestPrecopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	write("new", "new")
+	// Type changes: a directory becomes a file, a file a directory and
+	// another a symlink; a whole tree goes.
+	for _, p := range []string{"d2", "f2", "s", "dd"} {
+		if err := os.RemoveAll(filepath.Join(upper, p)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("d2", "now a file")
+	write("f2/x", "now a directory")
+	if err := os.Symlink("keep", filepath.Join(upper, "s")); err != nil {
+		t.Fatal(err)
+	}
 	want := full("want")
 	st, err = stage(upper, filepath.Join(work, "got"), pre, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.Reused != 1 || st.Copied != 5 {
-		t.Errorf("reused %d and copied %d files, want 1 (d/keep2) and 5", st.Reused, st.Copied)
+	if st.Reused != 1 || st.Copied != 7 {
+		t.Errorf("reused %d and copied %d files, want 1 (d/keep2) and 7", st.Reused, st.Copied)
+	}
+	if st.dir != pre.dir {
+		t.Errorf("the update went to %s, not to the pre-copy %s", st.dir, pre.dir)
 	}
 	var got bytes.Buffer
-	if _, err := WriteUpperTar(context.Background(), &got, filepath.Join(work, "got"), 0); err != nil {
+	if _, err := WriteUpperTar(context.Background(), &got, st.dir, 0); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(want, got.Bytes()) {
@@ -401,8 +416,8 @@ func TestPrecopy(t *testing.T) {
 	if st, err = stage(upper, filepath.Join(work, "got2"), pre, dirty); err != nil {
 		t.Fatal(err)
 	}
-	if st.Reused != 4 {
-		t.Errorf("reused %d files, want 4 (all single-name files but the mapped d/keep2)", st.Reused)
+	if st.Reused != 6 {
+		t.Errorf("reused %d files, want 6 (all single-name files but the mapped d/keep2)", st.Reused)
 	}
 }
 

@@ -101,7 +101,7 @@ type Result struct {
 	Frozen, Copy time.Duration
 	// Precopy is how long the writable layer was copied before the
 	// freeze, while the container ran. FilesCopied counts the regular
-	// files copied while frozen, FilesReused those moved over from the
+	// files copied while frozen, FilesReused those kept from the
 	// pre-copy instead.
 	Precopy                  time.Duration
 	FilesCopied, FilesReused int
@@ -464,9 +464,9 @@ func writableDir(mounts []mount.Mount) (string, error) {
 // capture returns a directory holding a consistent copy of the container's
 // writable layer and records the freeze in res. The upper directory of a
 // running task is first pre-copied to a staging directory while the task
-// runs; then its cgroup is frozen, the copy is brought up to date (files
-// that changed, or may have, since the pre-copy are copied again; the
-// rest are moved from the pre-copy), and the cgroup is thawed, also when
+// runs; then its cgroup is frozen, the copy is brought up to date in
+// place (files that changed, or may have, since the pre-copy are copied
+// again; the rest stay), and the cgroup is thawed, also when
 // anything failed. A container without a running task is read in place.
 // cleanup removes the copy and may be called more than once.
 func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
@@ -486,8 +486,7 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 		// Created (never started) or stopped: nothing writes.
 		return src.upper, noop, nil
 	}
-	// The final copy takes the pre-copy's files over (rename), so the two
-	// together hold about one diff plus what changed in between.
+	// The pre-copy is brought up to date in place: one diff's worth.
 	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
 	if err != nil {
 		return "", noop, err
@@ -500,6 +499,7 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 		res.Copy = time.Since(t)
 		if st != nil {
 			res.FilesCopied, res.FilesReused = st.Copied, st.Reused
+			dst = st.dir
 		}
 		return err
 	}
@@ -537,9 +537,6 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 	}()
 	rerr := fz.thaw()
 	res.Frozen = time.Since(t0)
-	if pre != nil {
-		os.RemoveAll(pre.dir)
-	}
 	if rerr != nil {
 		cleanup()
 		return "", noop, rerr

@@ -61,8 +61,11 @@ type staged struct {
 	dir   string
 	start time.Time
 	files map[string]unix.Stat_t
-	// Reused counts files taken over from the pre-copy; Copied the files
-	// whose data was copied.
+	// made lists every path a pre-copy created (true for directories),
+	// including files whose copy did not complete.
+	made map[string]bool
+	// Reused counts files kept from the pre-copy; Copied the files whose
+	// data was copied.
 	Reused, Copied int
 }
 
@@ -72,21 +75,23 @@ type inode struct{ dev, ino uint64 }
 // stage copies an upper directory to dst, keeping everything WriteUpperTar
 // reads: types, owners, modes, mtimes, xattrs (overlay's opaque marker
 // included), whiteout devices, hard links and holes of sparse files. dst
-// should be on tmpfs.
+// should be on tmpfs. It returns the directory that holds the copy.
 //
 // With pre == nil the copy is complete and exact only if nothing writes
 // to upper meanwhile: it is what runs while the container is frozen. It
 // does as few system calls as it can and copies file data with a few
 // workers.
 //
-// With pre set (a pre-copy made by precopy while the container ran), a
-// regular file whose inode, size, mtime and ctime are those the pre-copy
+// With pre set (a pre-copy made by precopy while the container ran), the
+// pre-copy is brought up to date in place, and dst is not used: a regular
+// file whose inode, size, mode, mtime and ctime are those the pre-copy
 // saw, and whose ctime is older than the pre-copy's start (less
-// precopySlack), cannot have changed since: every write, truncate,
-// chmod, chown, xattr change or link moves ctime. Its pre-copied file is
-// moved into dst instead of copied again. Files in dirty (inodes some
-// process maps shared and writable, whose writes through the mapping do
-// not always move ctime) and files with several names are always copied.
+// precopySlack), cannot have changed since (every write, truncate, chmod,
+// chown, xattr change or link moves ctime), so its pre-copied file stays
+// as it is; everything else is copied or made again, and what the upper
+// no longer has is removed. Files in dirty (inodes some process maps
+// shared and writable, whose writes through the mapping do not always
+// move ctime) and files with several names are always copied.
 //
 // continuity's fs.CopyDir does the same job but costs about twice the
 // system calls per file (it reopens both files after a failed
@@ -98,10 +103,28 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 		src, dst string
 		st       unix.Stat_t
 	}
+	if pre != nil {
+		dst = pre.dir
+	}
 	out := &staged{dir: dst, start: time.Now()}
+	var seen map[string]bool
+	if pre != nil {
+		seen = make(map[string]bool, len(pre.made))
+	}
+	// clear removes what the pre-copy made at rel before something else
+	// is made there.
+	clear := func(rel, target string) error {
+		if _, ok := pre.madeAt(rel); !ok {
+			return nil
+		}
+		if err := os.RemoveAll(target); err != nil {
+			return fmt.Errorf("replace pre-copied %s: %w", rel, err)
+		}
+		return nil
+	}
 	var dirs []dirMeta
 	firstCopy := map[inode]string{}
-	var links [][2]string // [existing, new]
+	var links [][3]string // [existing, new, new's rel]
 	var g errgroup.Group
 	g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
 	err := filepath.WalkDir(upper, func(p string, d iofs.DirEntry, err error) error {
@@ -112,6 +135,9 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 		if err != nil {
 			return err
 		}
+		if seen != nil {
+			seen[rel] = true
+		}
 		target := filepath.Join(dst, rel)
 		var st unix.Stat_t
 		if err := unix.Lstat(p, &st); err != nil {
@@ -119,8 +145,13 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 		}
 		switch st.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:
-			if err := os.Mkdir(target, 0o700); err != nil {
-				return fmt.Errorf("mkdir %s: %w", rel, err)
+			if isDir, ok := pre.madeAt(rel); !ok || !isDir {
+				if err := clear(rel, target); err != nil {
+					return err
+				}
+				if err := os.Mkdir(target, 0o700); err != nil {
+					return fmt.Errorf("mkdir %s: %w", rel, err)
+				}
 			}
 			dirs = append(dirs, dirMeta{p, target, st})
 			return nil
@@ -128,21 +159,24 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 			key := inode{st.Dev, st.Ino}
 			if st.Nlink > 1 {
 				if first, ok := firstCopy[key]; ok {
-					links = append(links, [2]string{first, target})
+					links = append(links, [3]string{first, target, rel})
 					return nil
 				}
 				firstCopy[key] = target
 			} else if pre.unchanged(rel, &st) && !dirty[key] {
-				if err := os.Rename(filepath.Join(pre.dir, rel), target); err != nil {
-					return fmt.Errorf("take over pre-copied %s: %w", rel, err)
-				}
 				out.Reused++
 				return nil
+			}
+			if err := clear(rel, target); err != nil {
+				return err
 			}
 			out.Copied++
 			g.Go(func() error { return copyRegular(p, target, &st) })
 			return nil
 		case unix.S_IFLNK:
+			if err := clear(rel, target); err != nil {
+				return err
+			}
 			link, err := os.Readlink(p)
 			if err != nil {
 				return err
@@ -151,6 +185,9 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 				return err
 			}
 		case unix.S_IFCHR, unix.S_IFBLK, unix.S_IFIFO:
+			if err := clear(rel, target); err != nil {
+				return err
+			}
 			if err := unix.Mknod(target, st.Mode, int(st.Rdev)); err != nil {
 				return fmt.Errorf("mknod %s: %w", rel, err)
 			}
@@ -166,8 +203,26 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 		return nil, fmt.Errorf("copy upper %s: %w", upper, err)
 	}
 	for _, l := range links {
+		if err := clear(l[2], l[1]); err != nil {
+			return nil, fmt.Errorf("copy upper %s: %w", upper, err)
+		}
 		if err := os.Link(l[0], l[1]); err != nil {
 			return nil, fmt.Errorf("copy upper %s: %w", upper, err)
+		}
+	}
+	// What the pre-copy has and the upper no longer does. A path below
+	// one already replaced is gone with it.
+	for rel := range pre.madeAll() {
+		if seen[rel] {
+			continue
+		}
+		target := filepath.Join(dst, rel)
+		var st unix.Stat_t
+		if err := unix.Lstat(target, &st); err != nil {
+			continue
+		}
+		if err := os.RemoveAll(target); err != nil {
+			return nil, fmt.Errorf("copy upper %s: remove %s: %w", upper, rel, err)
 		}
 	}
 	// Directories last, deepest first: filling a directory moves its
@@ -178,6 +233,23 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 		}
 	}
 	return out, nil
+}
+
+// madeAt reports whether the pre-copy made rel, and if it is a directory.
+func (pre *staged) madeAt(rel string) (isDir, ok bool) {
+	if pre == nil {
+		return false, false
+	}
+	isDir, ok = pre.made[rel]
+	return isDir, ok
+}
+
+// madeAll is every path the pre-copy made (none for no pre-copy).
+func (pre *staged) madeAll() map[string]bool {
+	if pre == nil {
+		return nil
+	}
+	return pre.made
 }
 
 // unchanged reports whether the pre-copy holds rel's current data and
@@ -198,13 +270,13 @@ func (pre *staged) unchanged(rel string, st *unix.Stat_t) bool {
 
 // precopy copies the regular files (with one name) of upper to dst while
 // the container still runs, recording what each looked like before its
-// data was read, so that stage, frozen, moves the unchanged ones instead
+// data was read, so that stage, frozen, keeps the unchanged ones instead
 // of copying them. It copies nothing else: the frozen pass re-creates
 // directories, links, symlinks and devices, which cost no data. Entries
 // that vanish while it walks are skipped; any other error is returned
 // and the caller copies everything while frozen.
 func precopy(upper, dst string) (*staged, error) {
-	out := &staged{dir: dst, start: time.Now(), files: map[string]unix.Stat_t{}}
+	out := &staged{dir: dst, start: time.Now(), files: map[string]unix.Stat_t{}, made: map[string]bool{}}
 	var mu sync.Mutex
 	var g errgroup.Group
 	g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
@@ -224,6 +296,7 @@ func precopy(upper, dst string) (*staged, error) {
 			if err := os.Mkdir(target, 0o700); err != nil {
 				return fmt.Errorf("mkdir %s: %w", rel, err)
 			}
+			out.made[rel] = true
 			return nil
 		}
 		if !d.Type().IsRegular() {
@@ -239,6 +312,7 @@ func precopy(upper, dst string) (*staged, error) {
 		if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 {
 			return nil
 		}
+		out.made[rel] = false
 		g.Go(func() error {
 			err := copyRegular(p, target, &st)
 			if errors.Is(err, iofs.ErrNotExist) {
