@@ -457,6 +457,26 @@ func TestSnapshotBadInput(t *testing.T) {
 		t.Errorf("%s exists after a refused snapshot", target)
 	}
 
+	// The staging directory fills up (a 1 MiB tmpfs for a 2 MiB diff):
+	// the pre-copy fails, so does the copy made while frozen; the
+	// container is thawed all the same.
+	small := t.TempDir()
+	if err := unix.Mount("tmpfs", small, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(small, unix.MNT_DETACH) })
+	out, err = r.cli("env", "snapshot", "--staging-dir", small, "--push", target, "big")
+	t.Logf("staging full: %s", out)
+	if err == nil || !strings.Contains(out, "no space left on device") {
+		t.Errorf("staging full: err %v, output:\n%s", err, out)
+	}
+	if st, err := task.Status(ctx); err != nil || st.Status != client.Running {
+		t.Errorf("after a copy that failed while frozen the task is %v (%v), want running", st.Status, err)
+	}
+	if r.exists(target) {
+		t.Errorf("%s exists after a failed copy", target)
+	}
+
 	// Every blob upload fails: the snapshot fails, no manifest appears,
 	// and the container is running (thawed), not left frozen.
 	e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
