@@ -405,8 +405,8 @@ func TestPrecopy(t *testing.T) {
 	if err := unix.Stat(filepath.Join(upper, "d/keep2"), &sys); err != nil {
 		t.Fatal(err)
 	}
-	if !dirty[inode{sys.Dev, sys.Ino}] {
-		t.Fatalf("mappedShared misses a shared writable mapping of d/keep2 (%d entries)", len(dirty))
+	if !dirty.inodes[inode{sys.Dev, sys.Ino}] {
+		t.Fatalf("mappedShared misses a shared writable mapping of d/keep2 (%d inodes)", len(dirty.inodes))
 	}
 	pre, err = precopy(upper, filepath.Join(work, "pre2"))
 	if err != nil {
@@ -418,6 +418,42 @@ func TestPrecopy(t *testing.T) {
 	}
 	if st.Reused != 6 {
 		t.Errorf("reused %d files, want 6 (all single-name files but the mapped d/keep2)", st.Reused)
+	}
+}
+
+// TestMappedParse: shared writable file mappings are found by inode and,
+// since overlayfs shows its own inode numbers there, by the path the
+// container's process sees.
+func TestMappedParse(t *testing.T) {
+	maps := `00400000-00401000 r--p 00000000 fe:00 9988685                            /bin/busybox
+7fdf1ea18000-7fdf1ea19000 rw-s 00000000 00:31 10609424                   /srv/db
+7fdf1ea19000-7fdf1ea1a000 rw-s 00001000 00:31 10609425                   /srv/my file (deleted)
+7fdf1ea1a000-7fdf1ea1b000 rw-p 00000000 00:31 10609426                   /srv/private
+7fdf1ea1b000-7fdf1ea1c000 rw-s 00000000 00:01 2048                       /SYSV00000000 (deleted)
+7ffd5c1e0000-7ffd5c201000 rw-p 00000000 00:00 0                          [stack]
+`
+	m := &mapped{inodes: map[inode]bool{}, paths: map[string]bool{}}
+	if err := m.parse(strings.NewReader(maps)); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		rel  string
+		key  inode
+		want bool
+	}{
+		{"srv/db", inode{}, true},
+		{"other", inode{unix.Mkdev(0, 0x31), 10609424}, true},
+		{"srv/my file", inode{}, true},
+		{"srv/private", inode{unix.Mkdev(0, 0x31), 10609426}, false},
+		{"bin/busybox", inode{unix.Mkdev(0xfe, 0), 9988685}, false},
+	} {
+		if got := m.has(c.rel, c.key); got != c.want {
+			t.Errorf("has(%q, %v) = %v, want %v", c.rel, c.key, got, c.want)
+		}
+	}
+	var none *mapped
+	if none.has("srv/db", inode{}) {
+		t.Error("a nil set has entries")
 	}
 }
 

@@ -493,7 +493,7 @@ func capture(ctx context.Context, src *source, size int64, o Options, res *Resul
 	}
 	cleanup = func() { os.RemoveAll(staging) }
 	dst := filepath.Join(staging, "upper")
-	copyUpper := func(pre *staged, dirty map[inode]bool) error {
+	copyUpper := func(pre *staged, dirty *mapped) error {
 		t := time.Now()
 		st, err := stage(src.upper, dst, pre, dirty)
 		res.Copy = time.Since(t)

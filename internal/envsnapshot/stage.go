@@ -7,6 +7,7 @@ import (
 	"io"
 	iofs "io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -89,16 +90,16 @@ type inode struct{ dev, ino uint64 }
 // precopySlack), cannot have changed since (every write, truncate, chmod,
 // chown, xattr change or link moves ctime), so its pre-copied file stays
 // as it is; everything else is copied or made again, and what the upper
-// no longer has is removed. Files in dirty (inodes some process maps
-// shared and writable, whose writes through the mapping do not always
-// move ctime) and files with several names are always copied.
+// no longer has is removed. Files in dirty (mapped shared and writable by
+// a process of the container) and files with several names are always
+// copied.
 //
 // continuity's fs.CopyDir does the same job but costs about twice the
 // system calls per file (it reopens both files after a failed
 // copy_file_range across file systems, fsyncs every file, and sets
 // metadata by path), which is what the freeze is made of: 2,000 files and
 // 24 MiB took it 1.1 s on a loaded 2-core machine.
-func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error) {
+func stage(upper, dst string, pre *staged, dirty *mapped) (*staged, error) {
 	type dirMeta struct {
 		src, dst string
 		st       unix.Stat_t
@@ -163,7 +164,7 @@ func stage(upper, dst string, pre *staged, dirty map[inode]bool) (*staged, error
 					return nil
 				}
 				firstCopy[key] = target
-			} else if pre.unchanged(rel, &st) && !dirty[key] {
+			} else if pre.unchanged(rel, &st) && !dirty.has(rel, key) {
 				out.Reused++
 				return nil
 			}
@@ -337,14 +338,28 @@ func precopy(upper, dst string) (*staged, error) {
 	return out, nil
 }
 
-// mappedShared returns the files that processes pids map shared and
-// writable (/proc/PID/maps): writes through such a mapping to a page that
-// is already dirty do not move the file's ctime, so a pre-copy of them
-// cannot be trusted. On overlayfs the mapping is of the upper file
-// itself, so the device and inode are the upper's. A process that exited
+// mapped is what the processes of a frozen task map shared and
+// writable: writes through such a mapping to a page that is already dirty
+// do not move the file's ctime, so a pre-copy of these files cannot be
+// trusted.
+type mapped struct {
+	inodes map[inode]bool
+	// paths are as the processes see them, relative to their root: on
+	// overlayfs /proc/PID/maps shows the overlay's device and inode
+	// numbers, not the upper file's, but a container's process sees its
+	// root filesystem at /, so "/srv/db" is the upper's "srv/db".
+	paths map[string]bool
+}
+
+// has reports whether the upper's file rel, with inode key, is mapped.
+func (m *mapped) has(rel string, key inode) bool {
+	return m != nil && (m.inodes[key] || m.paths[rel])
+}
+
+// mappedShared reads /proc/PID/maps of pids. A process that exited
 // meanwhile maps nothing.
-func mappedShared(pids []int) (map[inode]bool, error) {
-	out := map[inode]bool{}
+func mappedShared(pids []int) (*mapped, error) {
+	m := &mapped{inodes: map[inode]bool{}, paths: map[string]bool{}}
 	for _, pid := range pids {
 		f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/maps")
 		if err != nil {
@@ -353,32 +368,48 @@ func mappedShared(pids []int) (map[inode]bool, error) {
 			}
 			return nil, err
 		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			// 7f..-7f.. rw-s 00000000 fe:01 1234 /path
-			fields := strings.Fields(sc.Text())
-			if len(fields) < 5 || len(fields[1]) < 4 || fields[1][1] != 'w' || fields[1][3] != 's' {
-				continue
-			}
-			maj, min, ok := strings.Cut(fields[3], ":")
-			if !ok {
-				continue
-			}
-			ma, err1 := strconv.ParseUint(maj, 16, 32)
-			mi, err2 := strconv.ParseUint(min, 16, 32)
-			ino, err3 := strconv.ParseUint(fields[4], 10, 64)
-			if err1 != nil || err2 != nil || err3 != nil || ino == 0 {
-				continue
-			}
-			out[inode{unix.Mkdev(uint32(ma), uint32(mi)), ino}] = true
-		}
-		err = sc.Err()
+		err = m.parse(f)
 		f.Close()
 		if err != nil {
 			return nil, fmt.Errorf("read /proc/%d/maps: %w", pid, err)
 		}
 	}
-	return out, nil
+	return m, nil
+}
+
+// parse adds the shared writable file mappings of one maps file.
+func (m *mapped) parse(r io.Reader) error {
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		// 7f..-7f.. rw-s 00000000 fe:01 1234      /srv/db
+		line := sc.Text()
+		var fields [5]string
+		rest := line
+		for i := range fields {
+			rest = strings.TrimLeft(rest, " ")
+			f, r, _ := strings.Cut(rest, " ")
+			fields[i], rest = f, r
+		}
+		perms := fields[1]
+		if len(perms) < 4 || perms[1] != 'w' || perms[3] != 's' {
+			continue
+		}
+		maj, min, ok := strings.Cut(fields[3], ":")
+		if !ok {
+			continue
+		}
+		ma, err1 := strconv.ParseUint(maj, 16, 32)
+		mi, err2 := strconv.ParseUint(min, 16, 32)
+		ino, err3 := strconv.ParseUint(fields[4], 10, 64)
+		if err1 != nil || err2 != nil || err3 != nil || ino == 0 {
+			continue
+		}
+		m.inodes[inode{unix.Mkdev(uint32(ma), uint32(mi)), ino}] = true
+		if p := strings.TrimSuffix(strings.TrimLeft(rest, " "), " (deleted)"); strings.HasPrefix(p, "/") {
+			m.paths[strings.TrimPrefix(path.Clean(p), "/")] = true
+		}
+	}
+	return sc.Err()
 }
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, 128<<10); return &b }}
