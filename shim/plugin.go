@@ -72,6 +72,10 @@ func init() {
 			if err != nil {
 				return nil, fmt.Errorf("envlet arbiter: %w", err)
 			}
+			eg, err := cfg.EgressNode()
+			if err != nil {
+				return nil, fmt.Errorf("envlet egress: %w", err)
+			}
 			arb := arbiter.NewClient(cc)
 			ss.(shutdown.Service).RegisterCallback(func(context.Context) error { return arb.Close() })
 			return New(ic.Context, inner, publisher, Options{
@@ -79,6 +83,7 @@ func init() {
 				Policy:   policy,
 				Node:     node,
 				Arbiter:  arb,
+				Egress:   &eg,
 			}), nil
 		},
 	})

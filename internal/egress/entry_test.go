@@ -182,3 +182,32 @@ func decide(rules []Rule, dst netip.Addr, proto Proto, port uint16) (Verdict, Ki
 	}
 	return Reject, ""
 }
+
+func TestNodePolicy(t *testing.T) {
+	def, _ := Parse("192.0.2.10:443/tcp")
+	n := Node{Allow: def, Resolvers: []netip.Addr{netip.MustParseAddr("192.0.2.53")}, Deny: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24")}}
+	nodeAddrs := func() ([]netip.Prefix, error) {
+		return []netip.Prefix{netip.MustParsePrefix("10.1.1.1/32")}, nil
+	}
+	lookup := func(context.Context, string) ([]netip.Addr, error) { return nil, errors.New("no lookups expected") }
+	ctx := context.Background()
+
+	if _, ok, err := n.Policy(ctx, nil, lookup, nodeAddrs); ok || err != nil {
+		t.Errorf("not enforced, no annotation: policy %v, %v", ok, err)
+	}
+	p, ok, err := n.Policy(ctx, map[string]string{Annotation: "none"}, lookup, nodeAddrs)
+	if !ok || err != nil || len(p.Allow) != 0 {
+		t.Errorf("annotation none: %+v %v %v", p, ok, err)
+	}
+	wantDeny := []netip.Prefix{netip.MustParsePrefix("10.1.1.1/32"), Metadata[0], Metadata[1], n.Deny[0]}
+	if !reflect.DeepEqual(p.Deny, wantDeny) || !reflect.DeepEqual(p.Resolvers, n.Resolvers) {
+		t.Errorf("deny %v resolvers %v, want %v %v", p.Deny, p.Resolvers, wantDeny, n.Resolvers)
+	}
+	n.Enforce = true
+	if p, ok, err := n.Policy(ctx, nil, lookup, nodeAddrs); !ok || err != nil || !reflect.DeepEqual(p.Allow, def) {
+		t.Errorf("enforced default: %+v %v %v", p, ok, err)
+	}
+	if _, _, err := n.Policy(ctx, map[string]string{Annotation: "10.0.0.1:443"}, lookup, nodeAddrs); !errors.Is(err, ErrSyntax) {
+		t.Errorf("bad annotation: %v", err)
+	}
+}
