@@ -344,9 +344,22 @@ func WithLedger(path string) ServeOpt {
 }
 
 // WithMetricsAddress also serves Prometheus metrics (per-environment quota,
-// usage and controller status) over HTTP at addr, path /metrics.
+// usage and controller status) over HTTP at addr, path /metrics, and
+// nothing else there. A port without a host (":9167") listens on
+// 127.0.0.1 only: the metrics name every environment on the node, and on
+// a host-network pod any other address is reachable from the node's
+// containers. Give the host ("0.0.0.0:9167") to listen everywhere.
 func WithMetricsAddress(addr string) ServeOpt {
-	return func(c *serveConfig) { c.metricsAddr = addr }
+	return func(c *serveConfig) { c.metricsAddr = MetricsListenAddress(addr) }
+}
+
+// MetricsListenAddress is addr with an empty host replaced by 127.0.0.1.
+func MetricsListenAddress(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil || host != "" {
+		return addr // net.Listen reports a malformed one
+	}
+	return net.JoinHostPort("127.0.0.1", port)
 }
 
 // Serve runs the arbiter for arb on a unix socket at socketPath until ctx
