@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net/netip"
+	"slices"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
@@ -49,11 +50,13 @@ func Apply(netns int, rules []Rule) error {
 		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
 	}
 	for _, r := range rules {
-		exprs, err := ruleExprs(r)
+		list, err := ruleExprs(r)
 		if err != nil {
 			return err
 		}
-		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
+		for _, exprs := range list {
+			c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
+		}
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("egress: install table %s: %w", TableName, err)
@@ -112,9 +115,13 @@ func preamble() [][]expr.Any {
 	}
 }
 
-// ruleExprs translates one rule.
-func ruleExprs(r Rule) ([]expr.Any, error) {
-	var ex []expr.Any
+// ruleExprs translates one rule into one nftables rule, or two for a
+// reject that may see TCP: a TCP connection is refused with a reset, which
+// the kernel sends at once, while the ICMP errors that refuse everything
+// else are rate-limited (icmp_ratelimit, icmp_msgs_per_sec), and a scan
+// would otherwise stall on timeouts instead of learning nothing quickly.
+func ruleExprs(r Rule) ([][]expr.Any, error) {
+	var match []expr.Any
 	if r.Dst.IsValid() {
 		a := r.Dst.Addr()
 		proto, off := byte(unix.NFPROTO_IPV4), uint32(16) // iphdr.daddr
@@ -122,28 +129,25 @@ func ruleExprs(r Rule) ([]expr.Any, error) {
 			proto, off = unix.NFPROTO_IPV6, 24 // ipv6hdr.daddr
 		}
 		n := uint32(a.BitLen() / 8)
-		ex = append(ex,
+		match = append(match,
 			&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}},
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n},
 		)
 		if r.Dst.Bits() < a.BitLen() {
-			ex = append(ex, &expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: n, Mask: mask(r.Dst), Xor: make([]byte, n)})
+			match = append(match, &expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: n, Mask: mask(r.Dst), Xor: make([]byte, n)})
 		}
-		ex = append(ex, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: r.Dst.Masked().Addr().AsSlice()})
+		match = append(match, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: r.Dst.Masked().Addr().AsSlice()})
 	}
 	if r.Proto != 0 {
-		ex = append(ex,
-			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
-			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{byte(r.Proto)}},
-		)
+		match = append(match, l4proto(byte(r.Proto))...)
 		if r.Ports != (PortRange{}) && r.Ports != AllPorts {
-			ex = append(ex, &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2}) // dport
+			match = append(match, &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2}) // dport
 			lo, hi := binary.BigEndian.AppendUint16(nil, r.Ports.Lo), binary.BigEndian.AppendUint16(nil, r.Ports.Hi)
 			if r.Ports.Lo == r.Ports.Hi {
-				ex = append(ex, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: lo})
+				match = append(match, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: lo})
 			} else {
-				ex = append(ex, &expr.Range{Op: expr.CmpOpEq, Register: 1, FromData: lo, ToData: hi})
+				match = append(match, &expr.Range{Op: expr.CmpOpEq, Register: 1, FromData: lo, ToData: hi})
 			}
 		}
 	} else if r.Ports != (PortRange{}) {
@@ -151,22 +155,33 @@ func ruleExprs(r Rule) ([]expr.Any, error) {
 	}
 	switch r.Verdict {
 	case Accept:
-		ex = append(ex, &expr.Verdict{Kind: expr.VerdictAccept})
+		return [][]expr.Any{append(match, &expr.Verdict{Kind: expr.VerdictAccept})}, nil
 	case Reject:
 		if r.Kind == "" {
 			return nil, fmt.Errorf("egress rule %+v: reject without a counter", r)
 		}
-		ex = append(ex,
-			&expr.Objref{Type: int(nftables.ObjTypeCounter), Name: string(r.Kind)},
-			// ICMP "administratively prohibited" fails a connect or send
-			// at once (EHOSTUNREACH) instead of leaving the agent to time
-			// out: a scan learns nothing faster than the rules say.
-			&expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_ADMIN_PROHIBITED},
-		)
-	default:
-		return nil, fmt.Errorf("egress rule %+v: unknown verdict", r)
+		count := &expr.Objref{Type: int(nftables.ObjTypeCounter), Name: string(r.Kind)}
+		rst := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
+		// ICMP "administratively prohibited" fails a send or connect at
+		// once (EHOSTUNREACH) instead of leaving the agent to time out.
+		icmp := &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_ADMIN_PROHIBITED}
+		switch r.Proto {
+		case TCP:
+			return [][]expr.Any{append(match, count, rst)}, nil
+		case 0:
+			tcp := append(append(slices.Clone(match), l4proto(byte(TCP))...), count, rst)
+			return [][]expr.Any{tcp, append(match, count, icmp)}, nil
+		}
+		return [][]expr.Any{append(match, count, icmp)}, nil
 	}
-	return ex, nil
+	return nil, fmt.Errorf("egress rule %+v: unknown verdict", r)
+}
+
+func l4proto(p byte) []expr.Any {
+	return []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{p}},
+	}
 }
 
 // mask is the network mask of p as bytes.

@@ -176,19 +176,27 @@ resolvers = [%q]
 	want(2, r2, map[string]bool{"tcp:" + mirror + ":8080": true, "tcp:" + mirror + ":22": true, "udp:" + resolver + ":53": true},
 		map[string]string{"scan:" + mirror + ":1-1024": "22", "scan:" + mirror + ":8000-8100": "8080", "scan:" + nodeAddr(2) + ":1-11000": "-"})
 
-	// Denials are counted per environment (the arbiter's metric) and
-	// logged with the environment's id.
-	for _, c := range []*ctr{c1, c2} {
+	// Denials are counted per environment (the arbiter's metric: every
+	// port its scans found closed is one rejected SYN) and logged with
+	// the environment's id.
+	scanned := 1024 + 101 + 11000
+	for _, c := range []struct {
+		*ctr
+		atLeast int
+	}{{c1, scanned - 1}, {c2, scanned - 2}} {
 		key := env.Namespace + "/" + c.id
 		var v float64
-		waitFor(t, 20*time.Second, "egress denials in the arbiter's metrics for "+key, func() bool {
+		waitFor(t, 20*time.Second, fmt.Sprintf("%d egress denials in the arbiter's metrics for %s", c.atLeast, key), func() bool {
 			v = metric(t, metricsPort, "envlet_status_egress_denied", key)
-			return v > 0
-		}, arb.LogTail)
+			return v >= float64(c.atLeast)
+		}, func(int) string { return fmt.Sprintf("last value %v\n%s", v, arb.LogTail(20)) })
 		t.Logf("%s: envlet_status_egress_denied %v", key, v)
-		waitFor(t, 10*time.Second, "an egress denial logged for "+key, func() bool {
-			return logHas(env.Containerd.LogPath, "egress: denied", key)
+		var line string
+		waitFor(t, 10*time.Second, "an egress denial of a node address logged for "+key, func() bool {
+			line = logLine(env.Containerd.LogPath, "egress: denied", "env="+key+" ", "kind=node")
+			return line != ""
 		}, func(int) string { return env.Containerd.LogTail(40) })
+		t.Logf("%s", line)
 	}
 
 	// A container in the node's network namespace cannot be confined: it
@@ -428,11 +436,11 @@ func metric(t *testing.T, port int, name, key string) float64 {
 	return 0
 }
 
-// logHas tells whether one line of the log at path has every part.
-func logHas(path string, parts ...string) bool {
+// logLine returns the first line of the log at path that has every part.
+func logLine(path string, parts ...string) string {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return false
+		return ""
 	}
 	for _, line := range strings.Split(string(b), "\n") {
 		all := true
@@ -440,8 +448,8 @@ func logHas(path string, parts ...string) bool {
 			all = all && strings.Contains(line, p)
 		}
 		if all {
-			return true
+			return line
 		}
 	}
-	return false
+	return ""
 }
