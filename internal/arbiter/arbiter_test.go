@@ -410,6 +410,19 @@ func TestMetricsLocalOnly(t *testing.T) {
 	}
 }
 
+// The quota protocol is for root only.
+func TestSocketRootOnly(t *testing.T) {
+	sock := socketPath(t)
+	startArbiter(t, sock, envlet.Resources{CPU: 1, Memory: gib})
+	fi, err := os.Stat(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if perm := fi.Mode().Perm(); perm != 0o600 {
+		t.Errorf("arbiter socket mode %v, want 0600", perm)
+	}
+}
+
 func TestServeRefusesLiveSocket(t *testing.T) {
 	sock := socketPath(t)
 	startArbiter(t, sock, envlet.Resources{CPU: 1, Memory: gib})

@@ -392,6 +392,13 @@ func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts
 	if err != nil {
 		return fmt.Errorf("listen on arbiter socket %s: %w", socketPath, err)
 	}
+	// Only root may talk to the arbiter: a forged Admit, Grow or Release
+	// would move another environment's quota. The mode does not depend on
+	// the umask or on who created the directory.
+	if err := os.Chmod(socketPath, 0o600); err != nil {
+		l.Close()
+		return fmt.Errorf("restrict arbiter socket %s: %w", socketPath, err)
+	}
 	defer os.Remove(socketPath)
 
 	srv, err := ttrpc.NewServer()
