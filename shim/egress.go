@@ -157,7 +157,7 @@ func dropCapability(bundle, capability string) error {
 // egressEnv is one environment's installed policy and counter reader.
 type egressEnv struct {
 	key    string
-	netns  *os.File
+	ctrs   *egress.Counters
 	stop   chan struct{}
 	done   chan struct{}
 	once   sync.Once
@@ -176,15 +176,19 @@ func (s *Service) startEgress(ctx context.Context, id string, pid uint32, p *egr
 		f.Close()
 		return fmt.Errorf("egress policy of %s: the container is in the node's network namespace (%v): %w", id, err, errdefs.ErrFailedPrecondition)
 	}
+	defer f.Close()
 	rules, err := p.Rules()
 	if err == nil {
 		err = egress.Apply(int(f.Fd()), rules)
 	}
+	var ctrs *egress.Counters
+	if err == nil {
+		ctrs, err = egress.OpenCounters(int(f.Fd()))
+	}
 	if err != nil {
-		f.Close()
 		return fmt.Errorf("egress policy of %s: %w", id, err)
 	}
-	e := &egressEnv{key: s.envKey(id), netns: f, stop: make(chan struct{}), done: make(chan struct{}), counts: map[egress.Kind]uint64{}}
+	e := &egressEnv{key: s.envKey(id), ctrs: ctrs, stop: make(chan struct{}), done: make(chan struct{}), counts: map[egress.Kind]uint64{}}
 	log.G(ctx).WithField("env", e.key).WithField("allow", len(p.Allow)).WithField("deny", fmt.Sprint(prefixes(p.Deny))).Info("egress: policy installed")
 	s.mu.Lock()
 	if old := s.egress[id]; old != nil {
@@ -221,7 +225,7 @@ func (e *egressEnv) run(ctx context.Context) {
 
 // poll logs every counter that grew since the last read.
 func (e *egressEnv) poll(ctx context.Context) {
-	now, err := egress.Counts(int(e.netns.Fd()))
+	now, err := e.ctrs.Read()
 	if err != nil {
 		log.G(ctx).WithError(err).Debug("egress: read counters")
 		return
@@ -247,12 +251,13 @@ func (e *egressEnv) denied() int {
 	return int(n)
 }
 
-// close reads the counters a last time and lets the namespace go.
+// close reads the counters a last time and lets the namespace go (the
+// counters' socket holds it).
 func (e *egressEnv) close() {
 	e.once.Do(func() {
 		close(e.stop)
 		<-e.done
-		e.netns.Close()
+		e.ctrs.Close()
 	})
 }
 
