@@ -199,6 +199,19 @@ resolvers = [%q]
 		t.Logf("%s", line)
 	}
 
+	// The node's own namespace has no rules.
+	self, err := os.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer self.Close()
+	if host, err := egress.OpenCounters(int(self.Fd())); err == nil {
+		if got, err := host.Read(); err == nil && len(got) > 0 {
+			t.Errorf("the node's namespace has an %s table: %v", egress.TableName, got)
+		}
+		host.Close()
+	}
+
 	// A container in the node's network namespace cannot be confined: it
 	// is refused, as is one that could rewrite its rules.
 	for name, opt := range map[string]oci.SpecOpts{
