@@ -44,10 +44,13 @@ const (
 	otherHost     = "10.232.0.2"        // in egm: never allowed
 	resolver      = "10.232.0.53"       // in egm: the node's configured resolver
 	metadata      = "169.254.169.254"   // in egm: a stand-in for the cloud metadata service
+	mirror6       = "fd00:232::1"       // in egm: the mirror over IPv6
 )
 
-// nodeAddr is the node-side address of environment i's link.
-func nodeAddr(i int) string { return fmt.Sprintf("10.233.%d.1", i) }
+// nodeAddr is the node-side address of environment i's link; nodeAddr6
+// its IPv6 one.
+func nodeAddr(i int) string  { return fmt.Sprintf("10.233.%d.1", i) }
+func nodeAddr6(i int) string { return fmt.Sprintf("fd00:233:%d::1", i) }
 
 // nodePorts are the node's own services an environment must not reach.
 var nodePorts = []int{9166, 9167, 10250}
@@ -69,6 +72,7 @@ func TestEgressAllowList(t *testing.T) {
 	for i := 1; i <= 2; i++ {
 		for _, p := range nodePorts {
 			listenGreeting(t, net.JoinHostPort(nodeAddr(i), strconv.Itoa(p)))
+			listenGreeting(t, net.JoinHostPort(nodeAddr6(i), strconv.Itoa(p)))
 		}
 	}
 
@@ -85,9 +89,9 @@ socket = %q
 timeout = "1s"
 [egress]
 enforce = true
-allow = ["%s:8080/tcp"]
+allow = ["%s:8080/tcp", "[%s]:8080/tcp"]
 resolvers = [%q]
-`, socket, mirror, resolver))
+`, socket, mirror, mirror6, resolver))
 	arb := testenv.StartProcess(t, dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"),
 		"arbiter", "--config", cfgPath, "--metrics-address", fmt.Sprintf(":%d", metricsPort))
 	waitFor(t, 20*time.Second, "arbiter socket", func() bool {
@@ -103,9 +107,10 @@ resolvers = [%q]
 			"tcp:" + mirror + ":8080", "tcp:" + mirror + ":22", "tcp:" + otherHost + ":443",
 			"tcp:" + metadata + ":80",
 			"udp:" + resolver + ":53", "udp:" + mirror + ":53",
+			"tcp:[" + mirror6 + "]:8080", "tcp:[" + mirror6 + "]:22",
 		}
 		for _, p := range nodePorts {
-			ts = append(ts, fmt.Sprintf("tcp:%s:%d", nodeAddr(i), p))
+			ts = append(ts, fmt.Sprintf("tcp:%s:%d", nodeAddr(i), p), fmt.Sprintf("tcp:[%s]:%d", nodeAddr6(i), p))
 		}
 		return append(ts, fmt.Sprintf("tcp:%s:%d", nodeAddr(i), metricsPort),
 			"scan:"+mirror+":1-1024", "scan:"+mirror+":8000-8100", fmt.Sprintf("scan:%s:1-11000", nodeAddr(i)))
@@ -150,7 +155,7 @@ resolvers = [%q]
 	// more, including the node's and the metadata service's networks,
 	// which stay denied anyway, and DNS to the mirror, which stays denied
 	// because it is not the resolver.
-	ann2 := fmt.Sprintf("%s:8080/tcp, %s:22/tcp, %s:*/udp, 169.254.0.0/16:*/tcp, 10.233.0.0/16:*/tcp", mirror, mirror, mirror)
+	ann2 := fmt.Sprintf("%s:8080/tcp, %s:22/tcp, %s:*/udp, 169.254.0.0/16:*/tcp, 10.233.0.0/16:*/tcp, [fd00:232::/32]:*/tcp, [fd00:233::/32]:*/tcp", mirror, mirror, mirror)
 	c1 := run(t, env, img, "egress-env1", netnsPath(n.envNS[1]), nil, append(targets(1), "hold:60s")...)
 	c2 := run(t, env, img, "egress-env2", netnsPath(n.envNS[2]), map[string]string{egress.Annotation: ann2}, append(targets(2), "hold:60s")...)
 	r1, r2 := c1.results(t), c2.results(t)
@@ -171,9 +176,10 @@ resolvers = [%q]
 			}
 		}
 	}
-	want(1, r1, map[string]bool{"tcp:" + mirror + ":8080": true, "udp:" + resolver + ":53": true},
+	want(1, r1, map[string]bool{"tcp:" + mirror + ":8080": true, "udp:" + resolver + ":53": true, "tcp:[" + mirror6 + "]:8080": true},
 		map[string]string{"scan:" + mirror + ":1-1024": "-", "scan:" + mirror + ":8000-8100": "8080", "scan:" + nodeAddr(1) + ":1-11000": "-"})
-	want(2, r2, map[string]bool{"tcp:" + mirror + ":8080": true, "tcp:" + mirror + ":22": true, "udp:" + resolver + ":53": true},
+	want(2, r2, map[string]bool{"tcp:" + mirror + ":8080": true, "tcp:" + mirror + ":22": true, "udp:" + resolver + ":53": true,
+		"tcp:[" + mirror6 + "]:8080": true, "tcp:[" + mirror6 + "]:22": true},
 		map[string]string{"scan:" + mirror + ":1-1024": "22", "scan:" + mirror + ":8000-8100": "8080", "scan:" + nodeAddr(2) + ":1-11000": "-"})
 
 	// Denials are counted per environment (the arbiter's metric: every
@@ -249,6 +255,7 @@ func newNet(t *testing.T, ip string) *netw {
 	for _, a := range []string{mirror, otherHost, resolver, metadata} {
 		in(n.mirrorNS, "addr", "add", a+"/32", "dev", "lo")
 	}
+	in(n.mirrorNS, "addr", "add", mirror6+"/128", "dev", "lo")
 	for i := 1; i <= 2; i++ {
 		e := n.envNS[i]
 		// environment <-> internet
@@ -259,13 +266,21 @@ func newNet(t *testing.T, ip string) *netw {
 		in(e, "addr", "add", fmt.Sprintf("10.231.%d.2/24", i), "dev", x)
 		in(e, "link", "set", x, "up")
 		in(e, "route", "add", "default", "via", fmt.Sprintf("10.231.%d.1", i))
+		// IPv6 without duplicate address detection, so the addresses are
+		// usable at once; neighbour discovery still runs (and must pass
+		// the policy).
+		in(n.mirrorNS, "addr", "add", fmt.Sprintf("fd00:231:%d::1/64", i), "dev", m, "nodad")
+		in(e, "addr", "add", fmt.Sprintf("fd00:231:%d::2/64", i), "dev", x, "nodad")
+		in(e, "-6", "route", "add", "default", "via", fmt.Sprintf("fd00:231:%d::1", i))
 		// environment <-> node
 		h, y := fmt.Sprintf("egh%d-%s", i, sfx), fmt.Sprintf("egy%d-%s", i, sfx)
 		sh("link", "add", h, "type", "veth", "peer", "name", y, "netns", e)
 		t.Cleanup(func() { _ = exec.Command(ip, "link", "del", h).Run() })
 		sh("addr", "add", nodeAddr(i)+"/24", "dev", h)
+		sh("addr", "add", nodeAddr6(i)+"/64", "dev", h, "nodad")
 		sh("link", "set", h, "up")
 		in(e, "addr", "add", fmt.Sprintf("10.233.%d.2/24", i), "dev", y)
+		in(e, "addr", "add", fmt.Sprintf("fd00:233:%d::2/64", i), "dev", y, "nodad")
 		in(e, "link", "set", y, "up")
 	}
 	return n
