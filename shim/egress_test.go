@@ -3,14 +3,21 @@
 package shim
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"testing"
 
+	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
 	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
 	"github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/envsnap/envsnap/internal/egress"
 )
 
 func TestPrepareEgress(t *testing.T) {
@@ -63,6 +70,89 @@ func TestPrepareEgress(t *testing.T) {
 			_ = json.Unmarshal(raw, &doc)
 			if doc["x-future"] != "kept" {
 				t.Errorf("unknown field lost: %s", raw)
+			}
+		})
+	}
+}
+
+func TestCreateEgress(t *testing.T) {
+	ownNet := func(id string, ann map[string]string) *specs.Spec {
+		s := linuxSpec(id, ann)
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace}}
+		return s
+	}
+	noLookups := func(_ context.Context, host string) ([]netip.Addr, error) {
+		return nil, fmt.Errorf("%s: no such host", host)
+	}
+	for _, tc := range []struct {
+		name      string
+		node      egress.Node
+		spec      *specs.Spec
+		wantErr   func(error) bool
+		wantCalls []string
+		released  string
+	}{
+		{
+			name:      "no policy: host network is fine",
+			node:      egress.Node{},
+			spec:      linuxSpec("a", nil),
+			wantCalls: []string{"create a"},
+		},
+		{
+			name:    "bad annotation: nothing created",
+			node:    egress.Node{},
+			spec:    ownNet("b", map[string]string{egress.Annotation: "10.0.0.1:443"}),
+			wantErr: errdefs.IsInvalidArgument,
+		},
+		{
+			name:    "unresolvable name: nothing created",
+			node:    egress.Node{Enforce: true, Allow: []egress.Entry{{Host: "mirror.invalid", Ports: egress.AllPorts, Proto: egress.TCP}}},
+			spec:    ownNet("c", nil),
+			wantErr: errdefs.IsInvalidArgument,
+		},
+		{
+			name:    "host network under a policy: nothing created",
+			node:    egress.Node{Enforce: true},
+			spec:    linuxSpec("d", nil),
+			wantErr: errdefs.IsFailedPrecondition,
+		},
+		{
+			// The created task's namespace cannot be opened (its pid is
+			// above pid_max): the container is deleted before it ever
+			// starts, and its admission returned.
+			name:      "rules not installed: created container deleted",
+			node:      egress.Node{Enforce: true},
+			spec:      ownNet("e", nil),
+			wantErr:   func(err error) bool { return err != nil },
+			wantCalls: []string{"create e", "delete e"},
+			released:  "egress policy failed",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.runc.pid = 1 << 30
+			node := tc.node
+			f.svc.opts.Egress = &node
+			f.svc.opts.EgressLookup = noLookups
+			f.svc.opts.NodeAddresses = func() ([]netip.Prefix, error) { return nil, nil }
+			id := tc.spec.Linux.CgroupsPath[len("/test/"):]
+			_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: id, Bundle: bundle(t, tc.spec)})
+			if err != nil {
+				err = errgrpc.ToNative(err)
+			}
+			if tc.wantErr == nil && err != nil || tc.wantErr != nil && !tc.wantErr(err) {
+				t.Fatalf("Create: %v", err)
+			}
+			f.runc.mu.Lock()
+			calls := slices.Clone(f.runc.calls)
+			f.runc.mu.Unlock()
+			if !slices.Equal(calls, tc.wantCalls) {
+				t.Errorf("runc calls %v, want %v", calls, tc.wantCalls)
+			}
+			if tc.released != "" {
+				if r, ok := f.arb.releasedReason(id); !ok || r != tc.released {
+					t.Errorf("admission of %s released %v with %q, want %q", id, ok, r, tc.released)
+				}
 			}
 		})
 	}
