@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -163,7 +165,16 @@ type egressEnv struct {
 	once   sync.Once
 	mu     sync.Mutex
 	counts map[egress.Kind]uint64
+	seen   map[egress.Attempt]bool // recorded destinations already logged
 }
+
+// A scan fills the kernel's record of denied destinations faster than
+// anyone reads a log: per read, at most maxLoggedDestinations addresses
+// are logged, each with at most maxLoggedPorts of its ports.
+const (
+	maxLoggedDestinations = 16
+	maxLoggedPorts        = 10
+)
 
 // startEgress installs p in the network namespace of the created (not yet
 // started) init process pid and starts reading its counters.
@@ -188,7 +199,7 @@ func (s *Service) startEgress(ctx context.Context, id string, pid uint32, p *egr
 	if err != nil {
 		return fmt.Errorf("egress policy of %s: %w", id, err)
 	}
-	e := &egressEnv{key: s.envKey(id), ctrs: ctrs, stop: make(chan struct{}), done: make(chan struct{}), counts: map[egress.Kind]uint64{}}
+	e := &egressEnv{key: s.envKey(id), ctrs: ctrs, stop: make(chan struct{}), done: make(chan struct{}), counts: map[egress.Kind]uint64{}, seen: map[egress.Attempt]bool{}}
 	log.G(ctx).WithField("env", e.key).WithField("allow", len(p.Allow)).WithField("deny", fmt.Sprint(prefixes(p.Deny))).Info("egress: policy installed")
 	s.mu.Lock()
 	if old := s.egress[id]; old != nil {
@@ -237,6 +248,65 @@ func (e *egressEnv) poll(ctx context.Context) {
 			log.G(ctx).WithField("kind", string(k)).WithField("denied", n-e.counts[k]).WithField("total", n).Warn("egress: denied")
 			e.counts[k] = n
 		}
+	}
+	attempts, err := e.ctrs.Denied()
+	if err != nil {
+		log.G(ctx).WithError(err).Debug("egress: read denied destinations")
+		return
+	}
+	// A destination is logged when it enters the kernel's record, and
+	// again if it is tried after its entry expired.
+	current := make(map[egress.Attempt]bool, len(attempts))
+	var fresh []egress.Attempt
+	for _, a := range attempts {
+		current[a] = true
+		if !e.seen[a] {
+			fresh = append(fresh, a)
+		}
+	}
+	e.seen = current
+	logAttempts(ctx, fresh)
+}
+
+// logAttempts logs newly denied destinations, one line per address and
+// protocol with the ports tried (a scan is one line, not thousands).
+func logAttempts(ctx context.Context, fresh []egress.Attempt) {
+	type dst struct {
+		addr  netip.Addr
+		proto egress.Proto
+	}
+	ports := map[dst][]uint16{}
+	var order []dst
+	for _, a := range fresh {
+		d := dst{a.Dst.Addr(), a.Proto}
+		if _, ok := ports[d]; !ok {
+			order = append(order, d)
+		}
+		ports[d] = append(ports[d], a.Dst.Port())
+	}
+	slices.SortFunc(order, func(a, b dst) int {
+		if c := a.addr.Compare(b.addr); c != 0 {
+			return c
+		}
+		return int(a.proto) - int(b.proto)
+	})
+	for i, d := range order {
+		if i == maxLoggedDestinations {
+			log.G(ctx).WithField("more", len(order)-i).Warn("egress: more denied destinations")
+			break
+		}
+		ps := ports[d]
+		slices.Sort(ps)
+		shown := make([]string, 0, maxLoggedPorts)
+		for _, p := range ps[:min(len(ps), maxLoggedPorts)] {
+			shown = append(shown, strconv.Itoa(int(p)))
+		}
+		list := strings.Join(shown, ",")
+		if len(ps) > maxLoggedPorts {
+			list += ",..."
+		}
+		log.G(ctx).WithField("dst", d.addr.String()).WithField("proto", d.proto.String()).
+			WithField("ports", list).WithField("count", len(ps)).Warn("egress: denied destination")
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"time"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
@@ -38,8 +39,19 @@ func Apply(netns int, rules []Rule) error {
 	c.AddTable(table)
 	c.DelTable(table)
 	c.AddTable(table)
+	for _, set := range deniedSets {
+		s := *set
+		s.Table = table
+		if err := c.AddSet(&s, nil); err != nil {
+			return fmt.Errorf("egress: set %s: %w", s.Name, err)
+		}
+	}
 	for _, k := range Kinds {
 		c.AddObj(&nftables.NamedObj{Table: table, Name: string(k), Type: nftables.ObjTypeCounter, Obj: &expr.Counter{}})
+		deny := c.AddChain(&nftables.Chain{Name: denyChain(k), Table: table})
+		for _, exprs := range denyExprs(k) {
+			c.AddRule(&nftables.Rule{Table: table, Chain: deny, Exprs: exprs})
+		}
 	}
 	drop := nftables.ChainPolicyDrop
 	chain := c.AddChain(&nftables.Chain{
@@ -50,13 +62,11 @@ func Apply(netns int, rules []Rule) error {
 		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
 	}
 	for _, r := range rules {
-		list, err := ruleExprs(r)
+		exprs, err := ruleExprs(r)
 		if err != nil {
 			return err
 		}
-		for _, exprs := range list {
-			c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
-		}
+		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("egress: install table %s: %w", TableName, err)
@@ -99,6 +109,42 @@ func (c *Counters) Read() (map[Kind]uint64, error) {
 	return out, nil
 }
 
+// Attempt is one recorded denied destination.
+type Attempt struct {
+	Dst   netip.AddrPort
+	Proto Proto
+}
+
+func (a Attempt) String() string { return a.Dst.String() + "/" + a.Proto.String() }
+
+// Denied returns the destinations denied within DeniedMemory.
+func (c *Counters) Denied() ([]Attempt, error) {
+	var out []Attempt
+	for _, set := range deniedSets {
+		s := *set
+		s.Table = table
+		elems, err := c.conn.GetSetElements(&s)
+		if err != nil {
+			return nil, fmt.Errorf("egress: read set %s: %w", s.Name, err)
+		}
+		n := 4
+		if s.Name == deniedSets[unix.NFPROTO_IPV6].Name {
+			n = 16
+		}
+		for _, e := range elems {
+			if len(e.Key) < n+8 {
+				continue
+			}
+			addr, _ := netip.AddrFromSlice(e.Key[:n])
+			out = append(out, Attempt{
+				Dst:   netip.AddrPortFrom(addr, binary.BigEndian.Uint16(e.Key[n+4:n+6])),
+				Proto: Proto(e.Key[n]),
+			})
+		}
+	}
+	return out, nil
+}
+
 // Close releases the socket.
 func (c *Counters) Close() error { return c.conn.CloseLasting() }
 
@@ -130,12 +176,9 @@ func preamble() [][]expr.Any {
 	}
 }
 
-// ruleExprs translates one rule into one nftables rule, or two for a
-// reject that may see TCP: a TCP connection is refused with a reset, which
-// the kernel sends at once, while the ICMP errors that refuse everything
-// else are rate-limited (icmp_ratelimit, icmp_msgs_per_sec), and a scan
-// would otherwise stall on timeouts instead of learning nothing quickly.
-func ruleExprs(r Rule) ([][]expr.Any, error) {
+// ruleExprs translates one rule: its match, then accept, or a jump to
+// the deny chain of its kind.
+func ruleExprs(r Rule) ([]expr.Any, error) {
 	var match []expr.Any
 	if r.Dst.IsValid() {
 		a := r.Dst.Addr()
@@ -170,26 +213,73 @@ func ruleExprs(r Rule) ([][]expr.Any, error) {
 	}
 	switch r.Verdict {
 	case Accept:
-		return [][]expr.Any{append(match, &expr.Verdict{Kind: expr.VerdictAccept})}, nil
+		return append(match, &expr.Verdict{Kind: expr.VerdictAccept}), nil
 	case Reject:
-		if r.Kind == "" {
-			return nil, fmt.Errorf("egress rule %+v: reject without a counter", r)
+		if !slices.Contains(Kinds, r.Kind) {
+			return nil, fmt.Errorf("egress rule %+v: reject without a known counter", r)
 		}
-		count := &expr.Objref{Type: int(nftables.ObjTypeCounter), Name: string(r.Kind)}
-		rst := &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}
-		// ICMP "administratively prohibited" fails a send or connect at
-		// once (EHOSTUNREACH) instead of leaving the agent to time out.
-		icmp := &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_ADMIN_PROHIBITED}
-		switch r.Proto {
-		case TCP:
-			return [][]expr.Any{append(match, count, rst)}, nil
-		case 0:
-			tcp := append(append(slices.Clone(match), l4proto(byte(TCP))...), count, rst)
-			return [][]expr.Any{tcp, append(match, count, icmp)}, nil
-		}
-		return [][]expr.Any{append(match, count, icmp)}, nil
+		return append(match, &expr.Verdict{Kind: expr.VerdictGoto, Chain: denyChain(r.Kind)}), nil
 	}
 	return nil, fmt.Errorf("egress rule %+v: unknown verdict", r)
+}
+
+func denyChain(k Kind) string { return "deny_" + string(k) }
+
+// The denied destinations of the last minute, per family: address,
+// protocol and destination port (meaningless for protocols without
+// ports). The kernel adds to them, the shim reads and logs them; a full
+// set records nothing more until entries expire, the packet is rejected
+// all the same.
+var deniedSets = map[uint8]*nftables.Set{
+	unix.NFPROTO_IPV4: {Name: "denied4", KeyType: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetProto, nftables.TypeInetService)},
+	unix.NFPROTO_IPV6: {Name: "denied6", KeyType: nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetProto, nftables.TypeInetService)},
+}
+
+func init() {
+	for _, s := range deniedSets {
+		s.Concatenation, s.Dynamic, s.HasTimeout = true, true, true
+		s.Timeout, s.Size = DeniedMemory, DeniedSetSize
+	}
+}
+
+// DeniedMemory is how long a denied destination stays recorded, and
+// DeniedSetSize how many are recorded at most per family.
+const (
+	DeniedMemory  = time.Minute
+	DeniedSetSize = 1024
+)
+
+// denyExprs is the chain every rejection of kind k goes to: record the
+// destination, count, refuse. A TCP connection is refused with a reset,
+// which the kernel sends at once; anything else gets ICMP
+// "administratively prohibited" (EHOSTUNREACH), which the kernel
+// rate-limits (icmp_ratelimit, icmp_msgs_per_sec), so a scan does not
+// stall on timeouts.
+func denyExprs(k Kind) [][]expr.Any {
+	var rules [][]expr.Any
+	for _, fam := range []uint8{unix.NFPROTO_IPV4, unix.NFPROTO_IPV6} {
+		set := deniedSets[fam]
+		// A concatenated key is loaded into consecutive 32-bit registers,
+		// one field per register (or four for an IPv6 address).
+		off, n := uint32(16), uint32(4)
+		if fam == unix.NFPROTO_IPV6 {
+			off, n = 24, 16
+		}
+		reg := uint32(unix.NFT_REG32_00)
+		rules = append(rules, []expr.Any{
+			&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{fam}},
+			&expr.Payload{DestRegister: reg, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n},
+			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: reg + n/4},
+			&expr.Payload{DestRegister: reg + n/4 + 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+			&expr.Dynset{SrcRegKey: reg, SetName: set.Name, Operation: unix.NFT_DYNSET_OP_ADD, Timeout: DeniedMemory},
+		})
+	}
+	count := &expr.Objref{Type: int(nftables.ObjTypeCounter), Name: string(k)}
+	return append(rules,
+		append(l4proto(byte(TCP)), count, &expr.Reject{Type: unix.NFT_REJECT_TCP_RST}),
+		[]expr.Any{count, &expr.Reject{Type: unix.NFT_REJECT_ICMPX_UNREACH, Code: unix.NFT_REJECT_ICMPX_ADMIN_PROHIBITED}},
+	)
 }
 
 func l4proto(p byte) []expr.Any {

@@ -81,15 +81,7 @@ func TestApplyInstallsAndReplaces(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := len(preamble())
-	for _, r := range rules {
-		list, err := ruleExprs(r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want += len(list)
-	}
-	if len(got) != want {
+	if want := len(preamble()) + len(rules); len(got) != want {
 		t.Errorf("%d rules in the namespace, want %d", len(got), want)
 	}
 	ctrs, err := OpenCounters(ns)

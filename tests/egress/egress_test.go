@@ -188,8 +188,9 @@ resolvers = [%q]
 	scanned := 1024 + 101 + 11000
 	for _, c := range []struct {
 		*ctr
+		n       int
 		atLeast int
-	}{{c1, scanned - 1}, {c2, scanned - 2}} {
+	}{{c1, 1, scanned - 1}, {c2, 2, scanned - 2}} {
 		key := env.Namespace + "/" + c.id
 		var v float64
 		waitFor(t, 20*time.Second, fmt.Sprintf("%d egress denials in the arbiter's metrics for %s", c.atLeast, key), func() bool {
@@ -200,6 +201,13 @@ resolvers = [%q]
 		var line string
 		waitFor(t, 10*time.Second, "an egress denial of a node address logged for "+key, func() bool {
 			line = logLine(env.Containerd.LogPath, "egress: denied", "env="+key+" ", "kind=node")
+			return line != ""
+		}, func(int) string { return env.Containerd.LogTail(40) })
+		t.Logf("%s", line)
+		// The destinations are logged too: the node's kubelet port, tried
+		// before the scans filled the kernel's record.
+		waitFor(t, 10*time.Second, "the node's kubelet port logged as a denied destination for "+key, func() bool {
+			line = logLine(env.Containerd.LogPath, "egress: denied destination", "env="+key+" ", "dst="+nodeAddr(c.n)+" ", "10250")
 			return line != ""
 		}, func(int) string { return env.Containerd.LogTail(40) })
 		t.Logf("%s", line)
