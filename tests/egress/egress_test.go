@@ -144,7 +144,7 @@ resolvers = [%q]
 		}
 	}
 
-	env := testenv.New(t, testenv.WithContainerdEnv("ENVLET_CONFIG="+cfgPath))
+	env := testenv.New(t, testenv.WithContainerdEnv("ENVLET_CONFIG="+cfgPath), testenv.WithConfig(criRuntime))
 	bin, err := os.ReadFile(probeBin)
 	if err != nil {
 		t.Fatal(err)
@@ -236,7 +236,54 @@ resolvers = [%q]
 			t.Errorf("%s: start %v, want a failed precondition", name, err)
 		}
 	}
+
+	// Through CRI, as on a Kubernetes node without a CNI network (pods on
+	// the host network): the pod annotation reaches the shim, and a
+	// host-network pod is refused under the node's policy.
+	dir2 := t.TempDir()
+	crictl := func(args ...string) string { t.Helper(); return env.MustCrictl(t, args...) }
+	crictl("pull", img.Name())
+	ctrCfg := testenv.WriteJSON(t, dir2, "ctr.json", map[string]any{
+		"metadata": map[string]any{"name": "main"},
+		"image":    map[string]any{"image": img.Name()},
+		"command":  []string{"/probe", "run"},
+		"log_path": "main.log",
+	})
+	for _, tc := range []struct{ name, annotation, want string }{
+		{"malformed", "10.0.0.1:443", egress.Annotation},
+		{"hostnet", "", "host network"},
+	} {
+		ann := map[string]string{}
+		if tc.annotation != "" {
+			ann[egress.Annotation] = tc.annotation
+		}
+		pod := testenv.WriteJSON(t, dir2, tc.name+"-pod.json", map[string]any{
+			"metadata":      map[string]any{"name": "egress-" + tc.name, "namespace": "default", "uid": "egress-" + tc.name, "attempt": 0},
+			"log_directory": filepath.Join(dir2, tc.name),
+			"annotations":   ann,
+			"linux":         map[string]any{"security_context": map[string]any{"namespace_options": map[string]any{"network": 2}}},
+		})
+		podID := crictl("runp", "--runtime", "envletov", pod)
+		t.Cleanup(func() { env.Crictl(t, "stopp", podID); env.Crictl(t, "rmp", "-f", podID) })
+		ctrID := crictl("create", podID, ctrCfg, pod)
+		_, err := env.Crictl(t, "start", ctrID)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("CRI pod %s: start %v, want a refusal naming %q", tc.name, err, tc.want)
+		} else {
+			t.Logf("CRI pod %s refused: %v", tc.name, err)
+		}
+	}
 }
+
+// criRuntime is an envlet handler whose annotations pass as the deploy
+// drop-in lets them (pod annotation io.envsnap.egress included), on the
+// plain overlayfs snapshotter, so no snapshotter daemon is needed.
+const criRuntime = `
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.envletov]
+  runtime_type = "io.containerd.envlet.v2"
+  pod_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.envsnap.egress"]
+  container_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*"]
+`
 
 // net is the test's network: two environment namespaces, each linked to
 // the internet namespace and to the node.
