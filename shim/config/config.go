@@ -1,8 +1,8 @@
 // Package config reads the envlet shim's node configuration: policy
-// defaults, node size and the arbiter's address. containerd's runtime
-// `options` cannot carry it (CRI would send runtimeoptions that runc's task
-// service rejects), so it is a TOML file found through the
-// environment the shim inherits from containerd.
+// defaults, node size, the arbiter's address and the egress policy.
+// containerd's runtime `options` cannot carry it (CRI would send
+// runtimeoptions that runc's task service rejects), so it is a TOML file
+// found through the environment the shim inherits from containerd.
 package config
 
 import (
