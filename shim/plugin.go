@@ -7,7 +7,9 @@
 // task/plugin: registering "task" twice panics).
 //
 // Life of a container: Create admits it with the node arbiter (rejection
-// fails Create with errdefs.ErrResourceExhausted), Start starts its
+// fails Create with errdefs.ErrResourceExhausted) and, when an egress
+// policy applies, installs it in the container's network namespace once
+// runc has created it, before it runs (package egress); Start starts its
 // controller on the container's cgroup, Update moves the controller's
 // bounds, exit and Delete stop the controller and release the grant. A
 // controller that gives up (memory denied while OOMing) fails the task
@@ -72,6 +74,10 @@ func init() {
 			if err != nil {
 				return nil, fmt.Errorf("envlet arbiter: %w", err)
 			}
+			eg, err := cfg.EgressNode()
+			if err != nil {
+				return nil, fmt.Errorf("envlet egress: %w", err)
+			}
 			arb := arbiter.NewClient(cc)
 			ss.(shutdown.Service).RegisterCallback(func(context.Context) error { return arb.Close() })
 			return New(ic.Context, inner, publisher, Options{
@@ -79,6 +85,7 @@ func init() {
 				Policy:   policy,
 				Node:     node,
 				Arbiter:  arb,
+				Egress:   &eg,
 			}), nil
 		},
 	})

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"strconv"
 	"sync"
@@ -26,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
@@ -72,6 +74,12 @@ type Options struct {
 	// ConfigErr, when set, fails every Create: the node configuration
 	// could not be loaded.
 	ConfigErr error
+	// Egress is the node's egress policy; nil confines no container.
+	Egress *egress.Node
+	// EgressLookup and NodeAddresses default to egress.LookupIP and
+	// egress.NodeAddresses.
+	EgressLookup  egress.Lookup
+	NodeAddresses func() ([]netip.Prefix, error)
 }
 
 // Service is the envlet task service.
@@ -83,8 +91,9 @@ type Service struct {
 	publisher events.Publisher
 	opts      Options
 
-	mu   sync.Mutex
-	envs map[string]*env
+	mu     sync.Mutex
+	envs   map[string]*env
+	egress map[string]*egressEnv
 }
 
 // env is one managed container.
@@ -120,6 +129,7 @@ func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.P
 		publisher:        publisher,
 		opts:             opts,
 		envs:             make(map[string]*env),
+		egress:           make(map[string]*egressEnv),
 	}
 }
 
@@ -167,8 +177,24 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
+	eg, err := s.egressPolicy(ctx, spec)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("egress policy of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	if eg != nil {
+		if err := prepareEgress(r.Bundle, spec); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("%s: %w", r.ID, err))
+		}
+	}
 	if !managed(spec, s.opts.Disabled) {
-		return s.TTRPCTaskService.Create(ctx, r)
+		resp, err := s.TTRPCTaskService.Create(ctx, r)
+		if err == nil && eg != nil {
+			if err = s.startEgress(ctx, r.ID, resp.Pid, eg); err != nil {
+				s.abortCreate(ctx, r.ID)
+				return nil, errgrpc.ToGRPC(err)
+			}
+		}
+		return resp, err
 	}
 	cfg, err := envConfig(s.opts.Policy, s.opts.Node, spec)
 	if err != nil {
@@ -197,10 +223,28 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, err
 	}
+	if eg != nil {
+		// The init process waits for Start: no user code has run yet.
+		if err := s.startEgress(ctx, r.ID, resp.Pid, eg); err != nil {
+			s.abortCreate(ctx, r.ID)
+			if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "egress policy failed"); rerr != nil {
+				log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+			}
+			return nil, errgrpc.ToGRPC(err)
+		}
+	}
 	s.mu.Lock()
 	s.envs[r.ID] = e
 	s.mu.Unlock()
 	return resp, nil
+}
+
+// abortCreate deletes a container created by runc whose Create fails
+// afterwards: it never ran user code.
+func (s *Service) abortCreate(ctx context.Context, id string) {
+	if _, err := s.TTRPCTaskService.Delete(ctx, &taskAPI.DeleteRequest{ID: id}); err != nil {
+		log.G(ctx).WithError(err).WithField("id", id).Error("envlet: delete after failed create")
+	}
 }
 
 // Start starts the controller on the container's cgroup (created by runc
@@ -220,7 +264,13 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 		e.mu.Unlock()
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
 	}
-	s.opts.Arbiter.Track(e.key, ctrl)
+	var src arbiter.StatusSource = ctrl
+	s.mu.Lock()
+	if eg := s.egress[e.id]; eg != nil {
+		src = egressStatus{ctrl, eg}
+	}
+	s.mu.Unlock()
+	s.opts.Arbiter.Track(e.key, src)
 	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
 	e.mu.Unlock()
@@ -450,6 +500,7 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	if err != nil || r.ExecID != "" {
 		return resp, err
 	}
+	s.stopEgress(r.ID)
 	s.mu.Lock()
 	e := s.envs[r.ID]
 	delete(s.envs, r.ID)

@@ -36,6 +36,7 @@ type fakeRunc struct {
 	kills   []*taskAPI.KillRequest
 	updates []*specs.LinuxResources
 	exited  chan struct{}
+	pid     uint32 // of the created task; default 42
 }
 
 func newFakeRunc() *fakeRunc { return &fakeRunc{exited: make(chan struct{})} }
@@ -48,6 +49,9 @@ func (f *fakeRunc) record(c string) {
 
 func (f *fakeRunc) Create(_ context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
 	f.record("create " + r.ID)
+	if f.pid != 0 {
+		return &taskAPI.CreateTaskResponse{Pid: f.pid}, nil
+	}
 	return &taskAPI.CreateTaskResponse{Pid: 42}, nil
 }
 

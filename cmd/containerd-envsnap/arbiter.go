@@ -26,7 +26,7 @@ var arbiterCommand = &cli.Command{
 		&cli.StringFlag{Name: "node-cpu", Usage: "node CPU capacity in cores (default from the config, else online CPUs)"},
 		&cli.StringFlag{Name: "node-memory", Usage: "node memory capacity, e.g. 16Gi (default from the config, else MemTotal)"},
 		&cli.Float64Flag{Name: "reserve", Value: -1, Usage: "share of the node kept for admissions (default from the config, else 0.15)"},
-		&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus metrics on host:port at /metrics"},
+		&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus metrics on host:port at /metrics (a port alone listens on 127.0.0.1)"},
 		&cli.StringFlag{Name: "ledger", Usage: "file the leases are persisted to and restored from at start (default from the config, else arbiter-ledger.json next to the socket; \"none\": memory only)"},
 	},
 	Action: runArbiter,

@@ -3,7 +3,9 @@ package arbiter
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -315,7 +317,7 @@ func TestMetrics(t *testing.T) {
 	if _, err := s.admit(ctx, &AdmitRequest{Env: "big", Base: Resources{CPU: 1, Memory: 8 * gib}}); err == nil {
 		t.Fatal("admitted beyond the node")
 	}
-	status, _ := json.Marshal(envlet.Status{Env: "a", Throttled: 0.25, CPUGrows: 3, OOMs: 1})
+	status, _ := json.Marshal(envlet.Status{Env: "a", Throttled: 0.25, CPUGrows: 3, OOMs: 1, EgressDenied: 5})
 	if _, err := s.report(ctx, &ReportRequest{Env: "a", Current: Resources{CPU: 2, Memory: gib},
 		Used: Resources{CPU: 1.5, Memory: 512 << 20}, Status: status}); err != nil {
 		t.Fatal(err)
@@ -343,12 +345,81 @@ func TestMetrics(t *testing.T) {
 		"envlet_status_throttled,env=a":               0.25,
 		"envlet_status_cpu_grows,env=a":               3,
 		"envlet_status_ooms,env=a":                    1,
+		"envlet_status_egress_denied,env=a":           5,
 		"envlet_arbiter_envs":                         1,
 		"envlet_arbiter_denials_total,kind=admission": 1,
 	} {
 		if v, ok := got[key]; !ok || v != want {
 			t.Errorf("%s = %v (present %v), want %v", key, v, ok, want)
 		}
+	}
+}
+
+// A metrics port given without a host listens on loopback only, and
+// serves /metrics alone: on a host-network pod every other address of the
+// node is reachable from its containers.
+func TestMetricsLocalOnly(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	startArbiter(t, socketPath(t), envlet.Resources{CPU: 1, Memory: gib}, WithMetricsAddress(fmt.Sprintf(":%d", port)))
+	get := func(url string) int {
+		var resp *http.Response
+		for i := 0; i < 100; i++ { // the metrics listener starts with Serve
+			if resp, err = http.Get(url); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err != nil {
+			t.Fatalf("GET %s: %v", url, err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := get(fmt.Sprintf("http://127.0.0.1:%d/metrics", port)); code != http.StatusOK {
+		t.Errorf("/metrics: %d", code)
+	}
+	if code := get(fmt.Sprintf("http://127.0.0.1:%d/status", port)); code != http.StatusNotFound {
+		t.Errorf("/status: %d, want 404", code)
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tried := 0
+	for _, a := range addrs {
+		ipn, ok := a.(*net.IPNet)
+		if !ok || ipn.IP.IsLoopback() || ipn.IP.IsLinkLocalUnicast() {
+			continue
+		}
+		tried++
+		if c, err := net.DialTimeout("tcp", net.JoinHostPort(ipn.IP.String(), fmt.Sprint(port)), time.Second); err == nil {
+			c.Close()
+			t.Errorf("metrics reachable on the node address %s", ipn.IP)
+		}
+	}
+	if tried == 0 {
+		t.Log("no non-loopback address on this host: only the loopback side was checked")
+	}
+	if got := MetricsListenAddress("0.0.0.0:9167"); got != "0.0.0.0:9167" {
+		t.Errorf("an explicit host was replaced: %s", got)
+	}
+}
+
+// The quota protocol is for root only.
+func TestSocketRootOnly(t *testing.T) {
+	sock := socketPath(t)
+	startArbiter(t, sock, envlet.Resources{CPU: 1, Memory: gib})
+	fi, err := os.Stat(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if perm := fi.Mode().Perm(); perm != 0o600 {
+		t.Errorf("arbiter socket mode %v, want 0600", perm)
 	}
 }
 

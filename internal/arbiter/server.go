@@ -344,9 +344,22 @@ func WithLedger(path string) ServeOpt {
 }
 
 // WithMetricsAddress also serves Prometheus metrics (per-environment quota,
-// usage and controller status) over HTTP at addr, path /metrics.
+// usage and controller status) over HTTP at addr, path /metrics, and
+// nothing else there. A port without a host (":9167") listens on
+// 127.0.0.1 only: the metrics name every environment on the node, and on
+// a host-network pod any other address is reachable from the node's
+// containers. Give the host ("0.0.0.0:9167") to listen everywhere.
 func WithMetricsAddress(addr string) ServeOpt {
-	return func(c *serveConfig) { c.metricsAddr = addr }
+	return func(c *serveConfig) { c.metricsAddr = MetricsListenAddress(addr) }
+}
+
+// MetricsListenAddress is addr with an empty host replaced by 127.0.0.1.
+func MetricsListenAddress(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil || host != "" {
+		return addr // net.Listen reports a malformed one
+	}
+	return net.JoinHostPort("127.0.0.1", port)
 }
 
 // Serve runs the arbiter for arb on a unix socket at socketPath until ctx
@@ -378,6 +391,13 @@ func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts
 	l, err := net.Listen("unix", socketPath)
 	if err != nil {
 		return fmt.Errorf("listen on arbiter socket %s: %w", socketPath, err)
+	}
+	// Only root may talk to the arbiter: a forged Admit, Grow or Release
+	// would move another environment's quota. The mode does not depend on
+	// the umask or on who created the directory.
+	if err := os.Chmod(socketPath, 0o600); err != nil {
+		l.Close()
+		return fmt.Errorf("restrict arbiter socket %s: %w", socketPath, err)
 	}
 	defer os.Remove(socketPath)
 

@@ -549,7 +549,7 @@ state = %[2]q
         snapshotter = %[14]q
         # CRI copies only these pod/container annotations into the OCI
         # spec, where the shim reads its per-environment overrides.
-        pod_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*"]
+        pod_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.envsnap.egress"]
         container_annotations = ["io.envsnap.envlet.*", "io.envsnap.shim.*", "io.kubernetes.container.terminationMessagePath"]
 %[10]s
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), e.Address, e.Address+".ttrpc",

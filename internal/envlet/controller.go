@@ -52,6 +52,10 @@ type Status struct {
 	CPUGrows, CPUShrinks, MemGrows, MemShrinks int
 	Reclaims, Busy, Denied, OOMs, Failures     int
 	Failure                                    *Failure
+	// EgressDenied counts the packets the environment's egress policy
+	// rejected. The shim fills it in (the controller does not see the
+	// network).
+	EgressDenied int `json:",omitempty"`
 }
 
 // Option configures a Controller.

@@ -1,8 +1,8 @@
 // Package config reads the envlet shim's node configuration: policy
-// defaults, node size and the arbiter's address. containerd's runtime
-// `options` cannot carry it (CRI would send runtimeoptions that runc's task
-// service rejects), so it is a TOML file found through the
-// environment the shim inherits from containerd.
+// defaults, node size, the arbiter's address and the egress policy.
+// containerd's runtime `options` cannot carry it (CRI would send
+// runtimeoptions that runc's task service rejects), so it is a TOML file
+// found through the environment the shim inherits from containerd.
 package config
 
 import (
@@ -10,6 +10,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"runtime"
 	"strconv"
@@ -19,6 +20,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
@@ -39,6 +41,56 @@ type Config struct {
 	Node   Node              `toml:"node"`
 	// Arbiter locates the node arbiter.
 	Arbiter Arbiter `toml:"arbiter"`
+	// Egress is the node's egress allow-list policy (package egress).
+	Egress Egress `toml:"egress"`
+}
+
+// Egress is [egress].
+type Egress struct {
+	// Enforce gives every container an allow-list: Allow, unless its
+	// io.envsnap.egress annotation names another. Without it only
+	// annotated containers are confined.
+	Enforce bool `toml:"enforce"`
+	// Allow is the default allow-list, entries as in the annotation
+	// ("10.0.0.0/8:443/tcp", "mirror.example.com:5000/tcp").
+	Allow []string `toml:"allow"`
+	// Resolvers are the only addresses DNS may reach.
+	Resolvers []string `toml:"resolvers"`
+	// Deny lists CIDRs always denied besides the node's own addresses
+	// and the metadata service (e.g. the node's public address behind
+	// NAT, the control plane).
+	Deny []string `toml:"deny"`
+}
+
+// EgressNode is the node's side of every environment's egress policy.
+func (c Config) EgressNode() (egress.Node, error) {
+	n := egress.Node{Enforce: c.Egress.Enforce}
+	for _, a := range c.Egress.Allow {
+		es, err := egress.Parse(a)
+		if err != nil {
+			return n, fmt.Errorf("[egress] allow: %w", err)
+		}
+		n.Allow = append(n.Allow, es...)
+	}
+	for _, r := range c.Egress.Resolvers {
+		a, err := netip.ParseAddr(r)
+		if err != nil {
+			return n, fmt.Errorf("[egress] resolvers: %w", err)
+		}
+		n.Resolvers = append(n.Resolvers, a.Unmap())
+	}
+	for _, d := range c.Egress.Deny {
+		p, err := netip.ParsePrefix(d)
+		if err != nil {
+			a, aerr := netip.ParseAddr(d)
+			if aerr != nil {
+				return n, fmt.Errorf("[egress] deny: %w", err)
+			}
+			p = netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen())
+		}
+		n.Deny = append(n.Deny, p.Masked())
+	}
+	return n, nil
 }
 
 // Node is the capacity arbitrated on this node. Empty fields default to the
@@ -155,6 +207,9 @@ func LoadFile(path string) (Config, error) {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	if _, err := c.NodeOpts(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, err := c.EgressNode(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	return c, nil

@@ -58,6 +58,31 @@ fallback = "local"
 				}
 			},
 		},
+		{
+			name: "egress",
+			toml: `
+[egress]
+enforce = true
+allow = ["10.0.0.0/8:443/tcp", "mirror.example.com:5000/tcp, [2001:db8::1]:80/tcp"]
+resolvers = ["10.96.0.10"]
+deny = ["203.0.113.7", "198.51.100.0/24"]
+`,
+			check: func(t *testing.T, c Config) {
+				n, err := c.EgressNode()
+				if err != nil || !n.Enforce || len(n.Allow) != 3 || n.Allow[1].Host != "mirror.example.com" {
+					t.Fatalf("egress %+v %v", n, err)
+				}
+				if len(n.Resolvers) != 1 || n.Resolvers[0].String() != "10.96.0.10" {
+					t.Fatalf("resolvers %v", n.Resolvers)
+				}
+				if len(n.Deny) != 2 || n.Deny[0].String() != "203.0.113.7/32" || n.Deny[1].String() != "198.51.100.0/24" {
+					t.Fatalf("deny %v", n.Deny)
+				}
+			},
+		},
+		{name: "bad egress entry", toml: "[egress]\nallow = [\"10.0.0.1:443\"]\n", wantErr: "allow"},
+		{name: "bad egress resolver", toml: "[egress]\nresolvers = [\"dns.example\"]\n", wantErr: "resolvers"},
+		{name: "bad egress deny", toml: "[egress]\ndeny = [\"10.0.0.0/40\"]\n", wantErr: "deny"},
 		{name: "unknown key", toml: "[node]\ncpus = 2\n", wantErr: "cpus"},
 		{name: "unknown knob", toml: "[policy]\ninitial-cpus = \"1\"\n", wantErr: "initial-cpus"},
 		{name: "bad memory", toml: "[node]\nmemory = \"lots\"\n", wantErr: "memory"},

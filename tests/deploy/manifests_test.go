@@ -24,6 +24,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	nodev1 "k8s.io/api/node/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
 
 	"github.com/envsnap/envsnap/internal/prereq"
@@ -95,6 +96,8 @@ type objects struct {
 	configMaps      []corev1.ConfigMap
 	daemonSets      []appsv1.DaemonSet
 	runtimeClasses  []nodev1.RuntimeClass
+	clusterRoles    []rbacv1.ClusterRole
+	roleBindings    []rbacv1.ClusterRoleBinding
 }
 
 // decodeStrict decodes one document into its typed Kubernetes object.
@@ -135,6 +138,16 @@ func (o *objects) decodeStrict(doc []byte) error {
 		var v nodev1.RuntimeClass
 		if err = yaml.UnmarshalStrict(doc, &v); err == nil {
 			o.runtimeClasses = append(o.runtimeClasses, v)
+		}
+	case "rbac.authorization.k8s.io/v1/ClusterRole":
+		var v rbacv1.ClusterRole
+		if err = yaml.UnmarshalStrict(doc, &v); err == nil {
+			o.clusterRoles = append(o.clusterRoles, v)
+		}
+	case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
+		var v rbacv1.ClusterRoleBinding
+		if err = yaml.UnmarshalStrict(doc, &v); err == nil {
+			o.roleBindings = append(o.roleBindings, v)
 		}
 	default:
 		return fmt.Errorf("unexpected object %s %s", head.APIVersion, head.Kind)
@@ -283,6 +296,9 @@ func TestManifestsDecodeStrict(t *testing.T) {
 					t.Errorf("container %s mounts ConfigMap key %q, which %s does not have", c.Name, m.SubPath, cm.Name)
 				}
 			}
+		}
+		if strings.HasPrefix(c.Image, metricsProxyImage+":") {
+			continue // a third-party image, pinned by tag
 		}
 		if c.Image == "" || !strings.HasPrefix(c.Image, "ghcr.io/envsnap/envsnap:") {
 			t.Errorf("container %s image %q: kustomization.yaml's images entry would not retag it", c.Name, c.Image)
@@ -475,6 +491,104 @@ func TestDaemonSetEssentials(t *testing.T) {
 	}
 }
 
+// metricsProxyImage is the authenticating proxy in front of the loopback
+// metrics endpoints.
+const metricsProxyImage = "quay.io/brancz/kube-rbac-proxy"
+
+// TestMetricsOnlyBehindTheProxy: under host networking the pod's
+// addresses are the node's, reachable from every container on it. The
+// daemons' metrics listen on loopback, each is published only through a
+// kube-rbac-proxy sidecar whose upstream is that loopback address, the
+// proxy's service account may review tokens, and only the proxies mount a
+// token.
+func TestMetricsOnlyBehindTheProxy(t *testing.T) {
+	o := loadManifests(t)
+	if t.Failed() || len(o.daemonSets) != 1 || len(o.configMaps) != 1 {
+		t.FailNow()
+	}
+	spec := o.daemonSets[0].Spec.Template.Spec
+	if spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken {
+		t.Error("the pod mounts the service account token into every container")
+	}
+	var snCfg struct {
+		MetricsAddress string `toml:"metrics_address"`
+	}
+	if err := toml.Unmarshal([]byte(o.configMaps[0].Data["config.toml"]), &snCfg); err != nil {
+		t.Fatal(err)
+	}
+	arb := findContainer(t, spec.Containers, "arbiter")
+	i := slices.Index(arb.Args, "--metrics-address")
+	if i < 0 || i+1 >= len(arb.Args) {
+		t.Fatalf("arbiter args %v: no --metrics-address", arb.Args)
+	}
+	arbAddr := arb.Args[i+1]
+	if host, _, err := net.SplitHostPort(arbAddr); err != nil || !net.ParseIP(host).IsLoopback() {
+		t.Errorf("arbiter --metrics-address %q is not loopback", arbAddr)
+	}
+	if len(arb.Ports) != 0 {
+		t.Errorf("arbiter declares ports %v; it serves nothing on the node's addresses", arb.Ports)
+	}
+	for _, p := range []*corev1.Probe{arb.ReadinessProbe, arb.LivenessProbe} {
+		if p == nil || p.Exec == nil {
+			t.Errorf("arbiter probe %+v: want an exec probe over the unix socket", p)
+		}
+	}
+	upstreams := map[string]string{}
+	for _, c := range spec.Containers {
+		_, tokenMounted := findMount(c, "/var/run/secrets/kubernetes.io/serviceaccount")
+		if !strings.HasPrefix(c.Image, metricsProxyImage+":") {
+			if tokenMounted {
+				t.Errorf("container %s mounts a service account token", c.Name)
+			}
+			continue
+		}
+		if !tokenMounted {
+			t.Errorf("proxy %s has no token to review scrapers' tokens with", c.Name)
+		}
+		var up, listen string
+		for _, a := range c.Args {
+			if v, ok := strings.CutPrefix(a, "--upstream="); ok {
+				up = v
+			}
+			if v, ok := strings.CutPrefix(a, "--secure-listen-address="); ok {
+				listen = v
+			}
+		}
+		if listen == "" || !slices.Contains(c.Args, "--allow-paths=/metrics") {
+			t.Errorf("proxy %s args %v: want --secure-listen-address and --allow-paths=/metrics", c.Name, c.Args)
+		}
+		upstreams[up] = c.Name
+	}
+	for _, addr := range []string{snCfg.MetricsAddress, arbAddr} {
+		if _, ok := upstreams["http://"+addr+"/"]; !ok {
+			t.Errorf("no metrics proxy forwards to %s (proxies: %v)", addr, upstreams)
+		}
+	}
+	// The proxies' service account may create token and access reviews.
+	var bound bool
+	for _, b := range o.roleBindings {
+		for _, s := range b.Subjects {
+			if s.Kind != "ServiceAccount" || s.Name != spec.ServiceAccountName || s.Namespace != namespace {
+				continue
+			}
+			for _, r := range o.clusterRoles {
+				if r.Name != b.RoleRef.Name {
+					continue
+				}
+				var tr, sar bool
+				for _, rule := range r.Rules {
+					tr = tr || slices.Contains(rule.Resources, "tokenreviews") && slices.Contains(rule.Verbs, "create")
+					sar = sar || slices.Contains(rule.Resources, "subjectaccessreviews") && slices.Contains(rule.Verbs, "create")
+				}
+				bound = bound || tr && sar
+			}
+		}
+	}
+	if !bound {
+		t.Errorf("service account %s is not bound to a role that creates tokenreviews and subjectaccessreviews", spec.ServiceAccountName)
+	}
+}
+
 // TestRuntimeClass: the handler must be the CRI runtime name the drop-in
 // defines, bound to our shim and snapshotter.
 func TestRuntimeClass(t *testing.T) {
@@ -591,6 +705,9 @@ func TestKustomizeBuild(t *testing.T) {
 			t.Errorf("rendered document %d: %v", i, err)
 		}
 	}
+	if len(o.clusterRoles) != 2 || len(o.roleBindings) != 1 {
+		t.Errorf("rendered %d ClusterRoles and %d ClusterRoleBindings, want 2 and 1 (rbac.yaml)", len(o.clusterRoles), len(o.roleBindings))
+	}
 	if len(o.namespaces)+len(o.serviceAccounts)+len(o.configMaps)+len(o.daemonSets)+len(o.runtimeClasses) != 5 {
 		t.Errorf("rendered %d/%d/%d/%d/%d objects, want one of each", len(o.namespaces), len(o.serviceAccounts), len(o.configMaps), len(o.daemonSets), len(o.runtimeClasses))
 	}
@@ -599,7 +716,7 @@ func TestKustomizeBuild(t *testing.T) {
 		want := k.Images[0].Name + ":" + k.Images[0].NewTag
 		spec := o.daemonSets[0].Spec.Template.Spec
 		for _, c := range append(spec.InitContainers, spec.Containers...) {
-			if c.Image != want {
+			if c.Image != want && !strings.HasPrefix(c.Image, metricsProxyImage+":") {
 				t.Errorf("rendered container %s image %q, want %q", c.Name, c.Image, want)
 			}
 		}
