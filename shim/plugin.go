@@ -68,6 +68,10 @@ func init() {
 			if err != nil {
 				return nil, fmt.Errorf("envlet node size: %w", err)
 			}
+			guard, err := cfg.GuardLimits()
+			if err != nil {
+				return nil, fmt.Errorf("envlet guard: %w", err)
+			}
 			cc, err := cfg.ArbiterClient()
 			if err != nil {
 				return nil, fmt.Errorf("envlet arbiter: %w", err)
@@ -79,6 +83,7 @@ func init() {
 				Policy:   policy,
 				Node:     node,
 				Arbiter:  arb,
+				Guard:    guard,
 			}), nil
 		},
 	})

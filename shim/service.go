@@ -24,9 +24,11 @@ import (
 	"github.com/containerd/ttrpc"
 	"github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/shim/config"
 )
 
 // FailedEventTopic is the containerd event topic of a failed environment.
@@ -72,6 +74,9 @@ type Options struct {
 	// ConfigErr, when set, fails every Create: the node configuration
 	// could not be loaded.
 	ConfigErr error
+	// Guard is what every managed container runs under (seccomp, pids
+	// and output caps); the zero value imposes nothing.
+	Guard config.GuardLimits
 }
 
 // Service is the envlet task service.
@@ -102,6 +107,12 @@ type env struct {
 	done    chan struct{} // closed when the controller has stopped
 	reason  string        // why it failed; written before done closes
 	once    sync.Once
+
+	guard       *guard
+	bundle      string
+	ioCtx       context.Context    // the output relays' (execs' too)
+	ioCancel    context.CancelFunc // ends the relays' waits to open
+	guardReason string             // why the guard failed it; under mu
 }
 
 var _ taskAPI.TTRPCTaskService = (*Service)(nil)
@@ -178,6 +189,21 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
+	limits, err := containerGuard(s.opts.Guard, spec)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet guard of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	changed, err := harden(spec, s.opts.Guard.Seccomp, limits)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: harden spec of %s: %w", r.ID, err))
+	}
+	if len(changed) > 0 {
+		if err := writeSpec(r.Bundle, spec); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %w", r.ID, err))
+		}
+		log.G(ctx).WithField("id", r.ID).WithField("added", changed).Info("envlet: spec hardened")
+	}
+	e.guard = &guard{env: r.ID, limits: limits, grace: s.opts.Guard.PidsGrace, trip: func(f envlet.Failure) { s.guardFail(e, f) }}
 	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
@@ -190,8 +216,19 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: admit %s: %w", r.ID, err))
 	}
-	resp, err := s.TTRPCTaskService.Create(ctx, r)
+	ioCtx, ioCancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
+	e.bundle, e.ioCtx, e.ioCancel = r.Bundle, ioCtx, ioCancel
+	fwd := proto.Clone(r).(*taskAPI.CreateTaskRequest)
+	if err := e.relayStdio(ioCtx, r.Bundle, "", &fwd.Stdout, &fwd.Stderr); err != nil {
+		ioCancel()
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+		}
+		return nil, errgrpc.ToGRPC(err)
+	}
+	resp, err := s.TTRPCTaskService.Create(ctx, fwd)
 	if err != nil {
+		ioCancel()
 		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
@@ -225,6 +262,14 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
 	e.mu.Unlock()
 	go s.runController(runCtx, e, ctrl)
+	if e.guard.limits.pids > 0 {
+		if dir, err := envlet.PidsDir(e.cgroup); err != nil {
+			// The limit holds; only its report is missing.
+			log.G(runCtx).WithError(err).Warn("envlet: fork bombs will be contained but not reported")
+		} else {
+			go e.guard.watchPids(runCtx, dir)
+		}
+	}
 
 	resp, err := s.TTRPCTaskService.Start(ctx, r)
 	if err != nil {
@@ -268,6 +313,11 @@ func (s *Service) finish(e *env, reason string) {
 				_ = closeCg()
 			}
 		}
+		e.mu.Lock()
+		if e.guardReason != "" {
+			reason = e.guardReason
+		}
+		e.mu.Unlock()
 		if e.reason != "" {
 			reason = e.reason
 		}
@@ -298,9 +348,11 @@ func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
 	}
 	// CRI reports Reason=OOMKilled only after /tasks/oom; the kernel may
 	// not have OOM-killed anything (v1 refuses, or the task was paused), so
-	// say it ourselves.
-	if err := s.publisher.Publish(s.ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: e.id}); err != nil {
-		log.G(ctx).WithError(err).Warn("envlet: publish oom event")
+	// say it ourselves. A guard failure is not about memory.
+	if envlet.IsMemoryReason(f.Reason) {
+		if err := s.publisher.Publish(s.ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: e.id}); err != nil {
+			log.G(ctx).WithError(err).Warn("envlet: publish oom event")
+		}
 	}
 	kctx, cancel := context.WithTimeout(context.WithoutCancel(s.ctx), 10*time.Second)
 	defer cancel()
@@ -456,6 +508,45 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	s.mu.Unlock()
 	if e != nil {
 		s.finish(e, "deleted")
+		e.ioCancel()
 	}
 	return resp, nil
+}
+
+// Exec relays the new process's output through the environment's output
+// cap.
+func (s *Service) Exec(ctx context.Context, r *taskAPI.ExecProcessRequest) (*ptypes.Empty, error) {
+	e := s.lookup(r.ID)
+	if e == nil {
+		return s.TTRPCTaskService.Exec(ctx, r)
+	}
+	fwd := proto.Clone(r).(*taskAPI.ExecProcessRequest)
+	if err := e.relayStdio(e.ioCtx, e.bundle, r.ExecID+"-", &fwd.Stdout, &fwd.Stderr); err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	return s.TTRPCTaskService.Exec(ctx, fwd)
+}
+
+// relayStdio replaces stdout and stderr with the guard's counting relays.
+func (e *env) relayStdio(ctx context.Context, dir, prefix string, stdout, stderr *string) error {
+	var err error
+	if *stdout, err = e.guard.relay(ctx, dir, "envlet-"+prefix+"stdout", *stdout); err != nil {
+		return fmt.Errorf("envlet: %s: %w", e.id, err)
+	}
+	if *stderr, err = e.guard.relay(ctx, dir, "envlet-"+prefix+"stderr", *stderr); err != nil {
+		return fmt.Errorf("envlet: %s: %w", e.id, err)
+	}
+	return nil
+}
+
+// guardFail ends e for a guard limit, once, the way the controller ends it
+// for memory.
+func (s *Service) guardFail(e *env, f envlet.Failure) {
+	e.mu.Lock()
+	if e.guardReason == "" {
+		e.guardReason = f.Reason
+	}
+	e.mu.Unlock()
+	ctx := log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id))
+	s.fail(ctx, e, &envlet.FailureError{Failure: f})
 }

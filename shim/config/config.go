@@ -39,6 +39,81 @@ type Config struct {
 	Node   Node              `toml:"node"`
 	// Arbiter locates the node arbiter.
 	Arbiter Arbiter `toml:"arbiter"`
+	// Guard holds the rules for hostile workloads: seccomp, pids and
+	// output caps.
+	Guard Guard `toml:"guard"`
+}
+
+// Guard is [guard]: what the shim imposes on every environment whatever
+// its spec says. Empty fields take the defaults below.
+type Guard struct {
+	// Seccomp is "default" (containerd's default profile plus
+	// DeniedIoctls, for specs without a profile) or "none" (specs run as
+	// given).
+	Seccomp string `toml:"seccomp"`
+	// Pids is the pids limit per environment; a spec's own lower limit
+	// wins; 0 keeps the spec's.
+	Pids *int64 `toml:"pids"`
+	// PidsGrace is how long forks may keep failing at the limit before
+	// the environment fails with PIDS_EXHAUSTED.
+	PidsGrace string `toml:"pids-grace"`
+	// Output caps what an environment's processes write to stdout and
+	// stderr together ("1Gi"; "0" for no cap).
+	Output string `toml:"output"`
+}
+
+// Guard defaults.
+const (
+	SeccompDefault   = "default"
+	SeccompNone      = "none"
+	DefaultPids      = 4096
+	DefaultPidsGrace = 2 * time.Second
+	DefaultOutput    = envlet.GiB
+)
+
+// GuardLimits is [guard] resolved.
+type GuardLimits struct {
+	Seccomp   bool
+	Pids      int64
+	PidsGrace time.Duration
+	Output    int64
+}
+
+// GuardLimits resolves [guard] with the defaults.
+func (c Config) GuardLimits() (GuardLimits, error) {
+	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput}
+	switch c.Guard.Seccomp {
+	case "", SeccompDefault:
+	case SeccompNone:
+		g.Seccomp = false
+	default:
+		return g, fmt.Errorf("[guard] seccomp %q: want %q or %q", c.Guard.Seccomp, SeccompDefault, SeccompNone)
+	}
+	if c.Guard.Pids != nil {
+		if *c.Guard.Pids < 0 {
+			return g, fmt.Errorf("[guard] pids %d: must not be negative", *c.Guard.Pids)
+		}
+		g.Pids = *c.Guard.Pids
+	}
+	if c.Guard.PidsGrace != "" {
+		d, err := time.ParseDuration(c.Guard.PidsGrace)
+		if err != nil || d < 0 {
+			return g, fmt.Errorf("[guard] pids-grace %q: must be a duration", c.Guard.PidsGrace)
+		}
+		g.PidsGrace = d
+	}
+	switch c.Guard.Output {
+	case "":
+	case "0":
+		g.Output = 0
+	default:
+		n, err := envlet.ParseBytes(c.Guard.Output)
+		if err != nil {
+			return g, fmt.Errorf("[guard] output: %w", err)
+		}
+		g.Output = n
+	}
+	return g, nil
 }
 
 // Node is the capacity arbitrated on this node. Empty fields default to the
@@ -155,6 +230,9 @@ func LoadFile(path string) (Config, error) {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	if _, err := c.NodeOpts(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, err := c.GuardLimits(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	return c, nil
