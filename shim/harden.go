@@ -135,6 +135,13 @@ func harden(s *specs.Spec, seccompOn bool, g guardLimits) ([]string, error) {
 // unsigned int, so a test on the whole register would let a caller set
 // the high bits and slip past.
 func defaultSeccomp(s *specs.Spec) *specs.LinuxSeccomp {
+	if s.Process == nil || s.Process.Capabilities == nil {
+		// DefaultProfile reads the bounding set; none means no
+		// capabilities, so no syscalls allowed for them.
+		c := *s
+		c.Process = &specs.Process{Capabilities: &specs.LinuxCapabilities{}}
+		s = &c
+	}
 	p := seccomp.DefaultProfile(s)
 	for i := range p.Syscalls {
 		sc := &p.Syscalls[i]
