@@ -109,6 +109,7 @@ type env struct {
 	once    sync.Once
 
 	guard       *guard
+	eval        *evaluator // nil unless the spec holds an evaluator back
 	bundle      string
 	ioCtx       context.Context    // the output relays' (execs' too)
 	ioCancel    context.CancelFunc // ends the relays' waits to open
@@ -179,6 +180,11 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		return nil, errgrpc.ToGRPC(err)
 	}
 	if !managed(spec, s.opts.Disabled) {
+		if _, ok := spec.Annotations[AnnEvaluatorLayers]; ok {
+			// Held-back evaluator layers need the managed path; running
+			// without it would show the answers.
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s names evaluator layers but runs unmanaged: %w", r.ID, errdefs.ErrFailedPrecondition))
+		}
 		return s.TTRPCTaskService.Create(ctx, r)
 	}
 	cfg, err := envConfig(s.opts.Policy, s.opts.Node, spec)
@@ -197,14 +203,30 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: harden spec of %s: %w", r.ID, err))
 	}
+	fwd := proto.Clone(r).(*taskAPI.CreateTaskRequest)
+	if e.eval, err = holdBackEvaluator(spec, fwd.Rootfs, r.Bundle); err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	if e.eval != nil {
+		changed = append(changed, "evaluator held back")
+	}
+	createFailed := func() {
+		if e.eval != nil {
+			if err := e.eval.unmount(); err != nil {
+				log.G(ctx).WithError(err).WithField("id", r.ID).Warn("envlet: unmount evaluator after failed create")
+			}
+		}
+	}
 	if len(changed) > 0 {
 		if err := writeSpec(r.Bundle, spec); err != nil {
+			createFailed()
 			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %w", r.ID, err))
 		}
 		log.G(ctx).WithField("id", r.ID).WithField("added", changed).Info("envlet: spec hardened")
 	}
 	e.guard = &guard{env: r.ID, limits: limits, grace: s.opts.Guard.PidsGrace, trip: func(f envlet.Failure) { s.guardFail(e, f) }}
 	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
+		createFailed()
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
 				Env: r.ID, Reason: ReasonAdmissionRejected,
@@ -218,9 +240,9 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	}
 	ioCtx, ioCancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.bundle, e.ioCtx, e.ioCancel = r.Bundle, ioCtx, ioCancel
-	fwd := proto.Clone(r).(*taskAPI.CreateTaskRequest)
 	if err := e.relayStdio(ioCtx, r.Bundle, "", &fwd.Stdout, &fwd.Stderr); err != nil {
 		ioCancel()
+		createFailed()
 		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
@@ -229,6 +251,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	resp, err := s.TTRPCTaskService.Create(ctx, fwd)
 	if err != nil {
 		ioCancel()
+		createFailed()
 		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
@@ -509,16 +532,34 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	if e != nil {
 		s.finish(e, "deleted")
 		e.ioCancel()
+		if e.eval != nil {
+			if err := e.eval.unmount(); err != nil {
+				log.G(ctx).WithError(err).WithField("id", r.ID).Warn("envlet: unmount evaluator")
+			}
+		}
 	}
 	return resp, nil
 }
 
 // Exec relays the new process's output through the environment's output
-// cap.
+// cap, and mounts the held-back evaluator before the first evaluator
+// process (EvaluatorEnv) runs.
 func (s *Service) Exec(ctx context.Context, r *taskAPI.ExecProcessRequest) (*ptypes.Empty, error) {
 	e := s.lookup(r.ID)
 	if e == nil {
 		return s.TTRPCTaskService.Exec(ctx, r)
+	}
+	if e.eval != nil && r.Spec != nil {
+		isEval, err := isEvaluatorExec(r.Spec.GetValue())
+		if err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: exec %s in %s: %v: %w", r.ExecID, r.ID, err, errdefs.ErrInvalidArgument))
+		}
+		if isEval {
+			if err := e.eval.mount(); err != nil {
+				return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: evaluator exec %s in %s: %w", r.ExecID, r.ID, err))
+			}
+			log.G(ctx).WithField("id", r.ID).WithField("exec", r.ExecID).Info("envlet: evaluator mounted")
+		}
 	}
 	fwd := proto.Clone(r).(*taskAPI.ExecProcessRequest)
 	if err := e.relayStdio(e.ioCtx, e.bundle, r.ExecID+"-", &fwd.Stdout, &fwd.Stderr); err != nil {

@@ -36,6 +36,24 @@ const envletRuntime = "io.containerd.envlet.v2"
 // whatever another one did to its own copy.
 const genuineBash = "#!/bin/sh\necho genuine-bash\n"
 
+// answersText is what the evaluator knows and the agent must not.
+const answersText = "the answer is 42\n"
+
+// evaluatorAnn holds the image's evaluator layer (position 2) back, to be
+// mounted at /evaluator at evaluation time.
+var evaluatorAnn = map[string]string{shim.AnnEvaluatorLayers: "2", shim.AnnEvaluatorDir: "/evaluator"}
+
+// withEvaluator returns ann plus evaluatorAnn.
+func withEvaluator(ann map[string]string) map[string]string {
+	out := map[string]string{}
+	for _, m := range []map[string]string{evaluatorAnn, ann} {
+		for k, v := range m {
+			out[k] = v
+		}
+	}
+	return out
+}
+
 // agentBinary builds ./agent as a static binary.
 func agentBinary(t *testing.T) []byte {
 	t.Helper()
@@ -63,7 +81,7 @@ type episode struct {
 func (ep *episode) run(t *testing.T, ann map[string]string, script string, opts ...oci.SpecOpts) testenv.RunResult {
 	t.Helper()
 	return ep.env.RunContainer(t, ep.image, testenv.RunOptions{
-		Snapshotter: "envsnap", Runtime: envletRuntime, Annotations: ann,
+		Snapshotter: "envsnap", Runtime: envletRuntime, Annotations: withEvaluator(ann),
 		Args: []string{"/bin/sh", "-c", script}, SpecOpts: opts, Timeout: 90 * time.Second,
 	})
 }
@@ -122,7 +140,7 @@ func (ep *episode) startNeighbour(t *testing.T) *neighbour {
 		client.WithSnapshotter("envsnap"),
 		client.WithNewSnapshot(id+"-snap", ep.image),
 		client.WithRuntime(envletRuntime, nil),
-		client.WithNewSpec(oci.WithImageConfig(ep.image), oci.WithProcessArgs("/bin/sleep", "3600")),
+		client.WithNewSpec(oci.WithImageConfig(ep.image), oci.WithProcessArgs("/bin/sleep", "3600"), oci.WithAnnotations(evaluatorAnn)),
 	)
 	if err != nil {
 		t.Fatalf("create neighbour: %v", err)
@@ -156,6 +174,16 @@ var execCount int
 // exec runs args in the neighbour and returns its stdout.
 func (n *neighbour) exec(t *testing.T, ep *episode, args ...string) string {
 	t.Helper()
+	out, errOut, code := n.execEnv(t, ep, nil, args...)
+	if code != 0 {
+		t.Fatalf("%v in neighbour: exit %d, stderr %q", args, code, errOut)
+	}
+	return out
+}
+
+// execEnv runs args with env added in the neighbour.
+func (n *neighbour) execEnv(t *testing.T, ep *episode, env []string, args ...string) (stdout, stderr string, code uint32) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(ep.env.Context(), 60*time.Second)
 	defer cancel()
 	spec, err := n.task.Spec(ctx)
@@ -164,6 +192,7 @@ func (n *neighbour) exec(t *testing.T, ep *episode, args ...string) string {
 	}
 	pspec := *spec.Process
 	pspec.Args = args
+	pspec.Env = append(append([]string(nil), pspec.Env...), env...)
 	execCount++
 	var out, errOut testenv.OutputBuffer
 	p, err := n.task.Exec(ctx, fmt.Sprintf("probe-%d", execCount), &pspec, cio.NewCreator(cio.WithStreams(nil, &out, &errOut)))
@@ -182,10 +211,11 @@ func (n *neighbour) exec(t *testing.T, ep *episode, args ...string) string {
 	if p.IO() != nil {
 		p.IO().Wait()
 	}
-	if code, _, err := s.Result(); err != nil || code != 0 {
-		t.Fatalf("%v in neighbour: exit %d %v, stderr %q", args, code, err, errOut.String())
+	code, _, err = s.Result()
+	if err != nil {
+		t.Fatal(err)
 	}
-	return out.String()
+	return out.String(), errOut.String(), code
 }
 
 // alive fails t unless the neighbour still runs and sees the image's
@@ -204,11 +234,20 @@ func (n *neighbour) alive(t *testing.T, ep *episode) {
 
 func TestHostileEpisode(t *testing.T) {
 	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithEnvlet(testenv.EnvletConfig{}))
-	files := []testenv.File{
+	tools := []testenv.File{
 		{Path: "/bin/bash", Mode: 0o755, Data: []byte(genuineBash)},
 		{Path: "/agent", Mode: 0o755, Data: agentBinary(t)},
 	}
-	img := env.PushImage(t, "hostile/episode:1", files, testenv.WithLazyLayers(), testenv.WithCmd("/bin/true"))
+	// The evaluator group: its own layer on top (position 2 above busybox
+	// and the tools), held back from every environment of the episode.
+	answers := []testenv.File{
+		{Path: "/evaluator/answers.txt", Mode: 0o644, Data: []byte(answersText)},
+		{Path: "/evaluator/score.sh", Mode: 0o755, Data: []byte("#!/bin/sh\ncat /evaluator/answers.txt\n")},
+	}
+	img := env.PushImageLayers(t, "hostile/episode:1", [][]testenv.File{tools, answers}, testenv.WithLazyLayers(), testenv.WithCmd("/bin/true"))
+	if len(img.Layers) != 3 {
+		t.Fatalf("image has %d layers, want busybox, tools, evaluator", len(img.Layers))
+	}
 	ep := &episode{env: env, image: env.Pull(t, img.Ref, "envsnap")}
 	failures := ep.failures(t)
 	nb := ep.startNeighbour(t)
@@ -303,6 +342,30 @@ func TestHostileEpisode(t *testing.T) {
 		f := waitFailure(t, failures, res.ID)
 		if f.Reason != envlet.ReasonOutputCapExceeded || f.Cap != limit {
 			t.Errorf("failure %+v, want %s at cap %d", f, envlet.ReasonOutputCapExceeded, limit)
+		}
+		nb.alive(t, ep)
+	})
+
+	t.Run("evaluator files", func(t *testing.T) {
+		// The agent, root, searches the whole file system.
+		res := ep.run(t, nil, "cat /evaluator/answers.txt; ls -A /evaluator | wc -l; find / -xdev -name 'answers*' 2>/dev/null; true")
+		if strings.Contains(res.Stdout, "42") || strings.Contains(res.Stdout, "answers") {
+			t.Errorf("the agent found the evaluator's files: stdout %q", res.Stdout)
+		}
+		if f := strings.Fields(res.Stdout); len(f) != 1 || f[0] != "0" {
+			t.Errorf("/evaluator is not empty during the episode: stdout %q stderr %q", res.Stdout, res.Stderr)
+		}
+		// A process that is not the evaluator, in a running environment.
+		if out, _, _ := nb.execEnv(t, ep, nil, "/bin/sh", "-c", "cat /evaluator/answers.txt; ls -A /evaluator"); out != "" {
+			t.Errorf("a plain exec read the evaluator's files: %q", out)
+		}
+		// The evaluator reads them, and cannot change them.
+		out, errOut, code := nb.execEnv(t, ep, []string{shim.EvaluatorEnv + "=1"}, "/bin/sh", "-c", "/evaluator/score.sh; echo x >> /evaluator/answers.txt && echo CHANGED; true")
+		if code != 0 || out != answersText {
+			t.Errorf("evaluator exec: exit %d stdout %q stderr %q, want the answers", code, out, errOut)
+		}
+		if !strings.Contains(errOut, "Read-only file system") {
+			t.Errorf("evaluator files writable: stdout %q stderr %q", out, errOut)
 		}
 		nb.alive(t, ep)
 	})
