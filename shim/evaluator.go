@@ -62,6 +62,22 @@ func parseLayerRange(v string) (lo, hi int, err error) {
 	return lo, hi, nil
 }
 
+// splitLowers takes the layers at positions lo..hi (from the lowest, 0)
+// out of an overlay lowerdir list, which names the topmost layer first.
+func splitLowers(lowers []string, lo, hi int) (held, rest []string, err error) {
+	n := len(lowers)
+	if hi >= n {
+		return nil, nil, fmt.Errorf("the image has only %d layers", n)
+	}
+	top, bottom := n-1-hi, n-1-lo
+	held = slices.Clone(lowers[top : bottom+1])
+	rest = slices.Delete(slices.Clone(lowers), top, bottom+1)
+	if len(rest) == 0 {
+		return nil, nil, fmt.Errorf("nothing of the image would be left")
+	}
+	return held, rest, nil
+}
+
 // holdBackEvaluator removes the evaluator's layers (spec annotations)
 // from the overlay in rootfs, and adds to the spec the mount at which they
 // appear at evaluation time. It returns nil when the spec names no
@@ -91,23 +107,15 @@ func holdBackEvaluator(s *specs.Spec, rootfs []*types.Mount, bundle string) (*ev
 	if i < 0 {
 		return nil, fmt.Errorf("evaluator layers %s: the rootfs overlay has no lowerdir", v)
 	}
-	lowers := strings.Split(strings.TrimPrefix(m.Options[i], "lowerdir="), ":")
-	n := len(lowers)
-	if hi >= n {
-		return nil, fmt.Errorf("evaluator layers %s: the image has only %d layers", v, n)
+	held, rest, err := splitLowers(strings.Split(strings.TrimPrefix(m.Options[i], "lowerdir="), ":"), lo, hi)
+	if err != nil {
+		return nil, fmt.Errorf("evaluator layers %s: %w", v, err)
 	}
-	// overlay lists the topmost layer first; positions count from the
-	// lowest.
-	top, bottom := n-1-hi, n-1-lo
 	e := &evaluator{
-		lowers: slices.Clone(lowers[top : bottom+1]),
+		lowers: held,
 		dir:    dir,
 		stage:  filepath.Join(bundle, "evaluator"),
 		layers: filepath.Join(bundle, "evaluator-layers"),
-	}
-	rest := slices.Delete(slices.Clone(lowers), top, bottom+1)
-	if len(rest) == 0 {
-		return nil, fmt.Errorf("evaluator layers %s: nothing of the image would be left", v)
 	}
 	m.Options[i] = "lowerdir=" + strings.Join(rest, ":")
 	if err := e.prepareStage(); err != nil {
