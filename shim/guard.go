@@ -11,10 +11,13 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/containerd/containerd/api/types"
+	"github.com/containerd/continuity/fs"
 	"github.com/containerd/fifo"
 	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
@@ -26,6 +29,72 @@ import (
 // runs a few ticks longer costs nothing (the limit already holds it), so
 // this only bounds how soon it is reported.
 const pidsTick = 500 * time.Millisecond
+
+// diskTick is how often the guard measures the writable layer. One
+// measurement stats every file of the upper directory (containerd's
+// fs.DiskUsage, as its overlay snapshotter's Usage does), so it is paced
+// slower than the pids reads.
+const diskTick = 2 * time.Second
+
+// decideDisk names the writable-layer cap a usage is above, if any.
+func decideDisk(u fs.Usage, g guardLimits) string {
+	switch {
+	case g.disk > 0 && u.Size > g.disk:
+		return fmt.Sprintf("the writable layer holds %s, above the disk cap %s", envlet.FormatBytes(u.Size), envlet.FormatBytes(g.disk))
+	case g.inodes > 0 && u.Inodes > g.inodes:
+		return fmt.Sprintf("the writable layer holds %d files, above the inode cap %d", u.Inodes, g.inodes)
+	}
+	return ""
+}
+
+// upperDir is the upper directory of a rootfs that is one overlay mount,
+// else "".
+func upperDir(rootfs []*types.Mount) string {
+	if len(rootfs) != 1 || rootfs[0].Type != "overlay" {
+		return ""
+	}
+	for _, o := range rootfs[0].Options {
+		if v, ok := strings.CutPrefix(o, "upperdir="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// watchDisk measures upper every diskTick until ctx ends. It is a
+// watcher, not a limit: what a process writes between two measurements
+// (a single fallocate can take the file system) lands before the
+// environment fails.
+func (g *guard) watchDisk(ctx context.Context, upper string) {
+	t := time.NewTicker(diskTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			start := time.Now()
+			u, err := fs.DiskUsage(ctx, upper)
+			if err != nil {
+				if ctx.Err() != nil || errors.Is(err, os.ErrNotExist) {
+					return
+				}
+				// Files vanish under a walk of a live directory: the next
+				// tick measures again.
+				log.G(ctx).WithError(err).Debug("envlet: measure writable layer")
+				continue
+			}
+			if why := decideDisk(u, g.limits); why != "" {
+				log.G(ctx).WithField("took", time.Since(start)).WithField("bytes", u.Size).WithField("inodes", u.Inodes).Warn("envlet: writable layer over its cap")
+				g.fail(envlet.Failure{
+					Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: u.Size,
+					Message: why,
+				})
+				return
+			}
+		}
+	}
+}
 
 // pidsState is what decidePids remembers between ticks.
 type pidsState struct {

@@ -5,9 +5,12 @@ package shim
 import (
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/api/types"
+	"github.com/containerd/continuity/fs"
 	"github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/envsnap/envsnap/shim/config"
@@ -189,4 +192,34 @@ func TestHarden(t *testing.T) {
 			}
 		}
 	})
+}
+
+func TestDecideDisk(t *testing.T) {
+	g := guardLimits{disk: 100 << 20, inodes: 1000}
+	for _, tc := range []struct {
+		u    fs.Usage
+		want string // substring; "" = within the caps
+	}{
+		{fs.Usage{Size: 100 << 20, Inodes: 1000}, ""},
+		{fs.Usage{Size: 100<<20 + 1, Inodes: 1}, "disk cap"},
+		{fs.Usage{Size: 1, Inodes: 1001}, "inode cap"},
+	} {
+		got := decideDisk(tc.u, g)
+		if (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) {
+			t.Errorf("%+v: %q, want %q", tc.u, got, tc.want)
+		}
+	}
+	if got := decideDisk(fs.Usage{Size: 1 << 50, Inodes: 1 << 40}, guardLimits{}); got != "" {
+		t.Errorf("no caps: %q", got)
+	}
+}
+
+func TestUpperDir(t *testing.T) {
+	ov := []*types.Mount{{Type: "overlay", Options: []string{"index=off", "workdir=/s/1/work", "upperdir=/s/1/fs", "lowerdir=/s/0/fs"}}}
+	if got := upperDir(ov); got != "/s/1/fs" {
+		t.Errorf("overlay: %q", got)
+	}
+	if got := upperDir([]*types.Mount{{Type: "bind", Source: "/s/1/fs"}}); got != "" {
+		t.Errorf("bind: %q", got)
+	}
 }

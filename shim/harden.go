@@ -26,6 +26,8 @@ import (
 const (
 	AnnPidsLimit   = ShimAnnotationPrefix + "pids-limit"
 	AnnOutputLimit = ShimAnnotationPrefix + "output-limit"
+	AnnDiskLimit   = ShimAnnotationPrefix + "disk-limit"
+	AnnInodeLimit  = ShimAnnotationPrefix + "inode-limit"
 )
 
 // Ioctl is a file ioctl the shim's seccomp rules refuse.
@@ -55,17 +57,19 @@ var DeniedIoctls = []Ioctl{
 type guardLimits struct {
 	pids   int64
 	output int64
+	disk   int64
+	inodes int64
 }
 
 // containerGuard returns the node's limits lowered by the container's
 // annotations; an annotation above the node's limit is an error, as is a
 // malformed one.
 func containerGuard(node config.GuardLimits, s *specs.Spec) (guardLimits, error) {
-	g := guardLimits{pids: node.Pids, output: node.Output}
+	g := guardLimits{pids: node.Pids, output: node.Output, disk: node.Disk, inodes: node.Inodes}
 	for _, a := range []struct {
 		key string
 		dst *int64
-	}{{AnnPidsLimit, &g.pids}, {AnnOutputLimit, &g.output}} {
+	}{{AnnPidsLimit, &g.pids}, {AnnOutputLimit, &g.output}, {AnnDiskLimit, &g.disk}, {AnnInodeLimit, &g.inodes}} {
 		v, ok := s.Annotations[a.key]
 		if !ok {
 			continue

@@ -109,6 +109,7 @@ type env struct {
 	once    sync.Once
 
 	guard       *guard
+	upper       string     // the writable layer's directory, "" if unknown
 	eval        *evaluator // nil unless the spec holds an evaluator back
 	bundle      string
 	ioCtx       context.Context    // the output relays' (execs' too)
@@ -204,6 +205,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: harden spec of %s: %w", r.ID, err))
 	}
 	fwd := proto.Clone(r).(*taskAPI.CreateTaskRequest)
+	e.upper = upperDir(fwd.Rootfs)
 	if e.eval, err = holdBackEvaluator(spec, fwd.Rootfs, r.Bundle); err != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
 	}
@@ -291,6 +293,13 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 			log.G(runCtx).WithError(err).Warn("envlet: fork bombs will be contained but not reported")
 		} else {
 			go e.guard.watchPids(runCtx, dir)
+		}
+	}
+	if l := e.guard.limits; l.disk > 0 || l.inodes > 0 {
+		if e.upper == "" {
+			log.G(runCtx).Warn("envlet: the rootfs is not an overlay; its writable layer is not measured")
+		} else {
+			go e.guard.watchDisk(runCtx, e.upper)
 		}
 	}
 

@@ -255,6 +255,9 @@ const (
 	// ReasonOutputCapExceeded: the environment's processes wrote more to
 	// stdout and stderr than the shim's output cap.
 	ReasonOutputCapExceeded = "OUTPUT_CAP_EXCEEDED"
+	// ReasonDiskCapExceeded: the environment's writable layer grew above
+	// the shim's disk or inode cap.
+	ReasonDiskCapExceeded = "DISK_CAP_EXCEEDED"
 )
 
 // IsMemoryReason tells whether a failure reason is about memory (the

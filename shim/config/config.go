@@ -60,6 +60,11 @@ type Guard struct {
 	// Output caps what an environment's processes write to stdout and
 	// stderr together ("1Gi"; "0" for no cap).
 	Output string `toml:"output"`
+	// Disk and Inodes cap what the environment's writable layer (the
+	// rootfs overlay's upper directory) holds: bytes allocated ("20Gi";
+	// "0" for no cap) and files. A watcher, not a hard limit.
+	Disk   string `toml:"disk"`
+	Inodes *int64 `toml:"inodes"`
 }
 
 // Guard defaults.
@@ -69,6 +74,8 @@ const (
 	DefaultPids      = 4096
 	DefaultPidsGrace = 2 * time.Second
 	DefaultOutput    = envlet.GiB
+	DefaultDisk      = 20 * envlet.GiB
+	DefaultInodes    = 2_000_000
 )
 
 // GuardLimits is [guard] resolved.
@@ -77,11 +84,13 @@ type GuardLimits struct {
 	Pids      int64
 	PidsGrace time.Duration
 	Output    int64
+	Disk      int64
+	Inodes    int64
 }
 
 // GuardLimits resolves [guard] with the defaults.
 func (c Config) GuardLimits() (GuardLimits, error) {
-	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput}
+	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}
 	switch c.Guard.Seccomp {
 	case "", SeccompDefault:
 	case SeccompNone:
@@ -102,16 +111,27 @@ func (c Config) GuardLimits() (GuardLimits, error) {
 		}
 		g.PidsGrace = d
 	}
-	switch c.Guard.Output {
-	case "":
-	case "0":
-		g.Output = 0
-	default:
-		n, err := envlet.ParseBytes(c.Guard.Output)
-		if err != nil {
-			return g, fmt.Errorf("[guard] output: %w", err)
+	for _, f := range []struct {
+		name, v string
+		dst     *int64
+	}{{"output", c.Guard.Output, &g.Output}, {"disk", c.Guard.Disk, &g.Disk}} {
+		switch f.v {
+		case "":
+		case "0":
+			*f.dst = 0
+		default:
+			n, err := envlet.ParseBytes(f.v)
+			if err != nil {
+				return g, fmt.Errorf("[guard] %s: %w", f.name, err)
+			}
+			*f.dst = n
 		}
-		g.Output = n
+	}
+	if c.Guard.Inodes != nil {
+		if *c.Guard.Inodes < 0 {
+			return g, fmt.Errorf("[guard] inodes %d: must not be negative", *c.Guard.Inodes)
+		}
+		g.Inodes = *c.Guard.Inodes
 	}
 	return g, nil
 }

@@ -97,9 +97,11 @@ func TestGuardLimits(t *testing.T) {
 		want    GuardLimits
 		wantErr string
 	}{
-		{"", GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput}, ""},
-		{"[guard]\nseccomp = \"none\"\npids = 0\noutput = \"0\"\npids-grace = \"5s\"\n", GuardLimits{Pids: 0, PidsGrace: 5 * time.Second}, ""},
-		{"[guard]\npids = 128\noutput = \"64Mi\"\n", GuardLimits{Seccomp: true, Pids: 128, PidsGrace: DefaultPidsGrace, Output: 64 * envlet.MiB}, ""},
+		{"", GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}, ""},
+		{"[guard]\nseccomp = \"none\"\npids = 0\noutput = \"0\"\npids-grace = \"5s\"\ndisk = \"0\"\ninodes = 0\n", GuardLimits{Pids: 0, PidsGrace: 5 * time.Second}, ""},
+		{"[guard]\npids = 128\noutput = \"64Mi\"\ndisk = \"1Gi\"\ninodes = 1000\n", GuardLimits{Seccomp: true, Pids: 128, PidsGrace: DefaultPidsGrace, Output: 64 * envlet.MiB, Disk: envlet.GiB, Inodes: 1000}, ""},
+		{"[guard]\ndisk = \"much\"\n", GuardLimits{}, "disk"},
+		{"[guard]\ninodes = -5\n", GuardLimits{}, "inodes"},
 		{"[guard]\nseccomp = \"strict\"\n", GuardLimits{}, "seccomp"},
 		{"[guard]\npids = -1\n", GuardLimits{}, "pids"},
 		{"[guard]\noutput = \"lots\"\n", GuardLimits{}, "output"},

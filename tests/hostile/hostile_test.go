@@ -346,6 +346,27 @@ func TestHostileEpisode(t *testing.T) {
 		nb.alive(t, ep)
 	})
 
+	t.Run("disk and inode fill", func(t *testing.T) {
+		for _, tc := range []struct {
+			name, script string
+			ann          map[string]string
+		}{
+			{"64 MiB against an 8 MiB cap", "dd if=/dev/zero of=/fill bs=1M count=64 2>/dev/null; sleep 60", map[string]string{shim.AnnDiskLimit: fmt.Sprint(8 << 20)}},
+			{"files against a 2000-file cap", "i=0; while [ $i -lt 5000 ]; do : > /f$i; i=$((i+1)); done; sleep 60", map[string]string{shim.AnnInodeLimit: "2000"}},
+		} {
+			res := ep.run(t, tc.ann, tc.script)
+			if res.ExitCode != 137 {
+				t.Errorf("%s: exit %d, want 137; stderr %q", tc.name, res.ExitCode, lastLines(res.Stderr, 3))
+			}
+			if f := waitFailure(t, failures, res.ID); f.Reason != envlet.ReasonDiskCapExceeded {
+				t.Errorf("%s: failure %+v, want %s", tc.name, f, envlet.ReasonDiskCapExceeded)
+			} else {
+				t.Logf("%s: %s", tc.name, f.Message)
+			}
+		}
+		nb.alive(t, ep)
+	})
+
 	t.Run("evaluator files", func(t *testing.T) {
 		// The agent, root, searches the whole file system.
 		res := ep.run(t, nil, "cat /evaluator/answers.txt; ls -A /evaluator | wc -l; find / -xdev -name 'answers*' 2>/dev/null; true")
