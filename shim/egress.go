@@ -74,6 +74,13 @@ func prepareEgress(bundle string, spec *specs.Spec) error {
 			}
 		}
 	}
+	// The spec in memory loses it too: a later rewrite of the bundle (the
+	// guard's hardening) writes that spec and must not bring it back.
+	if c := spec.Process; c != nil && c.Capabilities != nil {
+		for _, set := range []*[]string{&c.Capabilities.Bounding, &c.Capabilities.Effective, &c.Capabilities.Permitted, &c.Capabilities.Ambient, &c.Capabilities.Inheritable} {
+			*set = slices.DeleteFunc(*set, func(s string) bool { return s == capNetRaw })
+		}
+	}
 	return dropCapability(bundle, capNetRaw)
 }
 

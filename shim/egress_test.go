@@ -66,6 +66,12 @@ func TestPrepareEgress(t *testing.T) {
 					t.Errorf("capabilities after prepare: %v", set)
 				}
 			}
+			mc := tc.spec.Process.Capabilities
+			for _, set := range [][]string{mc.Bounding, mc.Effective, mc.Permitted} {
+				if slices.Contains(set, capNetRaw) {
+					t.Errorf("capabilities of the spec in memory after prepare: %v (a later writeSpec would restore it)", set)
+				}
+			}
 			raw, _ := os.ReadFile(filepath.Join(bundle, "config.json"))
 			_ = json.Unmarshal(raw, &doc)
 			if doc["x-future"] != "kept" {

@@ -70,6 +70,10 @@ func init() {
 			if err != nil {
 				return nil, fmt.Errorf("envlet node size: %w", err)
 			}
+			guard, err := cfg.GuardLimits()
+			if err != nil {
+				return nil, fmt.Errorf("envlet guard: %w", err)
+			}
 			cc, err := cfg.ArbiterClient()
 			if err != nil {
 				return nil, fmt.Errorf("envlet arbiter: %w", err)
@@ -86,6 +90,7 @@ func init() {
 				Node:     node,
 				Arbiter:  arb,
 				Egress:   &eg,
+				Guard:    guard,
 			}), nil
 		},
 	})

@@ -25,10 +25,12 @@ import (
 	"github.com/containerd/ttrpc"
 	"github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/shim/config"
 )
 
 // FailedEventTopic is the containerd event topic of a failed environment.
@@ -80,6 +82,9 @@ type Options struct {
 	// egress.NodeAddresses.
 	EgressLookup  egress.Lookup
 	NodeAddresses func() ([]netip.Prefix, error)
+	// Guard is what every managed container runs under (seccomp, pids
+	// and output caps); the zero value imposes nothing.
+	Guard config.GuardLimits
 }
 
 // Service is the envlet task service.
@@ -111,6 +116,14 @@ type env struct {
 	done    chan struct{} // closed when the controller has stopped
 	reason  string        // why it failed; written before done closes
 	once    sync.Once
+
+	guard       *guard
+	upper       string     // the writable layer's directory, "" if unknown
+	eval        *evaluator // nil unless the spec holds an evaluator back
+	bundle      string
+	ioCtx       context.Context    // the output relays' (execs' too)
+	ioCancel    context.CancelFunc // ends the relays' waits to open
+	guardReason string             // why the guard failed it; under mu
 }
 
 var _ taskAPI.TTRPCTaskService = (*Service)(nil)
@@ -187,6 +200,11 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 	}
 	if !managed(spec, s.opts.Disabled) {
+		if _, ok := spec.Annotations[AnnEvaluatorLayers]; ok {
+			// Held-back evaluator layers need the managed path; running
+			// without it would show the answers.
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s names evaluator layers but runs unmanaged: %w", r.ID, errdefs.ErrFailedPrecondition))
+		}
 		resp, err := s.TTRPCTaskService.Create(ctx, r)
 		if err == nil && eg != nil {
 			if err = s.startEgress(ctx, r.ID, resp.Pid, eg); err != nil {
@@ -204,7 +222,39 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
+	limits, err := containerGuard(s.opts.Guard, spec)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet guard of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	changed, err := harden(spec, s.opts.Guard.Seccomp, limits)
+	if err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: harden spec of %s: %w", r.ID, err))
+	}
+	fwd := proto.Clone(r).(*taskAPI.CreateTaskRequest)
+	e.upper = upperDir(fwd.Rootfs)
+	if e.eval, err = holdBackEvaluator(spec, fwd.Rootfs, r.Bundle); err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
+	}
+	if e.eval != nil {
+		changed = append(changed, "evaluator held back")
+	}
+	createFailed := func() {
+		if e.eval != nil {
+			if err := e.eval.unmount(); err != nil {
+				log.G(ctx).WithError(err).WithField("id", r.ID).Warn("envlet: unmount evaluator after failed create")
+			}
+		}
+	}
+	if len(changed) > 0 {
+		if err := writeSpec(r.Bundle, spec); err != nil {
+			createFailed()
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %w", r.ID, err))
+		}
+		log.G(ctx).WithField("id", r.ID).WithField("added", changed).Info("envlet: spec hardened")
+	}
+	e.guard = &guard{env: r.ID, limits: limits, grace: s.opts.Guard.PidsGrace, trip: func(f envlet.Failure) { s.guardFail(e, f) }}
 	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
+		createFailed()
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{
 				Env: r.ID, Reason: ReasonAdmissionRejected,
@@ -216,8 +266,20 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: admit %s: %w", r.ID, err))
 	}
-	resp, err := s.TTRPCTaskService.Create(ctx, r)
+	ioCtx, ioCancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
+	e.bundle, e.ioCtx, e.ioCancel = r.Bundle, ioCtx, ioCancel
+	if err := e.relayStdio(ioCtx, r.Bundle, "", &fwd.Stdout, &fwd.Stderr); err != nil {
+		ioCancel()
+		createFailed()
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+		}
+		return nil, errgrpc.ToGRPC(err)
+	}
+	resp, err := s.TTRPCTaskService.Create(ctx, fwd)
 	if err != nil {
+		ioCancel()
+		createFailed()
 		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "create failed"); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
@@ -275,6 +337,21 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
 	e.mu.Unlock()
 	go s.runController(runCtx, e, ctrl)
+	if e.guard.limits.pids > 0 {
+		if dir, err := envlet.PidsDir(e.cgroup); err != nil {
+			// The limit holds; only its report is missing.
+			log.G(runCtx).WithError(err).Warn("envlet: fork bombs will be contained but not reported")
+		} else {
+			go e.guard.watchPids(runCtx, dir)
+		}
+	}
+	if l := e.guard.limits; l.disk > 0 || l.inodes > 0 {
+		if e.upper == "" {
+			log.G(runCtx).Warn("envlet: the rootfs is not an overlay; its writable layer is not measured")
+		} else {
+			go e.guard.watchDisk(runCtx, e.upper)
+		}
+	}
 
 	resp, err := s.TTRPCTaskService.Start(ctx, r)
 	if err != nil {
@@ -318,6 +395,11 @@ func (s *Service) finish(e *env, reason string) {
 				_ = closeCg()
 			}
 		}
+		e.mu.Lock()
+		if e.guardReason != "" {
+			reason = e.guardReason
+		}
+		e.mu.Unlock()
 		if e.reason != "" {
 			reason = e.reason
 		}
@@ -348,9 +430,11 @@ func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
 	}
 	// CRI reports Reason=OOMKilled only after /tasks/oom; the kernel may
 	// not have OOM-killed anything (v1 refuses, or the task was paused), so
-	// say it ourselves.
-	if err := s.publisher.Publish(s.ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: e.id}); err != nil {
-		log.G(ctx).WithError(err).Warn("envlet: publish oom event")
+	// say it ourselves. A guard failure is not about memory.
+	if envlet.IsMemoryReason(f.Reason) {
+		if err := s.publisher.Publish(s.ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: e.id}); err != nil {
+			log.G(ctx).WithError(err).Warn("envlet: publish oom event")
+		}
 	}
 	kctx, cancel := context.WithTimeout(context.WithoutCancel(s.ctx), 10*time.Second)
 	defer cancel()
@@ -507,6 +591,63 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	s.mu.Unlock()
 	if e != nil {
 		s.finish(e, "deleted")
+		e.ioCancel()
+		if e.eval != nil {
+			if err := e.eval.unmount(); err != nil {
+				log.G(ctx).WithError(err).WithField("id", r.ID).Warn("envlet: unmount evaluator")
+			}
+		}
 	}
 	return resp, nil
+}
+
+// Exec relays the new process's output through the environment's output
+// cap, and mounts the held-back evaluator before the first evaluator
+// process (EvaluatorEnv) runs.
+func (s *Service) Exec(ctx context.Context, r *taskAPI.ExecProcessRequest) (*ptypes.Empty, error) {
+	e := s.lookup(r.ID)
+	if e == nil {
+		return s.TTRPCTaskService.Exec(ctx, r)
+	}
+	if e.eval != nil && r.Spec != nil {
+		isEval, err := isEvaluatorExec(r.Spec.GetValue())
+		if err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: exec %s in %s: %v: %w", r.ExecID, r.ID, err, errdefs.ErrInvalidArgument))
+		}
+		if isEval {
+			if err := e.eval.mount(); err != nil {
+				return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: evaluator exec %s in %s: %w", r.ExecID, r.ID, err))
+			}
+			log.G(ctx).WithField("id", r.ID).WithField("exec", r.ExecID).Info("envlet: evaluator mounted")
+		}
+	}
+	fwd := proto.Clone(r).(*taskAPI.ExecProcessRequest)
+	if err := e.relayStdio(e.ioCtx, e.bundle, r.ExecID+"-", &fwd.Stdout, &fwd.Stderr); err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	return s.TTRPCTaskService.Exec(ctx, fwd)
+}
+
+// relayStdio replaces stdout and stderr with the guard's counting relays.
+func (e *env) relayStdio(ctx context.Context, dir, prefix string, stdout, stderr *string) error {
+	var err error
+	if *stdout, err = e.guard.relay(ctx, dir, "envlet-"+prefix+"stdout", *stdout); err != nil {
+		return fmt.Errorf("envlet: %s: %w", e.id, err)
+	}
+	if *stderr, err = e.guard.relay(ctx, dir, "envlet-"+prefix+"stderr", *stderr); err != nil {
+		return fmt.Errorf("envlet: %s: %w", e.id, err)
+	}
+	return nil
+}
+
+// guardFail ends e for a guard limit, once, the way the controller ends it
+// for memory.
+func (s *Service) guardFail(e *env, f envlet.Failure) {
+	e.mu.Lock()
+	if e.guardReason == "" {
+		e.guardReason = f.Reason
+	}
+	e.mu.Unlock()
+	ctx := log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id))
+	s.fail(ctx, e, &envlet.FailureError{Failure: f})
 }

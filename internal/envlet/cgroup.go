@@ -2,6 +2,7 @@ package envlet
 
 import (
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"github.com/containerd/cgroups/v3"
@@ -165,3 +166,32 @@ type realClock struct{}
 
 func (realClock) Now() time.Time                         { return time.Now() }
 func (realClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
+
+// PidsDir returns the pids cgroup directory of the container cgroup of
+// the OCI cgroupsPath path (v2, or the v1 pids hierarchy): pids.current,
+// pids.max, and pids.events, whose "max" line counts the forks refused at
+// the limit.
+func PidsDir(path string) (string, error) {
+	switch cgroups.Mode() {
+	case cgroups.Unified:
+		dir, err := cgroupfs.ResolveV2(path)
+		if err != nil {
+			return "", err
+		}
+		return dir, nil
+	case cgroups.Legacy, cgroups.Hybrid:
+		m, err := cgroupfs.FindV1Mounts()
+		if err != nil {
+			return "", err
+		}
+		if m.Pids == "" {
+			return "", fmt.Errorf("pids events of %s: no cgroup v1 pids hierarchy mounted", path)
+		}
+		rel, err := cgroupfs.ResolveV1(path)
+		if err != nil {
+			return "", err
+		}
+		return filepath.Join(m.Pids, rel), nil
+	}
+	return "", fmt.Errorf("pids events of %s: no cgroup hierarchy mounted", path)
+}

@@ -3,12 +3,13 @@ package envlet
 import "fmt"
 
 // Failure is the explicit end of an environment: memory could not be
-// granted while it was OOMing or stuck at its limit, or it was not
-// admitted. The shim kills the task and publishes this (event, exit
+// granted while it was OOMing or stuck at its limit, it was not admitted,
+// or it hit one of the shim's guard limits (pids, output, disk; Cap is the
+// limit, Requested what was observed). The shim kills the task and publishes this (event, exit
 // status, termination message). Sizes are bytes.
 type Failure struct {
 	Env        string `json:"id"`
-	Reason     string `json:"reason"` // MEM_NODE_EXHAUSTED | MEM_CAP_EXCEEDED | ARBITER_UNREACHABLE | ADMISSION_REJECTED
+	Reason     string `json:"reason"` // MEM_NODE_EXHAUSTED | MEM_CAP_EXCEEDED | ARBITER_UNREACHABLE | ADMISSION_REJECTED | PIDS_EXHAUSTED | OUTPUT_CAP_EXCEEDED | DISK_CAP_EXCEEDED
 	Requested  int64  `json:"requested"`
 	Granted    int64  `json:"granted"`
 	Cap        int64  `json:"cap"`

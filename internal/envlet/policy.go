@@ -249,7 +249,26 @@ const (
 	// gave no answer for Config.ArbiterWait. Nothing is known about the
 	// node: the failure is the arbiter's, not the node's nor the task's.
 	ReasonArbiterUnreachable = "ARBITER_UNREACHABLE"
+	// ReasonPidsExhausted: forks kept failing at the environment's pids
+	// limit for the shim's grace period (a fork bomb).
+	ReasonPidsExhausted = "PIDS_EXHAUSTED"
+	// ReasonOutputCapExceeded: the environment's processes wrote more to
+	// stdout and stderr than the shim's output cap.
+	ReasonOutputCapExceeded = "OUTPUT_CAP_EXCEEDED"
+	// ReasonDiskCapExceeded: the environment's writable layer grew above
+	// the shim's disk or inode cap.
+	ReasonDiskCapExceeded = "DISK_CAP_EXCEEDED"
 )
+
+// IsMemoryReason tells whether a failure reason is about memory (the
+// kernel's or the controller's OOM), as opposed to the shim's guard.
+func IsMemoryReason(r string) bool {
+	switch r {
+	case ReasonNodeExhausted, ReasonCapExceeded, ReasonArbiterUnreachable:
+		return true
+	}
+	return false
+}
 
 // Resolve combines the decision with what the arbiter granted (granted is
 // the total; for a resource not asked to grow it equals the current limit)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"path"
 	"strings"
 	"sync"
 	"time"
@@ -32,6 +33,13 @@ const (
 	AnnotationPlanGroups = "io.envsnap.plan.groups"
 	// AnnotationPlanMutation is the sha256 of the mutation's patch text.
 	AnnotationPlanMutation = "io.envsnap.plan.mutation"
+	// LabelEvaluatorLayers and LabelEvaluatorDir (image config labels)
+	// mark the evaluator-only group of the plan: the positions of its
+	// layers counted from the lowest (0), "N-M", and the directory its
+	// files live under. The client passes them to the envlet shim as the
+	// annotations io.envsnap.shim.evaluator-layers and -dir.
+	LabelEvaluatorLayers = "io.envsnap.evaluator.layers"
+	LabelEvaluatorDir    = "io.envsnap.evaluator.dir"
 )
 
 // ProvenanceEntry records one group of a composed image.
@@ -227,6 +235,19 @@ func (c *Composer) Compose(ctx context.Context, p *Plan) (*Image, error) {
 	return img, nil
 }
 
+// evaluatorGroup is the group Plan.Evaluator selects.
+func evaluatorGroup(groups []*Group, sel string) (*Group, error) {
+	if sel == "" {
+		sel = group.KindEvaluator
+	}
+	for _, g := range groups {
+		if g.Ref == sel || g.Kind == sel {
+			return g, nil
+		}
+	}
+	return nil, fmt.Errorf("evaluator group %q is not in the plan", sel)
+}
+
 func mutationGroup(groups []*Group, sel string) (*Group, error) {
 	if sel != "" {
 		for _, g := range groups {
@@ -255,7 +276,21 @@ func (img *Image) build() error {
 	labels := map[string]string{}
 	var provenance []ProvenanceEntry
 	var layers []ocispec.Descriptor
+	var evaluator *Group
+	var evalLayers string
+	if ev := img.Plan.Evaluator; ev != nil {
+		var err error
+		if evaluator, err = evaluatorGroup(img.Groups, ev.Group); err != nil {
+			return err
+		}
+		if len(evaluator.Manifest.Layers) == 0 {
+			return fmt.Errorf("evaluator group %s has no layers", evaluator.Ref)
+		}
+	}
 	for gi, g := range img.Groups {
+		if g == evaluator {
+			evalLayers = fmt.Sprintf("%d-%d", len(layers), len(layers)+len(g.Manifest.Layers)-1)
+		}
 		gc := g.Config.Config
 		envs = append(envs, gc.Env)
 		if gc.WorkingDir != "" {
@@ -303,6 +338,11 @@ func (img *Image) build() error {
 	}
 	for k, v := range img.Plan.Labels {
 		labels[k] = v
+	}
+	if evaluator != nil {
+		// Last: no group or plan label may move the marking.
+		labels[LabelEvaluatorLayers] = evalLayers
+		labels[LabelEvaluatorDir] = path.Clean(img.Plan.Evaluator.Dir)
 	}
 	if len(labels) > 0 {
 		cfg.Config.Labels = labels

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 
@@ -37,6 +38,20 @@ type Plan struct {
 	Target string `toml:"target" json:"target,omitempty"`
 	// Labels are added to the image config.
 	Labels map[string]string `toml:"labels" json:"labels,omitempty"`
+	// Evaluator marks one group evaluator-only: hidden from the agent
+	// until evaluation (docs/plans.md, "Evaluator-only groups").
+	Evaluator *Evaluator `toml:"evaluator" json:"evaluator,omitempty"`
+}
+
+// Evaluator names the plan's evaluator-only group and the directory of
+// the image its files live under.
+type Evaluator struct {
+	// Group is a reference from Groups or a kind; default the group of
+	// kind "evaluator".
+	Group string `toml:"group" json:"group,omitempty"`
+	// Dir is the one directory holding every file of the group, e.g.
+	// "/opt/evaluator".
+	Dir string `toml:"dir" json:"dir"`
 }
 
 // Process holds process defaults; empty fields keep the groups' values.
@@ -72,6 +87,11 @@ func (p *Plan) Validate() error {
 	for i, g := range p.Groups {
 		if strings.TrimSpace(g) == "" {
 			return fmt.Errorf("plan %q: group %d is empty", p.Name, i)
+		}
+	}
+	if ev := p.Evaluator; ev != nil {
+		if d := path.Clean(ev.Dir); !strings.HasPrefix(ev.Dir, "/") || d == "/" {
+			return fmt.Errorf("plan %q: evaluator dir %q must be an absolute directory below / in the image", p.Name, ev.Dir)
 		}
 	}
 	if m := p.Mutation; m != nil {

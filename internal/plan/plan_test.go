@@ -4,9 +4,11 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"math/rand"
 	"os"
+	"path"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -298,5 +300,59 @@ func TestComposeBuildMergesGroups(t *testing.T) {
 	}
 	if img.Desc.Digest != digest.FromBytes(img.ManifestBytes) {
 		t.Error("descriptor does not match the manifest bytes")
+	}
+}
+
+func TestComposeMarksEvaluatorGroup(t *testing.T) {
+	mk := func(ref, kind string, layers ...string) *Group {
+		g := &Group{Ref: ref, Kind: kind, Desc: ocispec.Descriptor{Digest: digest.FromString(ref)}}
+		g.Config.Platform = ocispec.Platform{OS: "linux", Architecture: "amd64"}
+		// A group label trying to move the marking loses.
+		g.Config.Config.Labels = map[string]string{LabelEvaluatorLayers: "0"}
+		for _, l := range layers {
+			g.Manifest.Layers = append(g.Manifest.Layers, ocispec.Descriptor{Digest: digest.FromString(l), Size: 1})
+			g.Config.RootFS.DiffIDs = append(g.Config.RootFS.DiffIDs, digest.FromString("diff-"+l))
+		}
+		return g
+	}
+	groups := func() []*Group {
+		return []*Group{mk("r/base:1", "base", "b1", "b2"), mk("r/task:1", "task", "t1"), mk("r/eval:1", "evaluator", "e1", "e2"), mk("r/harness:1", "harness", "h1")}
+	}
+	for _, tc := range []struct {
+		ev         *Evaluator
+		wantLayers string
+		wantErr    bool
+	}{
+		{&Evaluator{Dir: "/opt/evaluator/"}, "3-4", false},
+		{&Evaluator{Group: "r/task:1", Dir: "/workspace"}, "2-2", false},
+		{&Evaluator{Group: "grader", Dir: "/opt/evaluator"}, "", true},
+		{nil, "", false},
+	} {
+		img := &Image{Plan: &Plan{Name: "t", Evaluator: tc.ev}, Groups: groups()}
+		err := img.build()
+		if (err != nil) != tc.wantErr {
+			t.Fatalf("%+v: err %v", tc.ev, err)
+		}
+		if err != nil {
+			continue
+		}
+		var cfg ocispec.Image
+		if err := json.Unmarshal(img.ConfigBytes, &cfg); err != nil {
+			t.Fatal(err)
+		}
+		got := cfg.Config.Labels[LabelEvaluatorLayers]
+		if tc.ev == nil {
+			if got != "0" {
+				t.Errorf("no evaluator in the plan: label %q, want the group's own", got)
+			}
+			continue
+		}
+		if got != tc.wantLayers || cfg.Config.Labels[LabelEvaluatorDir] != path.Clean(tc.ev.Dir) {
+			t.Errorf("%+v: labels %v, want layers %s", tc.ev, cfg.Config.Labels, tc.wantLayers)
+		}
+	}
+	bad := &Plan{Name: "t", Groups: []string{"a"}, Evaluator: &Evaluator{Dir: "opt/evaluator"}}
+	if err := bad.Validate(); err == nil {
+		t.Error("a relative evaluator dir validated")
 	}
 }

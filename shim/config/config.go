@@ -43,6 +43,9 @@ type Config struct {
 	Arbiter Arbiter `toml:"arbiter"`
 	// Egress is the node's egress allow-list policy (package egress).
 	Egress Egress `toml:"egress"`
+	// Guard holds the rules for hostile workloads: seccomp, pids and
+	// output caps.
+	Guard Guard `toml:"guard"`
 }
 
 // Egress is [egress].
@@ -91,6 +94,98 @@ func (c Config) EgressNode() (egress.Node, error) {
 		n.Deny = append(n.Deny, p.Masked())
 	}
 	return n, nil
+}
+
+// Guard is [guard]: what the shim imposes on every environment whatever
+// its spec says. Empty fields take the defaults below.
+type Guard struct {
+	// Seccomp is "default" (containerd's default profile plus
+	// DeniedIoctls, for specs without a profile) or "none" (specs run as
+	// given).
+	Seccomp string `toml:"seccomp"`
+	// Pids is the pids limit per environment; a spec's own lower limit
+	// wins; 0 keeps the spec's.
+	Pids *int64 `toml:"pids"`
+	// PidsGrace is how long forks may keep failing at the limit before
+	// the environment fails with PIDS_EXHAUSTED.
+	PidsGrace string `toml:"pids-grace"`
+	// Output caps what an environment's processes write to stdout and
+	// stderr together ("1Gi"; "0" for no cap).
+	Output string `toml:"output"`
+	// Disk and Inodes cap what the environment's writable layer (the
+	// rootfs overlay's upper directory) holds: bytes allocated ("20Gi";
+	// "0" for no cap) and files. A watcher, not a hard limit.
+	Disk   string `toml:"disk"`
+	Inodes *int64 `toml:"inodes"`
+}
+
+// Guard defaults.
+const (
+	SeccompDefault   = "default"
+	SeccompNone      = "none"
+	DefaultPids      = 4096
+	DefaultPidsGrace = 2 * time.Second
+	DefaultOutput    = envlet.GiB
+	DefaultDisk      = 20 * envlet.GiB
+	DefaultInodes    = 2_000_000
+)
+
+// GuardLimits is [guard] resolved.
+type GuardLimits struct {
+	Seccomp   bool
+	Pids      int64
+	PidsGrace time.Duration
+	Output    int64
+	Disk      int64
+	Inodes    int64
+}
+
+// GuardLimits resolves [guard] with the defaults.
+func (c Config) GuardLimits() (GuardLimits, error) {
+	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}
+	switch c.Guard.Seccomp {
+	case "", SeccompDefault:
+	case SeccompNone:
+		g.Seccomp = false
+	default:
+		return g, fmt.Errorf("[guard] seccomp %q: want %q or %q", c.Guard.Seccomp, SeccompDefault, SeccompNone)
+	}
+	if c.Guard.Pids != nil {
+		if *c.Guard.Pids < 0 {
+			return g, fmt.Errorf("[guard] pids %d: must not be negative", *c.Guard.Pids)
+		}
+		g.Pids = *c.Guard.Pids
+	}
+	if c.Guard.PidsGrace != "" {
+		d, err := time.ParseDuration(c.Guard.PidsGrace)
+		if err != nil || d < 0 {
+			return g, fmt.Errorf("[guard] pids-grace %q: must be a duration", c.Guard.PidsGrace)
+		}
+		g.PidsGrace = d
+	}
+	for _, f := range []struct {
+		name, v string
+		dst     *int64
+	}{{"output", c.Guard.Output, &g.Output}, {"disk", c.Guard.Disk, &g.Disk}} {
+		switch f.v {
+		case "":
+		case "0":
+			*f.dst = 0
+		default:
+			n, err := envlet.ParseBytes(f.v)
+			if err != nil {
+				return g, fmt.Errorf("[guard] %s: %w", f.name, err)
+			}
+			*f.dst = n
+		}
+	}
+	if c.Guard.Inodes != nil {
+		if *c.Guard.Inodes < 0 {
+			return g, fmt.Errorf("[guard] inodes %d: must not be negative", *c.Guard.Inodes)
+		}
+		g.Inodes = *c.Guard.Inodes
+	}
+	return g, nil
 }
 
 // Node is the capacity arbitrated on this node. Empty fields default to the
@@ -210,6 +305,9 @@ func LoadFile(path string) (Config, error) {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	if _, err := c.EgressNode(); err != nil {
+		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if _, err := c.GuardLimits(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
 	}
 	return c, nil

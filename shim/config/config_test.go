@@ -115,3 +115,39 @@ func TestLoadEnv(t *testing.T) {
 		t.Fatal("a config file named in $ENVLET_CONFIG must exist")
 	}
 }
+
+func TestGuardLimits(t *testing.T) {
+	for _, tc := range []struct {
+		toml    string
+		want    GuardLimits
+		wantErr string
+	}{
+		{"", GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}, ""},
+		{"[guard]\nseccomp = \"none\"\npids = 0\noutput = \"0\"\npids-grace = \"5s\"\ndisk = \"0\"\ninodes = 0\n", GuardLimits{Pids: 0, PidsGrace: 5 * time.Second}, ""},
+		{"[guard]\npids = 128\noutput = \"64Mi\"\ndisk = \"1Gi\"\ninodes = 1000\n", GuardLimits{Seccomp: true, Pids: 128, PidsGrace: DefaultPidsGrace, Output: 64 * envlet.MiB, Disk: envlet.GiB, Inodes: 1000}, ""},
+		{"[guard]\ndisk = \"much\"\n", GuardLimits{}, "disk"},
+		{"[guard]\ninodes = -5\n", GuardLimits{}, "inodes"},
+		{"[guard]\nseccomp = \"strict\"\n", GuardLimits{}, "seccomp"},
+		{"[guard]\npids = -1\n", GuardLimits{}, "pids"},
+		{"[guard]\noutput = \"lots\"\n", GuardLimits{}, "output"},
+		{"[guard]\npids-grace = \"soon\"\n", GuardLimits{}, "pids-grace"},
+	} {
+		p := filepath.Join(t.TempDir(), "envlet.toml")
+		if err := os.WriteFile(p, []byte(tc.toml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		c, err := LoadFile(p)
+		if tc.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("%q: err %v, want one about %s", tc.toml, err, tc.wantErr)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%q: %v", tc.toml, err)
+		}
+		if g, err := c.GuardLimits(); err != nil || g != tc.want {
+			t.Errorf("%q: %+v %v, want %+v", tc.toml, g, err, tc.want)
+		}
+	}
+}

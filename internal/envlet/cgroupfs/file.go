@@ -112,10 +112,13 @@ func (f *cfile) close() {
 // separate, so each is resolved on its own.
 type V1Mounts struct {
 	CPU, CPUAcct, Memory string
+	// Pids is the pids hierarchy, when mounted (the shim's fork-bomb
+	// guard reads it; the controller does not need it).
+	Pids string
 }
 
 // FindV1Mounts reads /proc/self/mountinfo for the cpu, cpuacct and memory
-// hierarchies.
+// hierarchies (required) and the pids hierarchy (optional).
 func FindV1Mounts() (V1Mounts, error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
@@ -142,6 +145,8 @@ func FindV1Mounts() (V1Mounts, error) {
 				m.CPUAcct = pf[4]
 			case "memory":
 				m.Memory = pf[4]
+			case "pids":
+				m.Pids = pf[4]
 			}
 		}
 	}

@@ -1,0 +1,277 @@
+//go:build linux
+
+package shim
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/containerd/containerd/api/types"
+	"github.com/containerd/continuity/fs"
+	"github.com/containerd/fifo"
+	"github.com/containerd/log"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/envlet"
+)
+
+// pidsTick is how often the guard reads pids.events: a fork bomb that
+// runs a few ticks longer costs nothing (the limit already holds it), so
+// this only bounds how soon it is reported.
+const pidsTick = 500 * time.Millisecond
+
+// The guard measures the writable layer every diskTick, or less often:
+// one measurement stats every file of the upper directory (containerd's
+// fs.DiskUsage, as its overlay snapshotter's Usage does), which took
+// 1.3 s for 100,000 files here, so the pause after a measurement is at
+// least diskDuty times what it took (the shim spends at most about a
+// tenth of a core per environment on it).
+const (
+	diskTick = 2 * time.Second
+	diskDuty = 10
+)
+
+// decideDisk names the writable-layer cap a usage is above, if any.
+func decideDisk(u fs.Usage, g guardLimits) string {
+	switch {
+	case g.disk > 0 && u.Size > g.disk:
+		return fmt.Sprintf("the writable layer holds %s, above the disk cap %s", envlet.FormatBytes(u.Size), envlet.FormatBytes(g.disk))
+	case g.inodes > 0 && u.Inodes > g.inodes:
+		return fmt.Sprintf("the writable layer holds %d files, above the inode cap %d", u.Inodes, g.inodes)
+	}
+	return ""
+}
+
+// upperDir is the upper directory of a rootfs that is one overlay mount,
+// else "".
+func upperDir(rootfs []*types.Mount) string {
+	if len(rootfs) != 1 || rootfs[0].Type != "overlay" {
+		return ""
+	}
+	for _, o := range rootfs[0].Options {
+		if v, ok := strings.CutPrefix(o, "upperdir="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// watchDisk measures upper until ctx ends (see diskTick). It is a
+// watcher, not a limit: what a process writes between two measurements
+// (a single fallocate can take the file system) lands before the
+// environment fails.
+func (g *guard) watchDisk(ctx context.Context, upper string) {
+	t := time.NewTimer(diskTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			start := time.Now()
+			u, err := fs.DiskUsage(ctx, upper)
+			t.Reset(max(diskTick, diskDuty*time.Since(start)))
+			if err != nil {
+				if ctx.Err() != nil || errors.Is(err, os.ErrNotExist) {
+					return
+				}
+				// Files vanish under a walk of a live directory: the next
+				// tick measures again.
+				log.G(ctx).WithError(err).Debug("envlet: measure writable layer")
+				continue
+			}
+			if why := decideDisk(u, g.limits); why != "" {
+				log.G(ctx).WithField("took", time.Since(start)).WithField("bytes", u.Size).WithField("inodes", u.Inodes).Warn("envlet: writable layer over its cap")
+				g.fail(envlet.Failure{
+					Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: u.Size,
+					Message: why,
+				})
+				return
+			}
+		}
+	}
+}
+
+// pidsState is what decidePids remembers between ticks.
+type pidsState struct {
+	refused uint64    // pids.events "max" at the last tick
+	since   time.Time // first tick of the current saturated run; zero when none
+}
+
+// decidePids says whether an environment has been fork-bombing for
+// grace: at every tick of that span its cgroup either refused forks
+// (pids.events "max" rose to refused) or was at its limit (atLimit:
+// pids.current >= pids.max; a bomb whose processes block on a full pipe
+// stops forking but keeps every pid). A build that touches the limit and
+// backs off has a tick below it, which starts the count over.
+func decidePids(st pidsState, refused uint64, atLimit bool, now time.Time, grace time.Duration) (pidsState, bool) {
+	saturated := refused > st.refused || atLimit
+	st.refused = refused
+	if !saturated {
+		st.since = time.Time{}
+		return st, false
+	}
+	if st.since.IsZero() {
+		st.since = now
+	}
+	return st, now.Sub(st.since) >= grace
+}
+
+// guard contains the resource bombs of one environment: it watches the
+// pids cgroup for sustained fork refusals and counts what the
+// environment's processes write to stdout and stderr. Either one ends the
+// environment once, through trip.
+type guard struct {
+	env    string
+	limits guardLimits
+	grace  time.Duration
+	trip   func(envlet.Failure)
+
+	written atomic.Int64
+	once    sync.Once
+}
+
+func (g *guard) fail(f envlet.Failure) {
+	g.once.Do(func() { g.trip(f) })
+}
+
+// watchPids reads the pids cgroup dir every pidsTick until ctx ends.
+func (g *guard) watchPids(ctx context.Context, dir string) {
+	var st pidsState
+	t := time.NewTicker(pidsTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			refused, atLimit, err := readPids(dir)
+			if err != nil {
+				if errors.Is(err, os.ErrNotExist) {
+					return // the cgroup went with the task
+				}
+				log.G(ctx).WithError(err).Warn("envlet: read pids events")
+				continue
+			}
+			var bomb bool
+			if st, bomb = decidePids(st, refused, atLimit, now, g.grace); bomb {
+				g.fail(envlet.Failure{
+					Env: g.env, Reason: envlet.ReasonPidsExhausted, Cap: g.limits.pids,
+					Requested: int64(refused),
+					Message: fmt.Sprintf("forks refused at the pids limit %d for %s (%d refused in all)",
+						g.limits.pids, now.Sub(st.since).Round(time.Millisecond), refused),
+				})
+				return
+			}
+		}
+	}
+}
+
+// readPids reads the refused-fork count of the pids cgroup dir and
+// whether it is at its limit.
+func readPids(dir string) (refused uint64, atLimit bool, err error) {
+	b, err := os.ReadFile(filepath.Join(dir, "pids.events"))
+	if err != nil {
+		return 0, false, err
+	}
+	found := false
+	for line := range bytes.Lines(b) {
+		if v, ok := bytes.CutPrefix(bytes.TrimSpace(line), []byte("max ")); ok {
+			if refused, err = strconv.ParseUint(string(v), 10, 64); err != nil {
+				return 0, false, fmt.Errorf("parse %s/pids.events: %w", dir, err)
+			}
+			found = true
+		}
+	}
+	if !found {
+		return 0, false, fmt.Errorf("%s/pids.events has no max line", dir)
+	}
+	cur, err := os.ReadFile(filepath.Join(dir, "pids.current"))
+	if err != nil {
+		return 0, false, err
+	}
+	limit, err := os.ReadFile(filepath.Join(dir, "pids.max"))
+	if err != nil {
+		return 0, false, err
+	}
+	c, cerr := strconv.ParseUint(string(bytes.TrimSpace(cur)), 10, 64)
+	l, lerr := strconv.ParseUint(string(bytes.TrimSpace(limit)), 10, 64) // "max" (none) fails: never at a limit
+	return refused, cerr == nil && lerr == nil && c >= l, nil
+}
+
+// relay puts a counting copy between runc's IO and dst, the fifo
+// containerd's client reads, and returns the fifo runc must write
+// instead (created under dir). Past the output cap the copy writes a
+// notice, drops the rest (the writer is drained, never blocked) and fails
+// the environment. Only plain fifo paths are relayed: a binary:// or
+// file:// logger gets dst unchanged and no cap.
+func (g *guard) relay(ctx context.Context, dir, name, dst string) (string, error) {
+	if dst == "" || g.limits.output <= 0 {
+		return dst, nil
+	}
+	if fi, err := os.Stat(dst); err != nil || fi.Mode()&os.ModeNamedPipe == 0 {
+		log.G(ctx).WithField("stdio", dst).Warn("envlet: output cap not applied to a non-fifo stdio")
+		return dst, nil
+	}
+	p := filepath.Join(dir, name)
+	r, err := fifo.OpenFifo(ctx, p, unix.O_RDONLY|unix.O_CREAT|unix.O_NONBLOCK, 0o600)
+	if err != nil {
+		return "", fmt.Errorf("create output relay %s: %w", p, err)
+	}
+	go g.copyOut(ctx, r, dst)
+	return p, nil
+}
+
+func (g *guard) copyOut(ctx context.Context, r io.ReadCloser, dst string) {
+	defer r.Close()
+	w, err := fifo.OpenFifo(ctx, dst, unix.O_WRONLY, 0)
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("stdio", dst).Error("envlet: open output fifo")
+		w = nil
+	}
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := r.Read(buf)
+		if n > 0 {
+			total := g.written.Add(int64(n))
+			keep := n
+			if over := total - g.limits.output; over > 0 {
+				keep = max(0, n-int(min(over, int64(n))))
+			}
+			if w != nil && keep > 0 {
+				if _, err := w.Write(buf[:keep]); err != nil {
+					w.Close()
+					w = nil
+				}
+			}
+			if keep < n {
+				if w != nil && total-int64(n) < g.limits.output {
+					// The first chunk past the cap: say why the output
+					// ends, in the output itself.
+					fmt.Fprintf(w, "\n[envlet: output cap of %d bytes reached; the rest is dropped and the environment fails: %s]\n",
+						g.limits.output, envlet.ReasonOutputCapExceeded)
+				}
+				g.fail(envlet.Failure{
+					Env: g.env, Reason: envlet.ReasonOutputCapExceeded, Cap: g.limits.output, Requested: total,
+					Message: fmt.Sprintf("stdout and stderr reached the output cap of %d bytes", g.limits.output),
+				})
+			}
+		}
+		if rerr != nil {
+			break
+		}
+	}
+	if w != nil {
+		w.Close()
+	}
+}

@@ -1,0 +1,88 @@
+// Command agent is the hostile episode's tool inside the container: what
+// busybox cannot do from a shell. It prints one line per attempt,
+// "<what> <result>", where result is "ok" or the errno's name, and exits 0
+// whatever the attempts gave (the test reads the lines).
+//
+//	agent ioctls SRC DST   clone/dedupe/swap-extent ioctls from SRC onto DST
+package main
+
+import (
+	"fmt"
+	"os"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/shim"
+)
+
+func main() {
+	if len(os.Args) == 4 && os.Args[1] == "ioctls" {
+		ioctls(os.Args[2], os.Args[3])
+		return
+	}
+	fmt.Fprintln(os.Stderr, "usage: agent ioctls SRC DST")
+	os.Exit(2)
+}
+
+// ioctls issues every denied ioctl with a well-formed argument naming src
+// (so that a kernel reached would act, not reject the argument), the
+// FICLONE command with high bits set (the kernel truncates cmd to 32
+// bits), and one harmless ioctl that must still work.
+func ioctls(src, dst string) {
+	s, err := os.Open(src)
+	if err != nil {
+		fmt.Println("open-src", err)
+		return
+	}
+	defer s.Close()
+	d, err := os.OpenFile(dst, os.O_RDWR, 0)
+	if err != nil {
+		fmt.Println("open-dst", err)
+		return
+	}
+	defer d.Close()
+	// 256 zeroed bytes cover every argument struct; the first field that
+	// names a file gets src's fd where the struct has one.
+	var arg [256]byte
+	sfd := uint64(s.Fd())
+	for _, io := range shim.DeniedIoctls {
+		clear(arg[:])
+		p := uintptr(unsafe.Pointer(&arg[0]))
+		switch io.Name {
+		case "FICLONE":
+			p = uintptr(sfd)
+		case "FICLONERANGE": // struct file_clone_range: src_fd first
+			*(*int64)(unsafe.Pointer(&arg[0])) = int64(sfd)
+		case "XFS_IOC_SWAPEXT": // sx_fdtarget, sx_fdtmp
+			*(*int64)(unsafe.Pointer(&arg[8])) = int64(d.Fd())
+			*(*int64)(unsafe.Pointer(&arg[16])) = int64(sfd)
+		case "XFS_IOC_EXCHANGE_RANGE", "EXT4_IOC_MOVE_EXT": // file1_fd / donor_fd
+			*(*uint32)(unsafe.Pointer(&arg[4])) = uint32(sfd)
+		}
+		report(io.Name, ioctl(d.Fd(), uint64(io.Cmd), p))
+	}
+	report("FICLONE-high-bits", ioctl(d.Fd(), 1<<32|uint64(unix.FICLONE), uintptr(sfd)))
+	var flags int
+	report("FS_IOC_GETFLAGS", ioctl(d.Fd(), unix.FS_IOC_GETFLAGS, uintptr(unsafe.Pointer(&flags))))
+	report("FIOCLEX", ioctl(d.Fd(), 0x5451, 0)) // asm-generic FIOCLEX
+}
+
+func ioctl(fd uintptr, cmd uint64, arg uintptr) error {
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, fd, uintptr(cmd), arg); e != 0 {
+		return e
+	}
+	return nil
+}
+
+func report(what string, err error) {
+	if err == nil {
+		fmt.Println(what, "ok")
+		return
+	}
+	if e, ok := err.(unix.Errno); ok {
+		fmt.Println(what, unix.ErrnoName(e))
+		return
+	}
+	fmt.Println(what, err)
+}
