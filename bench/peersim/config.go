@@ -123,6 +123,16 @@ type Config struct {
 	Timeout    time.Duration
 	BadFor     time.Duration
 
+	// Design alternatives internal/peer does not implement, to measure
+	// what changing it would buy. AnyLayer: an owner serves (fetching
+	// from the registry) layers it does not have open, instead of 404.
+	// Replicas > 1: each stripe has that many owners (its first
+	// rendezvous members) and a requester asks the one its own id picks,
+	// dividing an owner's fan-in by Replicas at the cost of Replicas
+	// registry fetches per stripe.
+	AnyLayer bool
+	Replicas int
+
 	// FailFraction of the nodes fail at FailAt.
 	FailFraction float64
 	FailAt       time.Duration
@@ -190,6 +200,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("piece size %d and stripe size %d: want 0 < piece <= stripe", c.PieceSize, c.StripeSize)
 	case c.RegistryBandwidth <= 0 || c.NodeBandwidth <= 0:
 		return fmt.Errorf("bandwidths must be positive")
+	case c.Replicas < 0 || c.Replicas > rankDepth:
+		return fmt.Errorf("replicas %d: want 0-%d", c.Replicas, rankDepth)
 	case c.PrefetchInflight < 1:
 		return fmt.Errorf("prefetch in flight %d: want >= 1", c.PrefetchInflight)
 	case c.FailFraction < 0 || c.FailFraction >= 1:

@@ -1,5 +1,7 @@
 package peersim
 
+import "slices"
+
 // The peer protocol of internal/peer as the model plays it. Each function
 // names the code it stands for.
 
@@ -114,7 +116,7 @@ func (s *sim) arrive(r *request) {
 	}
 	o.received = bump(o.received, s.now)
 	p := s.pieces[r.f.p]
-	if !o.open[p.layer] {
+	if !o.open[p.layer] && !s.cfg.AnyLayer {
 		// 404: the layer is not open there; the registry serves, and
 		// the owner is not held responsible.
 		s.after(half, func() {
@@ -209,6 +211,14 @@ func (s *sim) owner(n *node, stripe int32) int32 {
 	if !ok {
 		rank = s.rank(stripe, rankDepth)
 		s.ranks[stripe] = rank
+	}
+	if k := s.cfg.Replicas; k > 1 {
+		// The requester's replica first, then the others in order.
+		first := int(mix(uint64(n.id)^uint64(stripe)<<32) % uint64(k))
+		rank = append(append(append([]int32(nil), rank[first]), rank[:first]...), rank[first+1:]...)
+		if slices.Contains(rank[:k], n.id) {
+			return n.id
+		}
 	}
 	for _, m := range rank {
 		if m == n.id {

@@ -4,8 +4,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strings"
-	"time"
 )
 
 // Flags binds every input of c to a flag of fs, with c's values as
@@ -35,6 +33,8 @@ func Flags(fs *flag.FlagSet, c *Config) {
 	fs.DurationVar(&c.HedgeAfter, "hedge-after", c.HedgeAfter, "ask the registry when the owner has not accepted by then")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on an owner after")
 	fs.DurationVar(&c.BadFor, "bad-for", c.BadFor, "skip a failed owner for")
+	fs.BoolVar(&c.AnyLayer, "any-layer", c.AnyLayer, "design alternative: owners serve layers they do not have open")
+	fs.IntVar(&c.Replicas, "replicas", c.Replicas, "design alternative: owners per stripe (0 or 1: one, as internal/peer)")
 	fs.DurationVar(&c.FailAt, "fail-at", c.FailAt, "when nodes fail in the failure rows")
 }
 
@@ -103,6 +103,9 @@ func Scenarios(c Config, failFraction float64) ([]Row, error) {
 // WriteTable prints the inputs and the rows as markdown.
 func WriteTable(w io.Writer, c Config, rows []Row) {
 	envs := c.Nodes * c.EnvsPerNode
+	if c.AnyLayer || c.Replicas > 1 {
+		fmt.Fprintf(w, "Design alternatives (not internal/peer): owners serve unopened layers %v, owners per stripe %d.\n\n", c.AnyLayer, max(1, c.Replicas))
+	}
 	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s); registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v; failures at %v.\n\n",
 		c.Nodes, c.EnvsPerNode, (envs+c.Rollouts-1)/c.Rollouts, c.Rollouts, map[bool]string{true: "packed", false: "spread at random"}[c.Pack],
 		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, c.BadFor, c.FailAt)
@@ -121,10 +124,6 @@ func WriteTable(w io.Writer, c Config, rows []Row) {
 	}
 }
 
-func mib(b int64) string { return fmt.Sprintf("%g MiB", float64(b)/(1<<20)) }
-func gb(b int64) string  { return fmt.Sprintf("%.1f GB", float64(b)/1e9) }
-func sec(s float64) string {
-	return strings.TrimSuffix(fmt.Sprintf("%.2f s", s), "")
-}
-
-var _ = time.Second
+func mib(b int64) string   { return fmt.Sprintf("%g MiB", float64(b)/(1<<20)) }
+func gb(b int64) string    { return fmt.Sprintf("%.1f GB", float64(b)/1e9) }
+func sec(s float64) string { return fmt.Sprintf("%.2f s", s) }

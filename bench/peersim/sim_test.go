@@ -172,3 +172,33 @@ func TestBadConfig(t *testing.T) {
 		}
 	}
 }
+
+// Design alternatives: owners that serve unopened layers bring the
+// registry back to the union with task groups spread thin; replicated
+// stripes divide the fan-in and cost one registry fetch per replica.
+func TestAlternatives(t *testing.T) {
+	c := small()
+	c.Timeout, c.HedgeAfter = time.Hour, time.Hour
+	c.AnyLayer = true
+	r := run(t, c)
+	if r.Unknown != 0 || r.RegistryBytes != r.UnionBytes {
+		t.Errorf("owners serving any layer: %d 404s, registry %d, union %d", r.Unknown, r.RegistryBytes, r.UnionBytes)
+	}
+
+	c = small()
+	c.Rollouts = c.Nodes * c.EnvsPerNode
+	c.Groups = c.Groups[:4]
+	c.Timeout, c.HedgeAfter = time.Hour, time.Hour
+	one := run(t, c)
+	c.Replicas = 3
+	three := run(t, c)
+	if three.MaxFanIn >= one.MaxFanIn {
+		t.Errorf("fan-in %d with 3 owners per stripe, %d with one", three.MaxFanIn, one.MaxFanIn)
+	}
+	if three.RegistryBytes <= one.RegistryBytes || three.RegistryBytes > 3*one.RegistryBytes {
+		t.Errorf("registry %d with 3 owners per stripe, want in (%d, 3x]", three.RegistryBytes, one.RegistryBytes)
+	}
+	if three.RegistryBytes+three.PeerBytes != three.NodeBytes {
+		t.Errorf("registry %d + peers %d != bytes the nodes read %d", three.RegistryBytes, three.PeerBytes, three.NodeBytes)
+	}
+}
