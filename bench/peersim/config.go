@@ -93,6 +93,9 @@ type Config struct {
 	// Rollouts is how many environments share one task group; the
 	// iteration has Nodes*EnvsPerNode/Rollouts task groups.
 	Rollouts int
+	// Stagger spreads the nodes' starts uniformly over this span (a
+	// scheduler admitting nodes gradually); 0 starts all at once.
+	Stagger time.Duration
 	// Pack places the rollouts of a task on as few nodes as possible;
 	// otherwise environments are spread over nodes at random.
 	Pack   bool
@@ -194,6 +197,8 @@ func (c Config) validate() error {
 	switch {
 	case c.Nodes < 1 || c.EnvsPerNode < 1:
 		return fmt.Errorf("need at least one node and one environment per node, have %d and %d", c.Nodes, c.EnvsPerNode)
+	case c.Stagger < 0:
+		return fmt.Errorf("stagger %v: want >= 0", c.Stagger)
 	case c.Rollouts < 1:
 		return fmt.Errorf("rollouts per task %d: want >= 1", c.Rollouts)
 	case c.PieceSize <= 0 || c.StripeSize < c.PieceSize:

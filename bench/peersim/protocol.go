@@ -116,7 +116,7 @@ func (s *sim) arrive(r *request) {
 	}
 	o.received = bump(o.received, s.now)
 	p := s.pieces[r.f.p]
-	if !o.open[p.layer] && !s.cfg.AnyLayer {
+	if !(o.started && o.open[p.layer]) && !s.cfg.AnyLayer {
 		// 404: the layer is not open there; the registry serves, and
 		// the owner is not held responsible.
 		s.after(half, func() {

@@ -13,6 +13,7 @@ func Flags(fs *flag.FlagSet, c *Config) {
 	fs.IntVar(&c.Nodes, "nodes", c.Nodes, "nodes")
 	fs.IntVar(&c.EnvsPerNode, "envs", c.EnvsPerNode, "environments per node")
 	fs.IntVar(&c.Rollouts, "rollouts", c.Rollouts, "environments per task group")
+	fs.DurationVar(&c.Stagger, "stagger", c.Stagger, "spread the nodes' starts uniformly over this span")
 	fs.BoolVar(&c.Pack, "pack", c.Pack, "place a task's rollouts on as few nodes as possible (default: spread at random)")
 	for i := range c.Groups {
 		g := &c.Groups[i]
@@ -106,8 +107,8 @@ func WriteTable(w io.Writer, c Config, rows []Row) {
 	if c.AnyLayer || c.Replicas > 1 {
 		fmt.Fprintf(w, "Design alternatives (not internal/peer): owners serve unopened layers %v, owners per stripe %d.\n\n", c.AnyLayer, max(1, c.Replicas))
 	}
-	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s); registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v; failures at %v.\n\n",
-		c.Nodes, c.EnvsPerNode, (envs+c.Rollouts-1)/c.Rollouts, c.Rollouts, map[bool]string{true: "packed", false: "spread at random"}[c.Pack],
+	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s), nodes starting over %v; registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v; failures at %v.\n\n",
+		c.Nodes, c.EnvsPerNode, (envs+c.Rollouts-1)/c.Rollouts, c.Rollouts, map[bool]string{true: "packed", false: "spread at random"}[c.Pack], c.Stagger,
 		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, c.BadFor, c.FailAt)
 	if len(rows) > 0 {
 		r := rows[0]

@@ -43,7 +43,7 @@ type request struct {
 type node struct {
 	id       int32
 	dead     bool
-	open     map[int32]bool // layers with an environment on this node
+	open     map[int32]bool // layers with an environment on this node, open once started
 	flights  map[int32]*flight
 	bad      map[int32]float64 // peer -> until
 	downFree float64
@@ -51,6 +51,8 @@ type node struct {
 	served   int64 // bytes sent to peers
 	serving  []*request
 	envs     []*env
+	start    float64
+	started  bool    // its layers are mounted (open) from then on
 	received []int32 // peer requests received per second
 	// prefetch of the shared ready set
 	readyLeft int
@@ -99,7 +101,11 @@ func Run(cfg Config) (Result, error) {
 	s.registry = &psLink{s: s, rate: cfg.RegistryBandwidth}
 	s.build()
 	for _, n := range s.nodes {
-		s.after(0, func() { s.startNode(n) })
+		var at float64
+		if cfg.Stagger > 0 {
+			at = s.rng.Float64() * cfg.Stagger.Seconds()
+		}
+		s.after(at, func() { s.startNode(n) })
 	}
 	if k := int(math.Round(cfg.FailFraction * float64(cfg.Nodes))); k > 0 {
 		victims := s.rng.Perm(cfg.Nodes)[:k]
@@ -216,14 +222,22 @@ func (s *sim) build() {
 // startNode starts the node's environments: the mounts' prefetch of the
 // ready set, then each environment's reads, one at a time, from ready on.
 func (s *sim) startNode(n *node) {
+	n.start = s.now
 	n.queue = slices.Clone(s.readySet)
 	n.readyLeft = len(s.readySet)
+	n.started = true
 	for _, p := range s.readySet {
-		s.flightOf(n, p).waiters = append(s.flightOf(n, p).waiters, func() {
-			if n.readyLeft--; n.readyLeft == 0 {
-				s.ready(n)
-			}
-		})
+		// Pieces this node already holds (fetched to serve a peer
+		// before it started) count at once.
+		if f := s.flightOf(n, p); f.done {
+			n.readyLeft--
+		} else {
+			f.waiters = append(f.waiters, func() {
+				if n.readyLeft--; n.readyLeft == 0 {
+					s.ready(n)
+				}
+			})
+		}
 	}
 	if n.readyLeft == 0 {
 		s.ready(n)

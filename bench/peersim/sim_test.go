@@ -65,6 +65,14 @@ func TestPeersRegistrySendsTheUnion(t *testing.T) {
 	if r.MaxFanIn != int32(c.Nodes-1) {
 		t.Errorf("max fan-in %d, want %d (every other node once)", r.MaxFanIn, c.Nodes-1)
 	}
+	// Staggered starts: an owner that has not started yet has nothing
+	// open and answers 404, so the registry sends more than the union;
+	// every byte still comes from one of the two, once per node.
+	c.Stagger = 10 * time.Second
+	st := run(t, c)
+	if st.Unknown == 0 || st.RegistryBytes <= st.UnionBytes || st.RegistryBytes+st.PeerBytes != st.NodeBytes {
+		t.Errorf("staggered over %v: %d 404s, registry %d, peers %d, union %d, node reads %d", c.Stagger, st.Unknown, st.RegistryBytes, st.PeerBytes, st.UnionBytes, st.NodeBytes)
+	}
 }
 
 // An owner answers 404 for a layer it does not have open; those reads go

@@ -61,7 +61,7 @@ type Result struct {
 	HottestOwnerBytes   int64
 	// Environments on nodes that did not fail, and how many of them
 	// never finished their reads (a read that failed); ready and reads
-	// done percentiles over them, seconds from the iteration's start.
+	// done percentiles over them, seconds from their node's start.
 	Envs, Stuck                int
 	ReadyP50, ReadyP99         float64
 	ReadsDoneP50, ReadsDoneP99 float64
@@ -100,8 +100,8 @@ func (s *sim) result() Result {
 				r.Stuck++
 				continue
 			}
-			ready = append(ready, e.readyAt)
-			done = append(done, e.doneAt)
+			ready = append(ready, e.readyAt-n.start)
+			done = append(done, e.doneAt-n.start)
 		}
 		for _, c := range n.received {
 			r.HottestOwnerPeakRPS = max(r.HottestOwnerPeakRPS, c)
