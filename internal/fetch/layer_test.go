@@ -254,7 +254,10 @@ func TestLayerDeadline(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			checkGoroutines(t)
-			fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(400*time.Millisecond))
+			// No read-ahead: a response cut short must not hold the whole
+			// chunk asked for, which would be served (verified) before
+			// the cut.
+			fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(400*time.Millisecond), WithReadAhead(0))
 			fx.reg.latency = tt.latency
 			fx.reg.setFaults(tt.always)
 			c := fx.chunksOf(t, "a.txt")[0]
