@@ -138,7 +138,7 @@ func BenchmarkColdBigBinary(b *testing.B) {
 				if dir := os.Getenv("ENVSNAP_BENCH_PROFILE"); dir != "" {
 					profile = make(chan error, 1)
 					go func() {
-						profile <- saveProfile(env.SnapshotterSocket, filepath.Join(dir, fmt.Sprintf("cpu-%s-%d.pprof", v.name, round)), 6)
+						profile <- saveProfile(env.SnapshotterSocket, "profile", filepath.Join(dir, fmt.Sprintf("cpu-%s-%d.pprof", v.name, round)), 6)
 					}()
 					time.Sleep(100 * time.Millisecond) // the profile is running
 				}
@@ -291,12 +291,13 @@ func coldFloor(tb testing.TB, env *testenv.Env, ref string, layer testenv.LayerB
 	return fetched + cpu
 }
 
-// saveProfile saves a CPU profile of the daemon behind socket.
-func saveProfile(socket, dst string, seconds int) error {
+// saveProfile saves a CPU profile ("profile") or an execution trace
+// ("trace") of the daemon behind socket.
+func saveProfile(socket, kind, dst string, seconds int) error {
 	c := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", daemon.StatusSocket(socket))
 	}}}
-	resp, err := c.Get(fmt.Sprintf("http://daemon/debug/pprof/profile?seconds=%d", seconds))
+	resp, err := c.Get(fmt.Sprintf("http://daemon/debug/pprof/%s?seconds=%d", kind, seconds))
 	if err != nil {
 		return err
 	}
