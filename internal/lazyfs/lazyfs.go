@@ -40,7 +40,9 @@ import (
 
 // ChunkSource returns the verified, decompressed bytes of one chunk. The
 // returned slice must hold exactly c.Size bytes and must not be modified
-// afterwards by the source. Implementations should honour ctx, but lazyfs
+// afterwards by the source; lazyfs only copies out of it, so a source may
+// return a slice it shares with other readers (fetch.Layer returns a
+// window of its cached decoded frame). Implementations should honour ctx, but lazyfs
 // does not rely on it: a read fails at its timeout either way.
 type ChunkSource interface {
 	ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
