@@ -72,6 +72,9 @@ type Options struct {
 	// ConfigErr, when set, fails every Create: the node configuration
 	// could not be loaded.
 	ConfigErr error
+	// CheckCgroup runs at Create on the cgroup runc made; an error fails
+	// the Create. Defaults to envlet.CheckCgroup.
+	CheckCgroup func(cgroupsPath string) error
 }
 
 // Service is the envlet task service.
@@ -111,6 +114,9 @@ var _ taskAPI.TTRPCTaskService = (*Service)(nil)
 func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.Publisher, opts Options) *Service {
 	if opts.NewController == nil {
 		opts.NewController = newController
+	}
+	if opts.CheckCgroup == nil {
+		opts.CheckCgroup = envlet.CheckCgroup
 	}
 	ns, _ := namespaces.Namespace(ctx)
 	return &Service{
@@ -196,6 +202,18 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
 		}
 		return nil, err
+	}
+	// runc has made the cgroup: a container envlet cannot limit (a
+	// delegated subtree without the cpu or memory controller) must not
+	// run at all, rather than run unlimited.
+	if err := s.opts.CheckCgroup(e.cgroup); err != nil {
+		if _, derr := s.TTRPCTaskService.Delete(ctx, &taskAPI.DeleteRequest{ID: r.ID}); derr != nil {
+			log.G(ctx).WithError(derr).WithField("id", r.ID).Warn("envlet: delete a container whose cgroup cannot be limited")
+		}
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "cgroup unusable"); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+		}
+		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s: cgroup %s: %v: %w", r.ID, e.cgroup, err, errdefs.ErrFailedPrecondition))
 	}
 	s.mu.Lock()
 	s.envs[r.ID] = e
