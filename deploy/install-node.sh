@@ -1,7 +1,9 @@
 #!/bin/sh
 # install-node.sh puts the host-side pieces of envsnap on a node: the shim
-# binary containerd runs for the "envlet" runtime, the shim's configuration,
-# and the containerd drop-in that registers the snapshotter and the runtime.
+# binary containerd runs for the "envlet" runtime, the containerd-envsnap
+# binary the descriptor keeper runs from as a host service (so it outlives
+# the DaemonSet pod), the shim's configuration, and the containerd drop-in
+# that registers the snapshotter and the runtime.
 #
 # The Kubernetes DaemonSet runs it as an init container with the host's
 # directories mounted below HOST_ROOT=/host; on a plain host run it with
@@ -17,6 +19,7 @@
 # Variables (defaults are the DaemonSet's paths):
 #   HOST_ROOT              where the host's / is mounted (/host)
 #   ENVSNAP_SHIM           shim binary to install (/usr/local/bin/containerd-shim-envlet-v2)
+#   ENVSNAP_DAEMON         containerd-envsnap binary to install (/usr/local/bin/containerd-envsnap)
 #   ENVSNAP_DROPIN         containerd drop-in to install (/config/containerd-envsnap.toml)
 #   ENVSNAP_ENVLET_CONFIG  shim configuration to install (/config/envlet.toml)
 #   ENVSNAP_CREATE_MAIN_CONFIG  "true": create /etc/containerd/config.toml
@@ -25,6 +28,7 @@ set -eu
 
 HOST_ROOT=${HOST_ROOT:-/host}
 ENVSNAP_SHIM=${ENVSNAP_SHIM:-/usr/local/bin/containerd-shim-envlet-v2}
+ENVSNAP_DAEMON=${ENVSNAP_DAEMON:-/usr/local/bin/containerd-envsnap}
 ENVSNAP_DROPIN=${ENVSNAP_DROPIN:-/config/containerd-envsnap.toml}
 ENVSNAP_ENVLET_CONFIG=${ENVSNAP_ENVLET_CONFIG:-/config/envlet.toml}
 ENVSNAP_CREATE_MAIN_CONFIG=${ENVSNAP_CREATE_MAIN_CONFIG:-false}
@@ -52,7 +56,7 @@ install_file() {
 	changed=true
 }
 
-for f in "$ENVSNAP_SHIM" "$ENVSNAP_DROPIN" "$ENVSNAP_ENVLET_CONFIG"; do
+for f in "$ENVSNAP_SHIM" "$ENVSNAP_DAEMON" "$ENVSNAP_DROPIN" "$ENVSNAP_ENVLET_CONFIG"; do
 	if [ ! -f "$f" ]; then
 		say "missing $f"
 		exit 1
@@ -62,6 +66,12 @@ done
 install_file "$ENVSNAP_SHIM" "$(host /usr/local/bin/containerd-shim-envlet-v2)" 0755
 if [ "$changed" = true ]; then
 	say "installed /usr/local/bin/containerd-shim-envlet-v2 (new pods use it; running pods keep their shim)"
+fi
+# The keeper the snapshotter launches on the host (its --keeper-command)
+# runs this binary; a running keeper keeps the inode it started from.
+install_file "$ENVSNAP_DAEMON" "$(host /usr/local/bin/containerd-envsnap)" 0755
+if [ "$changed" = true ]; then
+	say "installed /usr/local/bin/containerd-envsnap (the descriptor keeper runs from it on the host)"
 fi
 install_file "$ENVSNAP_ENVLET_CONFIG" "$(host /etc/envsnap/envlet.toml)" 0644
 if [ "$changed" = true ]; then

@@ -85,6 +85,9 @@ type Options struct {
 	// Guard is what every managed container runs under (seccomp, pids
 	// and output caps); the zero value imposes nothing.
 	Guard config.GuardLimits
+	// CheckCgroup runs at Create on the cgroup runc made; an error fails
+	// the Create. Defaults to envlet.CheckCgroup.
+	CheckCgroup func(cgroupsPath string) error
 }
 
 // Service is the envlet task service.
@@ -133,6 +136,9 @@ var _ taskAPI.TTRPCTaskService = (*Service)(nil)
 func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.Publisher, opts Options) *Service {
 	if opts.NewController == nil {
 		opts.NewController = newController
+	}
+	if opts.CheckCgroup == nil {
+		opts.CheckCgroup = envlet.CheckCgroup
 	}
 	ns, _ := namespaces.Namespace(ctx)
 	return &Service{
@@ -285,14 +291,27 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, err
 	}
+	// runc has made the container; from here a failure deletes it, ends
+	// its stdio relay and returns its admission.
+	failCreated := func(reason string, err error) (*taskAPI.CreateTaskResponse, error) {
+		s.abortCreate(ctx, r.ID)
+		ioCancel()
+		createFailed()
+		if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, reason); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
+		}
+		return nil, errgrpc.ToGRPC(err)
+	}
+	// A container envlet cannot limit (a delegated subtree without the
+	// cpu or memory controller) must not run at all, rather than run
+	// unlimited.
+	if err := s.opts.CheckCgroup(e.cgroup); err != nil {
+		return failCreated("cgroup unusable", fmt.Errorf("envlet: container %s: cgroup %s: %v: %w", r.ID, e.cgroup, err, errdefs.ErrFailedPrecondition))
+	}
 	if eg != nil {
 		// The init process waits for Start: no user code has run yet.
 		if err := s.startEgress(ctx, r.ID, resp.Pid, eg); err != nil {
-			s.abortCreate(ctx, r.ID)
-			if rerr := s.opts.Arbiter.ReleaseReason(ctx, e.key, "egress policy failed"); rerr != nil {
-				log.G(ctx).WithError(rerr).WithField("id", r.ID).Warn("envlet: release after failed create")
-			}
-			return nil, errgrpc.ToGRPC(err)
+			return failCreated("egress policy failed", err)
 		}
 	}
 	s.mu.Lock()

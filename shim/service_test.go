@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -208,9 +209,10 @@ func newFixture(t *testing.T) *fixture {
 	f := &fixture{runc: newFakeRunc(), pub: &fakePublisher{}, arb: newFakeArbiter(), ctrls: map[string]*fakeController{}}
 	var mu sync.Mutex
 	f.svc = New(context.Background(), f.runc, f.pub, Options{
-		Policy:  envlet.DefaultConfig(),
-		Node:    envlet.Resources{CPU: 8, Memory: 16 * envlet.GiB},
-		Arbiter: f.arb,
+		Policy:      envlet.DefaultConfig(),
+		Node:        envlet.Resources{CPU: 8, Memory: 16 * envlet.GiB},
+		Arbiter:     f.arb,
+		CheckCgroup: func(string) error { return nil },
 		NewController: func(env, cg string, cfg envlet.Config, _ envlet.Arbiter) (Controller, func() error, error) {
 			mu.Lock()
 			defer mu.Unlock()
@@ -369,6 +371,30 @@ func TestCreateRejected(t *testing.T) {
 	}
 }
 
+// A container whose cgroup envlet cannot limit fails at Create, with an
+// error naming the cgroup; runc's container is deleted and the admission
+// released, so it never runs unlimited.
+func TestCreateCgroupWithoutControllers(t *testing.T) {
+	f := newFixture(t)
+	f.svc.opts.CheckCgroup = func(p string) error {
+		return fmt.Errorf("cgroup v2 /sys/fs/cgroup%s lacks the [memory] controller(s)", p)
+	}
+	_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "nomem", Bundle: bundle(t, linuxSpec("nomem", nil))})
+	err = errgrpc.ToNative(err)
+	if !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "/sys/fs/cgroup/test/nomem lacks the [memory]") {
+		t.Fatalf("create without the memory controller: %v", err)
+	}
+	if got := strings.Join(f.runc.calls, ","); got != "create nomem,delete nomem" {
+		t.Fatalf("runc calls %q, want the container created and deleted", got)
+	}
+	if r, ok := f.arb.releasedReason("nomem"); !ok || r != "cgroup unusable" {
+		t.Fatalf("admission not released: %q %v", r, ok)
+	}
+	if f.svc.lookup("nomem") != nil {
+		t.Fatal("the container is still tracked")
+	}
+}
+
 // The refusal names the container and what it asked for once, then what
 // the node lacks, as the node arbiter words it.
 func TestCreateRejectedMessage(t *testing.T) {
@@ -499,7 +525,7 @@ func TestUpdateUnchangedLimits(t *testing.T) {
 	runc := newFakeRunc()
 	arb := newFakeArbiter()
 	svc := New(context.Background(), runc, &fakePublisher{}, Options{
-		Policy: envlet.DefaultConfig(), Arbiter: arb,
+		Policy: envlet.DefaultConfig(), Arbiter: arb, CheckCgroup: func(string) error { return nil },
 		NewController: func(string, string, envlet.Config, envlet.Arbiter) (Controller, func() error, error) {
 			return capless{}, nil, nil
 		},
@@ -551,7 +577,7 @@ func TestEnvKeyNamespaced(t *testing.T) {
 		return nil
 	}
 	for _, ns := range []string{"team-a", "team-b"} {
-		svc := New(namespaces.WithNamespace(context.Background(), ns), runc, pub, Options{Policy: envlet.DefaultConfig(), Arbiter: arb})
+		svc := New(namespaces.WithNamespace(context.Background(), ns), runc, pub, Options{Policy: envlet.DefaultConfig(), Arbiter: arb, CheckCgroup: func(string) error { return nil }})
 		_, err := svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, linuxSpec("x", nil))})
 		if ns == "team-a" && err != nil {
 			t.Fatal(err)

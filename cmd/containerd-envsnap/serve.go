@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strings"
 	"syscall"
 	"time"
 
@@ -38,6 +39,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "memory-limit", Value: defaultMemoryLimit, Usage: "soft limit of the Go heap (GOMEMLIMIT) beyond the frame cache, unless the environment sets one; 0 disables"},
 		&cli.StringFlag{Name: "frame-cache-size", Value: daemon.DefaultFrameCacheSize.String(), Usage: "decoded frames kept in memory for all layers (0: a few MiB per layer)"},
 		&cli.BoolFlag{Name: "keep-mounts", Value: true, Usage: "keep layer mounts (and the containers reading them) alive across restarts with a descriptor keeper process"},
+		&cli.StringFlag{Name: "keeper-command", Usage: "start the descriptor keeper with this command (words split at blanks) followed by `fdstore --socket SOCKET`, instead of this binary as a child: e.g. a launcher ending in a containerd-envsnap binary that makes the keeper outlive the daemon's cgroup (the DaemonSet's nsenter + systemd-run)"},
 		&cli.StringFlag{Name: "log-level", Value: daemon.DefaultLogLevel, Usage: "trace, debug, info, warn or error"},
 	},
 	Action: runServe,
@@ -119,11 +121,15 @@ func runServe(ctx context.Context, c *cli.Command) error {
 		return err
 	}
 	if c.Bool("keep-mounts") {
-		self, err := os.Executable()
-		if err != nil {
-			return fmt.Errorf("find own binary for the descriptor keeper: %w", err)
+		if cmd := strings.Fields(c.String("keeper-command")); len(cmd) > 0 {
+			cfg.KeeperCommand = cmd
+		} else {
+			self, err := os.Executable()
+			if err != nil {
+				return fmt.Errorf("find own binary for the descriptor keeper: %w", err)
+			}
+			cfg.KeeperCommand = []string{self}
 		}
-		cfg.KeeperBinary = self
 	}
 	if err := log.SetLevel(cfg.LogLevel); err != nil {
 		return fmt.Errorf("log level: %w", err)

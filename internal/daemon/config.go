@@ -111,12 +111,16 @@ type Config struct {
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
 
-	// KeeperBinary is the containerd-envsnap binary to start the
-	// descriptor keeper with (`fdstore --socket <KeeperSocket>`), which
-	// keeps layer mounts alive across restarts of the daemon. Set by the
-	// serve command, not the file; empty runs without a keeper (mounts
-	// then die with the daemon).
-	KeeperBinary string `toml:"-"`
+	// KeeperCommand starts the descriptor keeper, which keeps layer
+	// mounts alive across restarts of the daemon, when none answers on
+	// KeeperSocket: the command with `fdstore --socket <KeeperSocket>`
+	// appended. Its first word is the containerd-envsnap binary, or a
+	// launcher ending in it that hands the keeper to a service manager
+	// (under Kubernetes: nsenter into the host and systemd-run, so the
+	// keeper outlives the pod; fdstore.Start). Set by the serve command,
+	// not the file; empty runs without a keeper (mounts then die with the
+	// daemon).
+	KeeperCommand []string `toml:"-"`
 }
 
 // DefaultConfig returns the configuration used when nothing is set.

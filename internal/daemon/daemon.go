@@ -108,10 +108,12 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("register fetch metrics: %w", err)
 	}
 	var keeper *fdstore.Client
-	if cfg.KeeperBinary != "" {
+	if len(cfg.KeeperCommand) > 0 {
 		// Without the keeper the daemon still serves; only restarts
 		// then break running containers.
-		if keeper, err = fdstore.Start(KeeperSocket(cfg.Address), cfg.KeeperBinary, "fdstore", "--socket", KeeperSocket(cfg.Address)); err != nil {
+		sock := KeeperSocket(cfg.Address)
+		args := append(cfg.KeeperCommand[1:len(cfg.KeeperCommand):len(cfg.KeeperCommand)], "fdstore", "--socket", sock)
+		if keeper, err = fdstore.Start(sock, cfg.KeeperCommand[0], args...); err != nil {
 			log.G(ctx).WithError(err).Error("no descriptor keeper: layer mounts will not survive a restart of the daemon")
 			keeper = nil
 		} else {

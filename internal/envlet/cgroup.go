@@ -81,6 +81,19 @@ func OpenCgroup(path string) (Cgroup, error) {
 	return nil, fmt.Errorf("open cgroup %s: no cgroup hierarchy mounted", path)
 }
 
+// CheckCgroup fails unless envlet can limit the cgroup of cgroupsPath:
+// it exists and has the cpu and memory controllers (on v2 a delegated
+// subtree may lack them, and the container would then run unlimited). The
+// error names the cgroup. The shim calls it at Create, once runc has made
+// the cgroup, so such a container never starts.
+func CheckCgroup(cgroupsPath string) error {
+	cg, err := OpenCgroup(cgroupsPath)
+	if err != nil {
+		return err
+	}
+	return cg.Close()
+}
+
 // oomPauser is implemented by cgroups that can pause tasks at the memory
 // limit instead of OOM-killing them (v1 oom_kill_disable).
 type oomPauser interface {

@@ -35,6 +35,12 @@ func Dial(path string) (*Client, error) {
 // answers: bin with args, in a session of its own (so the signals and
 // process-group kills aimed at the caller do not reach it), with stderr
 // going to the caller's stderr.
+//
+// bin may also be a launcher that hands the keeper to a service manager
+// and exits (systemd-run starting it as a unit of its own, so it outlives
+// the caller's cgroup, e.g. a Kubernetes pod): a launcher exiting with
+// status 0 is not a failure, and Start waits for the socket as for a
+// keeper it runs itself.
 func Start(path, bin string, args ...string) (*Client, error) {
 	if c, err := Dial(path); err == nil {
 		return c, nil
@@ -55,6 +61,11 @@ func Start(path, bin string, args ...string) (*Client, error) {
 		}
 		select {
 		case werr := <-exited:
+			if werr == nil {
+				// A launcher: the keeper runs elsewhere.
+				exited = nil
+				break
+			}
 			// Another daemon's keeper may have won the race for the
 			// socket; try it once more before giving up.
 			if c, err := Dial(path); err == nil {

@@ -12,6 +12,47 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// TestMain runs the test binary as a keeper when FDSTORE_TEST_KEEPER
+// names a socket (TestStartThroughLauncher).
+func TestMain(m *testing.M) {
+	if p := os.Getenv("FDSTORE_TEST_KEEPER"); p != "" {
+		if err := Serve(context.Background(), p); err != nil {
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestStartThroughLauncher: a launcher that starts the keeper in the
+// background and exits 0 at once, as systemd-run does with a unit, gets
+// a connected client; a launcher that fails is reported.
+func TestStartThroughLauncher(t *testing.T) {
+	dir, err := os.MkdirTemp("", "fdstore")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "k.sock")
+	// Removing the socket ends the keeper (Serve's mount check).
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("FDSTORE_TEST_KEEPER", path)
+	c, err := Start(path, "/bin/sh", "-c", `"$0" -test.run=^$ & exit 0`, self)
+	if err != nil {
+		t.Fatalf("start through a launcher: %v", err)
+	}
+	defer c.Close()
+	if es, err := c.List(); err != nil || len(es) != 0 {
+		t.Fatalf("List on the launched keeper = %v, %v", es, err)
+	}
+	if _, err := Start(filepath.Join(dir, "other.sock"), "/bin/sh", "-c", "exit 3"); err == nil {
+		t.Fatal("a failing launcher was not reported")
+	}
+}
+
 func startKeeper(t *testing.T) (string, <-chan error) {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "fdstore")

@@ -42,6 +42,7 @@ func newInstaller(t *testing.T) *installer {
 func newInstallerWithShell(t *testing.T, shell []string) *installer {
 	in := &installer{t: t, shell: shell, hostRoot: t.TempDir(), srcDir: t.TempDir()}
 	in.writeSource("containerd-shim-envlet-v2", []byte("#!/bin/sh\necho shim v1\n"), 0o755)
+	in.writeSource("containerd-envsnap", []byte("#!/bin/sh\necho envsnap v1\n"), 0o755)
 	in.writeSource("containerd-envsnap.toml", repoFile(t, "deploy/containerd/envsnap.toml"), 0o644)
 	in.writeSource("envlet.toml", repoFile(t, "deploy/envsnap/envlet.toml"), 0o644)
 	return in
@@ -66,6 +67,7 @@ func (in *installer) run(env ...string) (string, error) {
 		"PATH=" + os.Getenv("PATH"),
 		"HOST_ROOT=" + in.hostRoot,
 		"ENVSNAP_SHIM=" + filepath.Join(in.srcDir, "containerd-shim-envlet-v2"),
+		"ENVSNAP_DAEMON=" + filepath.Join(in.srcDir, "containerd-envsnap"),
 		"ENVSNAP_DROPIN=" + filepath.Join(in.srcDir, "containerd-envsnap.toml"),
 		"ENVSNAP_ENVLET_CONFIG=" + filepath.Join(in.srcDir, "envlet.toml"),
 	}, env...)
@@ -128,6 +130,7 @@ func testInstallFresh(t *testing.T, in *installer, mainConfig string, env []stri
 	}
 	out := in.mustRun(env...)
 	in.requireSame("usr/local/bin/containerd-shim-envlet-v2", "containerd-shim-envlet-v2")
+	in.requireSame("usr/local/bin/containerd-envsnap", "containerd-envsnap")
 	in.requireSame("etc/containerd/conf.d/envsnap.toml", "containerd-envsnap.toml")
 	in.requireSame("etc/envsnap/envlet.toml", "envlet.toml")
 	if fi, err := os.Stat(in.host("usr/local/bin/containerd-shim-envlet-v2")); err != nil || fi.Mode().Perm() != 0o755 {

@@ -373,8 +373,18 @@ func TestDaemonSetEssentials(t *testing.T) {
 	if sc := sn.SecurityContext; sc == nil || sc.Privileged == nil || !*sc.Privileged {
 		t.Error("snapshotter is not privileged: FUSE and overlay mounts with host propagation need it")
 	}
-	if spec.HostPID {
-		t.Error("hostPID is set; nothing needs the host's PID namespace")
+	// The keeper must outlive the pod: the snapshotter launches it in the
+	// host's mount namespace (PID 1's, hence hostPID) as a systemd unit,
+	// from the binary the installer puts on the host.
+	keeper := ""
+	if i := slices.Index(sn.Args, "--keeper-command"); i >= 0 && i+1 < len(sn.Args) {
+		keeper = sn.Args[i+1]
+	}
+	if !strings.HasPrefix(keeper, "nsenter --target 1 --mount -- systemd-run ") || !strings.HasSuffix(keeper, " /usr/local/bin/containerd-envsnap") {
+		t.Errorf("snapshotter --keeper-command %q: want the keeper launched on the host (nsenter --target 1 --mount -- systemd-run ... /usr/local/bin/containerd-envsnap)", keeper)
+	}
+	if !spec.HostPID {
+		t.Error("hostPID is not set: nsenter --target 1 would enter the pod's own namespaces, and the keeper would die with the pod")
 	}
 	if ds.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
 		t.Errorf("update strategy %q: a rolling restart of the snapshotter breaks running lazy containers", ds.Spec.UpdateStrategy.Type)

@@ -18,7 +18,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"github.com/envsnap/envsnap/internal/prereq"
 	"io"
 	"os"
 	"os/exec"
@@ -30,6 +29,7 @@ import (
 	"github.com/containerd/containerd/v2/plugins/content/local"
 
 	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -194,11 +194,13 @@ func stage(t *testing.T, root string) string {
 		t.Fatal(err)
 	}
 	copyFile(t, filepath.Join("testdata", "guest.sh"), filepath.Join(share, "guest.sh"))
-	// A node of 2 cores and 1 GiB for envlet (the guest has 4), small
+	writeFile(t, filepath.Join(share, "keeper-command"), keeperCommand(t, root))
+	// A node of 2 cores and 512 MiB for envlet (the guest has 4), small
 	// initial quotas and short windows, so every transition happens
-	// within seconds. Arbiter calls get 2 s instead of 100 ms: under
-	// emulation on a loaded host a call can take longer than 100 ms, and
-	// a timed-out grow leaves memory where it is (fails closed).
+	// within seconds. Arbiter calls get 5 s instead of 100 ms: under
+	// emulation on a loaded host a call took more than 2 s, and a
+	// timed-out grow leaves memory where it is (fails closed), which
+	// would end the loud-failure check as ARBITER_UNREACHABLE.
 	writeFile(t, filepath.Join(share, "envlet.toml"), `[policy]
 initial-cpu = "0.5"
 initial-memory = "128Mi"
@@ -208,14 +210,14 @@ sample-period = "200ms"
 cpu-shrink-after = "2s"
 cpu-cooldown = "2s"
 mem-shrink-after = "3s"
-arbiter-timeout = "2s"
+arbiter-timeout = "5s"
 [node]
 cpu = "2"
-memory = "1Gi"
+memory = "512Mi"
 reserve = 0.15
 [arbiter]
 socket = "/run/envsnap/arbiter.sock"
-timeout = "2s"
+timeout = "5s"
 `)
 
 	ctx := context.Background()
@@ -243,6 +245,24 @@ timeout = "2s"
 	}
 	reg.Close()
 	return share
+}
+
+// keeperCommand returns the snapshotter's --keeper-command in the
+// DaemonSet, which the guest runs the daemon with as a pod would.
+func keeperCommand(t *testing.T, root string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(root, "deploy", "kubernetes", "daemonset.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(string(b), "\n")
+	for i, l := range lines {
+		if strings.TrimSpace(l) == "- --keeper-command" && i+1 < len(lines) {
+			return strings.TrimPrefix(strings.TrimSpace(lines[i+1]), "- ")
+		}
+	}
+	t.Fatal("deploy/kubernetes/daemonset.yaml: no --keeper-command argument")
+	return ""
 }
 
 func copyFile(t *testing.T, src, dst string) {

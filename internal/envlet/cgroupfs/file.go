@@ -15,9 +15,6 @@ import (
 type cfile struct {
 	fd   int
 	path string
-	// trunc is set for files outside cgroupfs (fake trees in tests): a
-	// regular file keeps stale bytes after a shorter pwrite, cgroupfs does not.
-	trunc bool
 }
 
 func openFile(path string, flag int) (cfile, error) {
@@ -29,12 +26,7 @@ func openFile(path string, flag int) (cfile, error) {
 		if err != nil {
 			return cfile{fd: -1, path: path}, classify(&os.PathError{Op: "open", Path: path, Err: err})
 		}
-		f := cfile{fd: fd, path: path}
-		var st unix.Statfs_t
-		if unix.Fstatfs(fd, &st) == nil && st.Type != unix.CGROUP_SUPER_MAGIC && st.Type != unix.CGROUP2_SUPER_MAGIC {
-			f.trunc = true
-		}
-		return f, nil
+		return cfile{fd: fd, path: path}, nil
 	}
 }
 
@@ -84,17 +76,21 @@ func (f cfile) readUint(buf []byte) (uint64, error) {
 	return v, nil
 }
 
+// write sets the file's value to b, ended by a newline as echo(1) writes
+// it. cgroupfs replaces the whole value with each write and strips the
+// newline; what it shows afterwards is one line. Ending the write in one
+// keeps that true of any file: a longer value written before leaves bytes
+// behind in a regular file only after the first line.
 func (f cfile) write(b []byte) error {
+	var buf [64]byte
+	v := append(append(buf[:0], b...), '\n')
 	for {
-		_, err := unix.Pwrite(f.fd, b, 0)
+		_, err := unix.Pwrite(f.fd, v, 0)
 		if err == unix.EINTR {
 			continue
 		}
 		if err != nil {
 			return classify(&os.PathError{Op: "write", Path: f.path, Err: err})
-		}
-		if f.trunc {
-			return unix.Ftruncate(f.fd, int64(len(b)))
 		}
 		return nil
 	}

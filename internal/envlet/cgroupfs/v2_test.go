@@ -46,13 +46,18 @@ func fakeV2(t *testing.T, files map[string]string) (root, path string) {
 	return root, path
 }
 
+// readFile returns a control file's value as cgroupfs shows it: its first
+// line. The fake tree is regular files, where a shorter value written over
+// a longer one leaves the tail behind on the following line (cfile.write
+// ends every value in a newline).
 func readFile(t *testing.T, p string) string {
 	t.Helper()
 	b, err := os.ReadFile(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return strings.TrimSpace(string(b))
+	v, _, _ := strings.Cut(string(b), "\n")
+	return strings.TrimSpace(v)
 }
 
 func TestV2Sample(t *testing.T) {
@@ -102,6 +107,9 @@ func TestV2Apply(t *testing.T) {
 		{Limits{CPU: 2, Memory: 1 << 30}, "200000 100000", "200000", "1073741824", "1073741824", ""}, // max capped
 		// Shrinking below usage: memory.max keeps 1.25 x usage (600 MiB) of headroom.
 		{Limits{CPU: 0.5, Memory: 128 << 20}, "50000 100000", "50000", "134217728", "786432000", "629145600"},
+		// Unlimited: shorter values over longer ones.
+		{Limits{}, "max 100000", "0", "max", "max", ""},
+		{Limits{CPU: 0.5, Memory: 128 << 20}, "50000 100000", "50000", "134217728", "786432000", ""},
 	}
 	for i, st := range steps {
 		if st.memCurrent != "" {
