@@ -145,6 +145,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	l.canon = canon
 	l.cached = make([]bool, len(l.spans))
 	cache.Pin(l.owner, pins)
+	o.flights.open.add(l)
 	for _, d := range pins {
 		if cache.Contains(d) {
 			j := first[d]
@@ -477,6 +478,10 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 	n := last.Offset + last.CompressedSize - off
 	start := time.Now()
 	ctx = withObserver(ctx, func(err error) { f.lastErr.Store(&err) })
+	if l.o.peers != nil && !servingPeer(ctx) {
+		l.fetchViaPeers(ctx, f, chunks, kind, start)
+		return nil
+	}
 	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax)
 	m := l.o.metrics
 	if m != nil {
@@ -642,6 +647,7 @@ func (l *Layer) Close() error {
 	}
 	l.closed = true
 	l.mu.Unlock()
+	l.flights.open.remove(l)
 	l.cancel()
 	l.wg.Wait()
 	l.cache.Unpin(l.owner)
