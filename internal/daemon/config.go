@@ -142,7 +142,7 @@ type PeerConfig struct {
 	// records with Listen's port, refreshed every Refresh.
 	DNS string `toml:"dns"`
 	// MembersFile lists host:port one a line, read again every Refresh.
-	MembersFile string `toml:"members_file"`
+	MembersFile string   `toml:"members_file"`
 	Refresh     Duration `toml:"refresh"`
 	// TokenFile holds the shared bearer token (a mounted Secret); read
 	// again when it changes.
