@@ -33,10 +33,37 @@ type servingPeerKey struct{}
 func servingPeer(ctx context.Context) bool { return ctx.Value(servingPeerKey{}) != nil }
 
 // openLayers indexes a node's open Layers by blob digest: the layers the
-// node knows, and so the only ones it serves to peers.
+// node knows, and so the only ones it serves to peers. It also tells
+// owners waiting for a frame that frames landed in the cache.
 type openLayers struct {
 	mu sync.Mutex
 	m  map[digest.Digest][]*Layer
+	// landed is closed (and replaced) whenever a stripe fetched from the
+	// registry on a flight's behalf is in the cache. A flight spanning
+	// stripes of several owners completes only when every owner has
+	// answered; an owner serving its stripe must not wait for that, or
+	// two nodes whose flights each wait for the other's stripe would
+	// wait for each other until the peer timeout.
+	landed chan struct{}
+}
+
+// landing returns the channel the next landing closes.
+func (o *openLayers) landing() <-chan struct{} {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.landed == nil {
+		o.landed = make(chan struct{})
+	}
+	return o.landed
+}
+
+func (o *openLayers) land() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.landed != nil {
+		close(o.landed)
+		o.landed = nil
+	}
 }
 
 func (o *openLayers) add(l *Layer) {
@@ -80,27 +107,31 @@ var _ peer.Source = (*Flights)(nil)
 
 // Frames implements peer.Source: frames of an open layer of this node,
 // from the node cache or, once for every asker, from the registry.
-func (f *Flights) Frames(ctx context.Context, layer digest.Digest, frames []peer.Frame) ([][]byte, error) {
+func (f *Flights) Frames(ctx context.Context, layer digest.Digest, frames []peer.Frame) (func() ([][]byte, error), error) {
 	l := f.open.get(layer)
 	if l == nil {
 		return nil, fmt.Errorf("layer %s is not open on this node: %w", layer, errdefs.ErrNotFound)
 	}
-	return l.serveFrames(context.WithValue(ctx, servingPeerKey{}, true), frames)
-}
-
-// serveFrames returns the compressed, verified bytes of frames, fetching
-// those not in the cache from the registry in one request (they are one
-// stripe of a requester's flight: contiguous, or nearly).
-func (l *Layer) serveFrames(ctx context.Context, frames []peer.Frame) ([][]byte, error) {
 	idx := make([]int, len(frames))
-	out := make([][]byte, len(frames))
-	var missing []int
 	for i, fr := range frames {
 		j := l.find(layerfmt.Chunk{Offset: fr.Offset, CompressedSize: fr.Size})
 		if j < 0 || l.chunk(j).Digest != fr.Digest {
 			return nil, fmt.Errorf("no frame %s at %d+%d in layer %s: %w", fr.Digest, fr.Offset, fr.Size, l.label, errdefs.ErrNotFound)
 		}
 		idx[i] = l.canonical(j)
+	}
+	return func() ([][]byte, error) {
+		return l.serveFrames(context.WithValue(ctx, servingPeerKey{}, true), frames, idx)
+	}, nil
+}
+
+// serveFrames returns the compressed, verified bytes of frames (spans
+// idx), fetching those not in the cache from the registry in one request
+// (they are one stripe of a requester's flight: contiguous, or nearly).
+func (l *Layer) serveFrames(ctx context.Context, frames []peer.Frame, idx []int) ([][]byte, error) {
+	out := make([][]byte, len(frames))
+	var missing []int
+	for i, fr := range frames {
 		if b, ok := l.cache.Get(fr.Digest); ok {
 			out[i] = b
 			continue
@@ -133,6 +164,7 @@ func (l *Layer) serveFrames(ctx context.Context, frames []peer.Frame) ([][]byte,
 // it, or a fetch of its own.
 func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte, error) {
 	for attempt := 0; ; attempt++ {
+		landed := l.flights.open.landing()
 		if b, ok := l.cache.Get(d); ok {
 			return b, nil
 		}
@@ -161,6 +193,8 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 			} else if attempt > 0 {
 				return nil, err
 			}
+		case <-landed:
+			attempt-- // not a failed try: look again
 		case <-ctx.Done():
 			return nil, fmt.Errorf("wait for frame %s of %s: %w", d, l.label, ctx.Err())
 		}
@@ -175,7 +209,11 @@ func (l *Layer) fetchViaPeers(ctx context.Context, f *flight, chunks []layerfmt.
 		frames[i] = peer.Frame{Offset: c.Offset, Size: c.CompressedSize, Digest: c.Digest}
 	}
 	data, err := l.o.peers.Fetch(ctx, l.blob.Descriptor().Digest, frames, func(ctx context.Context, fs []peer.Frame) ([][]byte, error) {
-		return l.registryFrames(ctx, fs, kind)
+		data, err := l.registryFrames(ctx, fs, kind)
+		if err == nil {
+			l.keepLanded(ctx, fs, data)
+		}
+		return data, err
 	})
 	if m := l.o.metrics; m != nil {
 		m.latency.WithLabelValues(kind).Observe(time.Since(start).Seconds())
@@ -200,6 +238,21 @@ func (l *Layer) fetchViaPeers(ctx context.Context, f *flight, chunks []layerfmt.
 			l.markCached(j)
 		}
 	}
+}
+
+// keepLanded caches frames fetched from the registry as soon as they
+// arrive, before the rest of their flight, and tells waiting owners.
+func (l *Layer) keepLanded(ctx context.Context, frames []peer.Frame, data [][]byte) {
+	for i, fr := range frames {
+		if err := l.cache.PutVerified(fr.Digest, data[i]); err != nil {
+			l.logPutError(ctx, err)
+			continue
+		}
+		if j := l.find(layerfmt.Chunk{Offset: fr.Offset, CompressedSize: fr.Size}); j >= 0 {
+			l.markCached(j)
+		}
+	}
+	l.flights.open.land()
 }
 
 // registryFrames fetches frames (sorted by offset, of this layer) from the

@@ -20,15 +20,16 @@ import (
 
 // Defaults of a Client, all in one place.
 const (
-	// DefaultHedgeAfter is how long a read waits for the owner before the
-	// registry is asked too. An owner that has the frames answers in a
-	// LAN round trip plus the transfer (a few ms for a stripe); one that
-	// must fetch them first adds a registry round trip (20 ms on the link
-	// we are measured on) and its queue. Hedging sooner would have the
-	// registry send most cold frames twice.
-	DefaultHedgeAfter = 500 * time.Millisecond
-	// DefaultTimeout bounds one request to a peer; past it the peer is
-	// marked bad.
+	// DefaultHedgeAfter is how long a read waits for the owner to accept
+	// the request (answer headers, sent before it fetches anything)
+	// before the registry is asked too: a LAN round trip plus the
+	// owner's scheduling. Timing the whole answer instead would hedge
+	// whenever the owner waits on the registry for the frames (a round
+	// trip of 20 ms on the link we are measured on, more under load), and
+	// the registry would send those frames twice.
+	DefaultHedgeAfter = 200 * time.Millisecond
+	// DefaultTimeout bounds one request to a peer, body included; past
+	// it the peer is marked bad and the registry serves the read.
 	DefaultTimeout = 5 * time.Second
 	// DefaultBadFor is how long a peer that failed, timed out or sent a
 	// wrong byte is skipped (its stripes go to the next member). A peer
@@ -238,8 +239,9 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 	ch := make(chan answer, 2)
 	pctx, pcancel := context.WithTimeout(ctx, c.o.Timeout)
 	defer pcancel()
+	accepted := make(chan struct{})
 	go func() {
-		data, err := c.get(pctx, owner, layer, frames)
+		data, err := c.get(pctx, owner, layer, frames, func() { close(accepted) })
 		ch <- answer{data, err, true}
 	}()
 	regStarted := false
@@ -256,6 +258,10 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 	var regErr error
 	for pending > 0 || !regStarted {
 		select {
+		case <-accepted:
+			// The owner is alive and serving: no hedge, it has Timeout.
+			hedge.Stop()
+			accepted = nil
 		case <-hedge.C:
 			if !regStarted {
 				c.metrics.hedge()
@@ -320,7 +326,8 @@ func (e *statusError) Error() string {
 }
 
 // get asks peer for frames of layer and verifies every one.
-func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, frames []Frame) ([][]byte, error) {
+// accepted is called once the owner has answered that it will serve.
+func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, frames []Frame, accepted func()) ([][]byte, error) {
 	c.metrics.request()
 	body, err := json.Marshal(request{Layer: layer, Frames: frames})
 	if err != nil {
@@ -352,6 +359,7 @@ func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, fram
 	if resp.ContentLength != total {
 		return nil, fmt.Errorf("peer %s: %d bytes announced for %d bytes of frames: %w", peer, resp.ContentLength, total, ErrCorrupt)
 	}
+	accepted()
 	out := make([][]byte, len(frames))
 	for i, f := range frames {
 		b := make([]byte, f.Size)

@@ -28,14 +28,16 @@ type Frame struct {
 // Source is what a peer server serves from: the node's open layers and its
 // chunk cache (fetch.Flights implements it).
 type Source interface {
-	// Frames returns the compressed bytes of frames of layer, each
-	// verified against its digest, fetching those the node lacks from the
-	// registry once however many peers ask at the same time. It never
-	// asks another peer. It fails with an error wrapping
-	// errdefs.ErrNotFound when the node has no open layer with that digest
-	// or a frame is not one of the layer's, and ErrInvalidArgument for a
-	// malformed request.
-	Frames(ctx context.Context, layer digest.Digest, frames []Frame) ([][]byte, error)
+	// Frames checks that frames are frames of a layer the node has open
+	// and returns the function that gets their compressed bytes, each
+	// verified against its digest, fetching those the node lacks from
+	// the registry once however many peers ask at the same time (never
+	// from another peer). The check fails with an error wrapping
+	// errdefs.ErrNotFound when the node has no open layer with that
+	// digest or a frame is not one of the layer's. The split lets the
+	// server answer at once that it will serve: the requester then knows
+	// the owner is alive and does not hedge while it fetches.
+	Frames(ctx context.Context, layer digest.Digest, frames []Frame) (get func() ([][]byte, error), err error)
 }
 
 // Limits of one request: what one coalesced read or fill batch asks for,
@@ -149,7 +151,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// up (its hedge won) does not cancel it for the others waiting.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), serveTimeout)
 	defer cancel()
-	data, err := s.src.Frames(ctx, req.Layer, req.Frames)
+	get, err := s.src.Frames(ctx, req.Layer, req.Frames)
 	if err != nil {
 		code := http.StatusBadGateway
 		switch {
@@ -165,12 +167,27 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var n int64
-	for _, b := range data {
-		n += int64(len(b))
+	for _, f := range req.Frames {
+		n += f.Size
 	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Content-Length", strconv.FormatInt(n, 10))
-	for _, b := range data {
+	w.WriteHeader(http.StatusOK)
+	if fl, ok := w.(http.Flusher); ok {
+		fl.Flush()
+	}
+	data, err := get()
+	if err != nil {
+		// Too late for a status: cutting the connection short tells the
+		// requester, which then reads from the registry.
+		log.G(ctx).WithError(err).WithField("layer", req.Layer).Warn("serve frames to a peer")
+		panic(http.ErrAbortHandler)
+	}
+	for i, b := range data {
+		if int64(len(b)) != req.Frames[i].Size {
+			log.G(ctx).WithField("layer", req.Layer).Error("source returned a frame of the wrong size")
+			panic(http.ErrAbortHandler)
+		}
 		if _, err := w.Write(b); err != nil {
 			return
 		}
