@@ -129,7 +129,7 @@ type Config struct {
 // and the TLS files is required.
 type PeerConfig struct {
 	Enabled bool `toml:"enabled"`
-	// Listen is the peer server's TCP address (default ":9167", every
+	// Listen is the peer server's TCP address (default ":9168", every
 	// interface: other nodes must reach it).
 	Listen string `toml:"listen"`
 	// Advertise is this node's address as the member list names it;
@@ -162,7 +162,7 @@ type PeerConfig struct {
 
 // Defaults of the peer tier the daemon adds to peer's own.
 const (
-	DefaultPeerListen  = ":9167"
+	DefaultPeerListen  = ":9168"
 	DefaultPeerRefresh = Duration(10 * time.Second)
 )
 

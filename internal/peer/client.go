@@ -36,7 +36,7 @@ const (
 	// that restarted is used again after it.
 	DefaultBadFor = 30 * time.Second
 	// DefaultPort is the peer server's port when only a host is given.
-	DefaultPort = 9167
+	DefaultPort = 9168
 )
 
 // Options configure a Client.
@@ -376,7 +376,7 @@ func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, fram
 	return out, nil
 }
 
-// Port returns the port of a listen address (":9167", "0.0.0.0:9167").
+// Port returns the port of a listen address (":9168", "0.0.0.0:9168").
 func Port(listen string) (int, error) {
 	_, p, err := net.SplitHostPort(listen)
 	if err != nil {
