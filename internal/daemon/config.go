@@ -141,6 +141,11 @@ type PeerConfig struct {
 	// DNS is the name of a headless Service: its SRV records, or its A
 	// records with Listen's port, refreshed every Refresh.
 	DNS string `toml:"dns"`
+	// DNSServer, when set (host:port), is the DNS server DNS is looked
+	// up with instead of the node's resolv.conf: a DaemonSet on the host
+	// network resolves registries like the node (dnsPolicy Default) and
+	// reaches cluster DNS names only by asking the cluster DNS service.
+	DNSServer string `toml:"dns_server"`
 	// MembersFile lists host:port one a line, read again every Refresh.
 	MembersFile string   `toml:"members_file"`
 	Refresh     Duration `toml:"refresh"`
@@ -184,6 +189,11 @@ func (p *PeerConfig) validate() error {
 	}
 	if sources != 1 {
 		return fmt.Errorf("peers: set exactly one of members, dns and members_file")
+	}
+	if p.DNSServer != "" {
+		if _, err := peer.ValidateAddress(p.DNSServer); err != nil {
+			return fmt.Errorf("peers.dns_server: %w", err)
+		}
 	}
 	for _, m := range p.Members {
 		if _, err := peer.ValidateAddress(m); err != nil {

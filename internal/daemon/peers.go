@@ -46,8 +46,15 @@ func (d *daemon) startPeerClient(ctx context.Context, cfg PeerConfig, reg promet
 	case len(cfg.Members) > 0:
 		members = peer.Static(cfg.Members)
 	case cfg.DNS != "":
+		resolver := net.DefaultResolver
+		if cfg.DNSServer != "" {
+			resolver = &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, network, cfg.DNSServer)
+			}}
+		}
 		w, err := peer.Watch(ctx, time.Duration(cfg.Refresh), "dns "+cfg.DNS, func(ctx context.Context) ([]string, error) {
-			return peer.LookupDNS(ctx, net.DefaultResolver, cfg.DNS, port)
+			return peer.LookupDNS(ctx, resolver, cfg.DNS, port)
 		})
 		if err != nil {
 			// The Service may list this pod only once it is ready.
