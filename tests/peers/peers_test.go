@@ -20,8 +20,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/envsnap/envsnap/bench/netshape"
 	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/peer"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -31,8 +34,8 @@ type node struct {
 }
 
 // startNodes starts n nodes whose daemons are peers of each other, all
-// reading from node 0's registry.
-func startNodes(t *testing.T, n int) []*node {
+// reading from node 0's registry, which runs behind regNet when given.
+func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork) []*node {
 	t.Helper()
 	dir := t.TempDir()
 	token := filepath.Join(dir, "token")
@@ -73,7 +76,11 @@ bad_for = "1m"
 		if err := os.WriteFile(p, []byte(cfg), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		env := testenv.New(t, testenv.WithEnvsnap("--config", p))
+		opts := []testenv.Option{testenv.WithEnvsnap("--config", p)}
+		if i == 0 && regNet != nil {
+			opts = append(opts, devenv.WithRegistryNetwork(regNet))
+		}
+		env := testenv.New(t, opts...)
 		nodes = append(nodes, &node{env: env, peer: members[i]})
 	}
 	for _, nd := range nodes[1:] {
@@ -150,7 +157,17 @@ func (nd *node) readAll(t *testing.T, ref string, files []testenv.File) error {
 // read, not four times it, and every byte is right. Then a request
 // without the token is refused by every node.
 func TestPeersSixteenEnvironments(t *testing.T) {
-	nodes := startNodes(t, 4)
+	testenv.RequireRoot(t)
+	// The registry behind a 1 Gbit/s link with a 20 ms round trip, the
+	// link the project is measured on.
+	link, err := netshape.NewLink(context.Background(), netshape.WithLinkRate(1e9), netshape.WithName(fmt.Sprintf("envsnap-peers-%d", os.Getpid())))
+	if err != nil {
+		prereq.Missing(t, "shaped link (ip netns, veth, tc): %v", err)
+	}
+	t.Cleanup(func() { link.Close(context.Background()) })
+	regNet := netshape.NewRegistryNet(context.Background(), link, 20*time.Millisecond)
+	nodes := startNodes(t, 4, regNet)
+	t.Logf("registry link: %s (htb shaped: %v)", regNet.Describe(), link.Shaped)
 	reg := nodes[0].env
 	var base []testenv.File
 	for i := range 3 {
@@ -237,7 +254,7 @@ func TestPeersSixteenEnvironments(t *testing.T) {
 // The owner of hot stripes is killed (SIGKILL) while other nodes read
 // them: every read succeeds. Restarted, it serves again.
 func TestPeersOwnerKilledMidRead(t *testing.T) {
-	nodes := startNodes(t, 3)
+	nodes := startNodes(t, 3, nil)
 	reg := nodes[0].env
 	var files []testenv.File
 	for i := range 4 {
