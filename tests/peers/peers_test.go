@@ -5,6 +5,7 @@ package peers
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -12,6 +13,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -35,7 +39,9 @@ type node struct {
 
 // startNodes starts n nodes whose daemons are peers of each other, all
 // reading from node 0's registry, which runs behind regNet when given.
-func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork) []*node {
+// via, when set, gives the address the other nodes reach node j at (a
+// proxy in front of its peer server).
+func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork, via func(j int, addr string) string) []*node {
 	t.Helper()
 	dir := t.TempDir()
 	token := filepath.Join(dir, "token")
@@ -51,12 +57,15 @@ func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork) []*node {
 		members = append(members, l.Addr().String())
 		l.Close()
 	}
-	quoted := make([]string, n)
-	for i, m := range members {
-		quoted[i] = strconv.Quote(m)
-	}
 	var nodes []*node
 	for i := range n {
+		quoted := make([]string, n)
+		for j, m := range members {
+			if via != nil && j != i {
+				m = via(j, m)
+			}
+			quoted[j] = strconv.Quote(m)
+		}
 		// No background fill: the test counts what reads cost. The hedge
 		// waits longer than the default: on this shared 2-core machine an
 		// owner running 4 daemons' worth of work may take longer than
@@ -90,7 +99,10 @@ bad_for = "1m"
 }
 
 // metric sums the samples of a metric on a node's status socket.
-func (nd *node) metric(t *testing.T, name string) float64 {
+func (nd *node) metric(t *testing.T, name string) float64 { return nd.metricWith(t, name, "") }
+
+// metricWith sums the samples of a metric whose labels contain label.
+func (nd *node) metricWith(t *testing.T, name, label string) float64 {
 	t.Helper()
 	sock := daemon.StatusSocket(nd.env.SnapshotterSocket)
 	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
@@ -107,7 +119,7 @@ func (nd *node) metric(t *testing.T, name string) float64 {
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if !strings.HasPrefix(line, name) || (len(line) > len(name) && line[len(name)] != ' ' && line[len(name)] != '{') {
+		if !strings.HasPrefix(line, name) || (len(line) > len(name) && line[len(name)] != ' ' && line[len(name)] != '{') || !strings.Contains(line, label) {
 			continue
 		}
 		f := strings.Fields(line)
@@ -166,7 +178,7 @@ func TestPeersSixteenEnvironments(t *testing.T) {
 	}
 	t.Cleanup(func() { link.Close(context.Background()) })
 	regNet := netshape.NewRegistryNet(context.Background(), link, 20*time.Millisecond)
-	nodes := startNodes(t, 4, regNet)
+	nodes := startNodes(t, 4, regNet, nil)
 	t.Logf("registry link: %s (htb shaped: %v)", regNet.Describe(), link.Shaped)
 	reg := nodes[0].env
 	var base []testenv.File
@@ -254,7 +266,7 @@ func TestPeersSixteenEnvironments(t *testing.T) {
 // The owner of hot stripes is killed (SIGKILL) while other nodes read
 // them: every read succeeds. Restarted, it serves again.
 func TestPeersOwnerKilledMidRead(t *testing.T) {
-	nodes := startNodes(t, 3, nil)
+	nodes := startNodes(t, 3, nil, nil)
 	reg := nodes[0].env
 	var files []testenv.File
 	for i := range 4 {
@@ -318,5 +330,82 @@ func TestPeersOwnerKilledMidRead(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusUnauthorized {
 		t.Errorf("restarted node answered %d", resp.StatusCode)
+	}
+}
+
+// corruptingProxy forwards to a peer server and flips one byte in every
+// frame response: a peer (or a path to it) that sends wrong bytes.
+func corruptingProxy(t *testing.T, target string) string {
+	t.Helper()
+	u, _ := url.Parse("http://" + target)
+	rp := httputil.NewSingleHostReverseProxy(u)
+	rp.ModifyResponse = func(resp *http.Response) error {
+		if resp.StatusCode != http.StatusOK {
+			return nil
+		}
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return err
+		}
+		if len(b) > 0 {
+			b[len(b)/2] ^= 0x55
+		}
+		resp.Body = io.NopCloser(bytes.NewReader(b))
+		return nil
+	}
+	srv := httptest.NewServer(rp)
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// Every node reaches the others through a proxy that corrupts what they
+// send: the requesters detect it, mark the peers bad, and read from the
+// registry; every byte is right, and nothing wrong was cached (a second
+// environment reads the same files right again).
+func TestPeersCorruptingPeerBypassed(t *testing.T) {
+	proxies := map[int]string{}
+	nodes := startNodes(t, 3, nil, func(j int, addr string) string {
+		if _, ok := proxies[j]; !ok {
+			proxies[j] = corruptingProxy(t, addr)
+		}
+		return proxies[j]
+	})
+	reg := nodes[0].env
+	var files []testenv.File
+	for i := range 4 {
+		files = append(files, testenv.RandomFile(fmt.Sprintf("/c/f%d", i), 3<<20, int64(40+i)))
+	}
+	img := reg.PushImageLayers(t, "peers/corrupt:1", [][]testenv.File{files}, testenv.WithLazyLayers())
+	for _, nd := range nodes {
+		if _, err := nd.env.Env.Pull(nd.env.Context(), img.Ref, "envsnap"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(nodes))
+	for _, nd := range nodes {
+		wg.Go(func() {
+			for range 2 {
+				if err := nd.readAll(t, img.Ref, files); err != nil {
+					errs <- err
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	var corrupt, marks, fetched float64
+	for _, nd := range nodes {
+		corrupt += nd.metricWith(t, "envsnap_peer_request_outcomes_total", `outcome="corrupt"`)
+		marks += nd.metric(t, "envsnap_peer_bad_marks_total")
+		fetched += nd.metric(t, "envsnap_peer_fetched_bytes_total")
+	}
+	t.Logf("corrupt answers %.0f, bad marks %.0f, bytes accepted from peers %.0f", corrupt, marks, fetched)
+	if corrupt == 0 || marks == 0 || fetched != 0 {
+		t.Errorf("corrupt answers %.0f, bad marks %.0f, bytes accepted from peers %.0f: want corruption detected and nothing accepted", corrupt, marks, fetched)
 	}
 }
