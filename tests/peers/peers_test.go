@@ -249,6 +249,15 @@ func TestPeersSixteenEnvironments(t *testing.T) {
 		t.Errorf("nodes needed %.2fx the union, fetched %.0f from peers, peers served %.0f", needed/union, fetched, served)
 	}
 
+	// The status command reports the tier.
+	out, err := nodes[1].env.EnvsnapCLI("status", "--address", nodes[1].env.SnapshotterSocket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "peers: 4 members, 0 bad now; fetched ") {
+		t.Errorf("status has no peers line:\n%s", out)
+	}
+
 	// No credentials, nothing served.
 	for _, nd := range nodes {
 		resp, err := http.Post("http://"+nd.peer+"/v1/frames", "application/json", strings.NewReader(`{}`))
