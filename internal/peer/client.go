@@ -209,7 +209,19 @@ func (c *Client) Fetch(ctx context.Context, layer digest.Digest, frames []Frame,
 			if owner == "" || owner == self {
 				data, err = registry(gctx, group)
 			} else {
-				data, err = c.hedged(gctx, owner, layer, group, registry)
+				// An owner that fails hands the stripe to the next one by
+				// rendezvous (the one every node will use from now on)
+				// rather than the registry: with many requesters meeting
+				// a dead owner, the registry would send the stripe once
+				// per requester (docs/scale.md).
+				failover := func(ctx context.Context, fs []Frame) ([][]byte, error) {
+					live, self := c.live()
+					if next := Owner(key, live); next != "" && next != self && next != owner {
+						return c.hedged(ctx, next, layer, fs, registry, registry)
+					}
+					return registry(ctx, fs)
+				}
+				data, err = c.hedged(gctx, owner, layer, group, registry, failover)
 			}
 			if err != nil {
 				return err
@@ -232,8 +244,9 @@ type answer struct {
 }
 
 // hedged asks owner for frames and, if it has not answered after
-// HedgeAfter (or failed), the registry too; the first good answer wins.
-func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, frames []Frame, registry Registry) ([][]byte, error) {
+// HedgeAfter, the registry too; the first good answer wins. When the owner
+// fails (and is marked bad), failover serves instead.
+func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, frames []Frame, registry, failover Registry) ([][]byte, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // the loser stops
 	ch := make(chan answer, 2)
@@ -245,10 +258,10 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 		ch <- answer{data, err, true}
 	}()
 	regStarted := false
-	startRegistry := func() {
+	startRegistry := func(r Registry) {
 		regStarted = true
 		go func() {
-			data, err := registry(ctx, frames)
+			data, err := r(ctx, frames)
 			ch <- answer{data, err, false}
 		}()
 	}
@@ -265,7 +278,7 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 		case <-hedge.C:
 			if !regStarted {
 				c.metrics.hedge()
-				startRegistry()
+				startRegistry(registry)
 				pending++
 			}
 		case a := <-ch:
@@ -274,9 +287,12 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 				if a.err == nil {
 					return a.data, nil
 				}
-				c.peerFailed(ctx, owner, a.err)
+				fallback := registry
+				if c.peerFailed(ctx, owner, a.err) {
+					fallback = failover
+				}
 				if !regStarted {
-					startRegistry()
+					startRegistry(fallback)
 					pending++
 				}
 				continue
@@ -293,23 +309,25 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 }
 
 // peerFailed records why a peer's answer was not used, and marks it bad
-// unless the reason was ours (we gave up) or it simply lacks the layer.
-func (c *Client) peerFailed(ctx context.Context, peer string, err error) {
+// (reporting true) unless the reason was ours (we gave up) or it simply
+// lacks the layer.
+func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 	var se *statusError
 	switch {
 	case ctx.Err() != nil:
-		return
+		return false
 	case errors.Is(err, ErrCorrupt):
 		c.metrics.outcome(outcomeCorrupt)
 	case errors.As(err, &se) && se.code == http.StatusNotFound:
 		c.metrics.outcome(outcomeUnknown)
-		return
+		return false
 	case errors.Is(err, context.DeadlineExceeded):
 		c.metrics.outcome(outcomeTimeout)
 	default:
 		c.metrics.outcome(outcomeError)
 	}
 	c.markBad(ctx, peer, err)
+	return true
 }
 
 // ErrCorrupt is a peer's frame whose bytes do not match its digest.

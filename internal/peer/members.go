@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -29,7 +30,8 @@ type Static []string
 func (s Static) Members() []string { return s }
 
 // Watched is a member list refreshed periodically by a lookup (DNS, a
-// file). A failed lookup keeps the last good list: a DNS hiccup must not
+// file). A failed lookup, or one that finds no member, keeps the last good
+// list: a DNS hiccup, or a file read while it is being rewritten, must not
 // empty the cluster.
 type Watched struct {
 	mu   sync.Mutex
@@ -52,6 +54,9 @@ func Watch(ctx context.Context, every time.Duration, what string, lookup func(co
 		lctx, cancel := context.WithTimeout(ctx, max(every, time.Second))
 		defer cancel()
 		list, err := lookup(lctx)
+		if err == nil && len(list) == 0 {
+			err = errors.New("no members listed")
+		}
 		if err != nil {
 			return fmt.Errorf("look up peers (%s): %w", what, err)
 		}

@@ -133,6 +133,8 @@ func FuzzDecodeRequest(f *testing.F) {
 // the last good list.
 func TestWatchFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "peers")
+	// Written in place (truncate, then write), as an editor or a
+	// careless script would: the watcher may read it empty in between.
 	write := func(s string) {
 		if err := os.WriteFile(path, []byte(s), 0o644); err != nil {
 			t.Fatal(err)
@@ -150,10 +152,12 @@ func TestWatchFile(t *testing.T) {
 	}
 	write("10.0.0.3:1\n")
 	waitFor(t, func() bool { return fmt.Sprint(w.Members()) == "[10.0.0.3:1]" })
-	write("garbage\n")
-	time.Sleep(50 * time.Millisecond)
-	if got := fmt.Sprint(w.Members()); got != "[10.0.0.3:1]" {
-		t.Fatalf("a broken file replaced the list: %s", got)
+	for _, broken := range []string{"garbage\n", "# nobody\n"} {
+		write(broken)
+		time.Sleep(50 * time.Millisecond)
+		if got := fmt.Sprint(w.Members()); got != "[10.0.0.3:1]" {
+			t.Fatalf("file %q replaced the list: %s", broken, got)
+		}
 	}
 }
 
@@ -545,5 +549,47 @@ func writePEM(t *testing.T, path, typ string, der []byte) {
 	t.Helper()
 	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A dead owner hands the read to the next owner by rendezvous, not to the
+// registry.
+func TestFailoverToNextOwner(t *testing.T) {
+	layer, blob, frames := testBlob()
+	tok := writeToken(t, "a-token-of-enough-length")
+	good := startPeer(t, &memSource{layer: layer, blob: blob}, Auth{Token: tok})
+	key := StripeKey(layer, 0)
+	var dead, self string
+	for port := 1; port < 5000 && self == ""; port++ {
+		// A closed port: what a killed daemon leaves.
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := l.Addr().String()
+		l.Close()
+		s := fmt.Sprintf("127.0.0.1:%d", port)
+		if Owner(key, []string{s, d, good.addr}) == d && Owner(key, []string{s, good.addr}) == good.addr {
+			dead, self = d, s
+		}
+	}
+	if self == "" {
+		t.Fatal("no member set with the wanted ranking")
+	}
+	m := NewMetrics()
+	c, err := NewClient(Static{self, dead, good.addr}, Auth{Token: tok}, Options{Self: self}, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reg atomic.Int64
+	got, err := c.Fetch(context.Background(), layer, frames, registryOf(blob, &reg))
+	if err != nil || !bytes.Equal(got[1], blob[1000:2000]) {
+		t.Fatalf("fetch: %v", err)
+	}
+	if s := m.Stats(3); reg.Load() != 0 || s.Outcomes[outcomeHit] != 1 || s.Outcomes[outcomeError] != 1 {
+		t.Errorf("stats %+v, %d registry reads: want the next owner to serve", s, reg.Load())
+	}
+	if bad := c.BadPeers(); len(bad) != 1 || bad[0] != dead {
+		t.Errorf("bad peers %v, want [%s]", bad, dead)
 	}
 }
