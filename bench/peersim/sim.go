@@ -241,11 +241,20 @@ func (s *sim) need(n *node, st int, done func()) {
 		s.fromRegistry(n, st, land)
 		return
 	}
-	s.viaOwner(n, st, land)
+	s.viaOwner(n, st, land, false)
 }
 
-// viaOwner asks st's owner for it (or the registry, when n owns it).
-func (s *sim) viaOwner(n *node, st int, land func()) {
+// viaOwner asks st's owner for it (or the registry, when n owns it). An
+// owner found dead hands the read to the next owner, once, as
+// peer.Client does; a second failure goes to the registry.
+func (s *sim) viaOwner(n *node, st int, land func(), retried bool) {
+	failover := func() {
+		if retried {
+			s.fromRegistry(n, st, land)
+			return
+		}
+		s.viaOwner(n, st, land, true)
+	}
 	o := s.owner(n, st)
 	if o == n.id || o < 0 {
 		s.fromRegistry(n, st, land)
@@ -259,7 +268,7 @@ func (s *sim) viaOwner(n *node, st int, land func()) {
 			s.at(s.now+half, func() {
 				s.res.FailedPeerRequests++
 				n.bad[o] = true
-				s.fromRegistry(n, st, land)
+				failover()
 			})
 			return
 		}
@@ -272,7 +281,7 @@ func (s *sim) viaOwner(n *node, st int, land func()) {
 		pr := &pendingReq{fail: func() {
 			s.res.FailedPeerRequests++
 			n.bad[o] = true
-			s.fromRegistry(n, st, land)
+			failover()
 		}}
 		owner.pending[pr] = struct{}{}
 		// The owner fetches it for itself and the others once (owner
@@ -283,7 +292,7 @@ func (s *sim) viaOwner(n *node, st int, land func()) {
 			}
 			pr.done = true
 			delete(owner.pending, pr)
-			s.send(owner, n, st, land)
+			s.send(owner, n, st, land, failover)
 		})
 	})
 }
@@ -312,7 +321,7 @@ func (s *sim) serve(owner *node, st int, done func()) {
 }
 
 // send transfers st from owner to n.
-func (s *sim) send(owner, n *node, st int, land func()) {
+func (s *sim) send(owner, n *node, st int, land, failover func()) {
 	size := float64(s.p.StripeBytes)
 	start := s.now + s.p.LANRTT.Seconds()/2
 	owner.egress = max(start, owner.egress) + size/s.p.NodeRate
@@ -323,10 +332,10 @@ func (s *sim) send(owner, n *node, st int, land func()) {
 			return
 		}
 		if owner.dead {
-			// Cut mid-transfer: the registry serves it.
+			// Cut mid-transfer.
 			s.res.FailedPeerRequests++
 			n.bad[owner.id] = true
-			s.fromRegistry(n, st, land)
+			failover()
 			return
 		}
 		land()
