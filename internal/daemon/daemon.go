@@ -63,7 +63,7 @@ func Run(ctx context.Context, cfg Config) error {
 	d := &daemon{}
 	d.phase.Store("restoring layer mounts")
 	var servers []*http.Server
-	errc := make(chan error, 3)
+	errc := make(chan error, 4)
 	serveHTTP := func(l net.Listener, h http.Handler) {
 		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 		servers = append(servers, srv)

@@ -3,6 +3,7 @@ package fetch
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -141,12 +142,14 @@ func (l *Layer) serveFrames(ctx context.Context, frames []peer.Frame, idx []int)
 	if len(missing) == 0 {
 		return out, nil
 	}
+	// fetchSpans wants distinct spans in blob order; a frame that
+	// repeats an earlier one of the layer maps to that earlier span.
 	spans := make([]int, 0, len(missing))
 	for _, i := range missing {
-		if len(spans) == 0 || spans[len(spans)-1] != idx[i] {
-			spans = append(spans, idx[i])
-		}
+		spans = append(spans, idx[i])
 	}
+	slices.Sort(spans)
+	spans = slices.Compact(spans)
 	if err := l.fetchSpans(ctx, spans, "peer", nil); err != nil {
 		return nil, err
 	}

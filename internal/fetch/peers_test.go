@@ -55,7 +55,9 @@ func peerLayerFiles() []testFile {
 	for i := range peerFiles {
 		fs = append(fs, testFile{fmt.Sprintf("f%d.bin", i), randBytes(r, 5<<19+i*4099)})
 	}
-	return fs
+	// A copy of the first file at the end, in another stripe: its frames
+	// repeat earlier ones, which an owner fetches as the earlier spans.
+	return append(fs, testFile{"dup.bin", fs[0].data})
 }
 
 func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.Source) peer.Source) *peerCluster {
@@ -196,7 +198,7 @@ func allFiles() []string {
 	for i := range peerFiles {
 		out = append(out, fmt.Sprintf("f%d.bin", i))
 	}
-	return out
+	return append(out, "dup.bin")
 }
 
 // readEverywhere has every node read files at the same time.
@@ -351,9 +353,10 @@ func TestPeersCorruptPeerBypassed(t *testing.T) {
 func TestPeersOwnerSingleFlight(t *testing.T) {
 	pc := newPeerCluster(t, 4, true, nil)
 	pc.reg.setLatency(30 * time.Millisecond)
-	// The last file: no read-ahead past it, so the registry should send
-	// its frames and nothing else, once.
-	files := allFiles()[peerFiles-1:]
+	// The last file (a copy of the first, whose frames the registry sends
+	// once, as the first file's): no read-ahead past it, so the registry
+	// should send its frames and nothing else, once.
+	files := allFiles()[peerFiles:]
 	var wg sync.WaitGroup
 	for i := range pc.nodes {
 		wg.Go(func() {

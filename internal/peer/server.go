@@ -103,7 +103,6 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 		Handler:           s,
 		ReadHeaderTimeout: 5 * time.Second,
 		BaseContext:       func(net.Listener) context.Context { return ctx },
-		ErrorLog:          nil,
 	}
 	if s.tls != nil {
 		l = tls.NewListener(l, s.tls)
