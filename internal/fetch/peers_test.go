@@ -60,7 +60,7 @@ func peerLayerFiles() []testFile {
 	return append(fs, testFile{"dup.bin", fs[0].data})
 }
 
-func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.Source) peer.Source) *peerCluster {
+func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.Source) peer.Source, extra ...LayerOption) *peerCluster {
 	t.Helper()
 	tokFile := filepath.Join(t.TempDir(), "token")
 	if err := os.WriteFile(tokFile, []byte("0123456789abcdef-test-token\n"), 0o600); err != nil {
@@ -100,7 +100,7 @@ func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.
 			t.Fatal(err)
 		}
 		nd := &peerNode{addr: members[i], cache: cache, flights: NewFlights(), metrics: peer.NewMetrics(), done: make(chan struct{})}
-		opts := []LayerOption{WithFlights(nd.flights), WithFill(false)}
+		opts := append([]LayerOption{WithFlights(nd.flights), WithFill(false)}, extra...)
 		if peers {
 			nd.client, err = peer.NewClient(peer.Static(members), peer.Auth{Token: tok}, peer.Options{
 				Self: members[i], BadFor: time.Minute,
@@ -372,5 +372,25 @@ func TestPeersOwnerSingleFlight(t *testing.T) {
 			t.Logf("node %d: %+v", i, nd.metrics.Stats(4))
 		}
 		t.Logf("ranges: %v", pc.reg.rangeLog())
+	}
+}
+
+// Background fill goes through the owners too: two nodes filling the same
+// layer one after the other fetch it from the registry once.
+func TestPeersFill(t *testing.T) {
+	pc := newPeerCluster(t, 2, true, nil, WithFill(true), WithFillYield(false))
+	for _, nd := range pc.nodes {
+		nd.layer.StartFill(context.Background())
+		waitFilled(t, nd.layer)
+	}
+	all := pc.frameBytes(allFiles())
+	got := pc.registryBytes(t)
+	s := pc.nodes[1].metrics.Stats(2)
+	t.Logf("registry sent %d bytes for %d bytes of frames; node 1 fetched %d from its peer", got, all, s.FetchedBytes)
+	if float64(got) > 1.1*float64(all) || s.FetchedBytes == 0 {
+		t.Errorf("two fills cost the registry %d bytes for %d bytes of frames (node 1 fetched %d from its peer)", got, all, s.FetchedBytes)
+	}
+	if err := pc.readAll(t, 1, allFiles()); err != nil {
+		t.Fatal(err)
 	}
 }
