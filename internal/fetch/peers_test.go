@@ -176,16 +176,18 @@ func (pc *peerCluster) registryBytes(t *testing.T) int64 {
 	return n
 }
 
-// frameBytes is the compressed size of every frame of files: what the
-// union of all reads needs from the registry at least.
+// frameBytes is the compressed size of every frame of files, by place in
+// the blob: what the union of all reads needs from the registry. (A frame
+// repeated at two places is fetched at whichever a reader asks for
+// first, so by digest the union would depend on the order of reads.)
 func (pc *peerCluster) frameBytes(files []string) int64 {
-	seen := map[digest.Digest]bool{}
+	seen := map[int64]bool{}
 	var n int64
 	for _, name := range files {
 		idx, _ := pc.toc.Lookup(name)
 		for _, c := range pc.toc.Chunks(idx) {
-			if !seen[c.Digest] {
-				seen[c.Digest] = true
+			if !seen[c.Offset] {
+				seen[c.Offset] = true
 				n += c.CompressedSize
 			}
 		}
@@ -198,7 +200,7 @@ func allFiles() []string {
 	for i := range peerFiles {
 		out = append(out, fmt.Sprintf("f%d.bin", i))
 	}
-	return append(out, "dup.bin")
+	return out
 }
 
 // readEverywhere has every node read files at the same time.
@@ -356,7 +358,7 @@ func TestPeersOwnerSingleFlight(t *testing.T) {
 	// The last file (a copy of the first, whose frames the registry sends
 	// once, as the first file's): no read-ahead past it, so the registry
 	// should send its frames and nothing else, once.
-	files := allFiles()[peerFiles:]
+	files := []string{"dup.bin"}
 	var wg sync.WaitGroup
 	for i := range pc.nodes {
 		wg.Go(func() {
@@ -385,10 +387,12 @@ func TestPeersFill(t *testing.T) {
 	}
 	all := pc.frameBytes(allFiles())
 	got := pc.registryBytes(t)
-	s := pc.nodes[1].metrics.Stats(2)
-	t.Logf("registry sent %d bytes for %d bytes of frames; node 1 fetched %d from its peer", got, all, s.FetchedBytes)
-	if float64(got) > 1.1*float64(all) || s.FetchedBytes == 0 {
-		t.Errorf("two fills cost the registry %d bytes for %d bytes of frames (node 1 fetched %d from its peer)", got, all, s.FetchedBytes)
+	// Which node owns which stripe depends on their (random) ports; the
+	// peers served something either way.
+	fetched := pc.nodes[0].metrics.Stats(2).FetchedBytes + pc.nodes[1].metrics.Stats(2).FetchedBytes
+	t.Logf("registry sent %d bytes for %d bytes of frames; %d bytes came from peers", got, all, fetched)
+	if float64(got) > 1.1*float64(all) || fetched == 0 {
+		t.Errorf("two fills cost the registry %d bytes for %d bytes of frames (%d from peers)", got, all, fetched)
 	}
 	if err := pc.readAll(t, 1, allFiles()); err != nil {
 		t.Fatal(err)
