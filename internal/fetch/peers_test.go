@@ -109,6 +109,11 @@ func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.
 				// hedge delay to accept, and a hedge sends a stripe
 				// twice. Hedging has its own tests in internal/peer.
 				HedgeAfter: 2 * time.Second,
+				// Likewise the whole answer, which includes the owner's
+				// registry fetch: under the race detector it can pass
+				// the default 5 s, and a timed-out stripe is fetched
+				// again elsewhere.
+				Timeout: 30 * time.Second,
 			}, nd.metrics)
 			if err != nil {
 				t.Fatal(err)
@@ -235,14 +240,15 @@ func TestPeersFetchOncePerCluster(t *testing.T) {
 		union := pc.frameBytes(files)
 		ratio[peers] = float64(pc.registryBytes(t)) / float64(union)
 		if peers {
-			var fetched, served, hedges int64
+			var fetched, served, hedges, timeouts int64
 			for _, nd := range pc.nodes {
 				s := nd.metrics.Stats(4)
 				fetched += s.FetchedBytes
 				served += s.ServedBytes
 				hedges += s.Hedges
+				timeouts += s.Outcomes["timeout"]
 			}
-			t.Logf("peers: %d bytes fetched from peers, %d served, %d hedges", fetched, served, hedges)
+			t.Logf("peers: %d bytes fetched from peers, %d served, %d hedges, %d timeouts", fetched, served, hedges, timeouts)
 			if fetched == 0 || fetched != served {
 				t.Errorf("fetched %d bytes from peers, peers served %d: want equal and > 0", fetched, served)
 			}
