@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/pelletier/go-toml/v2"
+
+	"github.com/envsnap/envsnap/internal/peer"
 )
 
 // Defaults, all in one place.
@@ -110,6 +112,9 @@ type Config struct {
 	ReadTimeout Duration `toml:"read_timeout"`
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
+	// Peers is the cluster tier: nodes fetch frames from each other
+	// before the registry (off by default).
+	Peers PeerConfig `toml:"peers"`
 
 	// KeeperCommand starts the descriptor keeper, which keeps layer
 	// mounts alive across restarts of the daemon, when none answers on
@@ -121,6 +126,98 @@ type Config struct {
 	// not the file; empty runs without a keeper (mounts then die with the
 	// daemon).
 	KeeperCommand []string `toml:"-"`
+}
+
+// PeerConfig configures the peer tier (internal/peer). Exactly one member
+// source is used: Members, DNS or MembersFile. At least one of TokenFile
+// and the TLS files is required.
+type PeerConfig struct {
+	Enabled bool `toml:"enabled"`
+	// Listen is the peer server's TCP address (default ":9168", every
+	// interface: other nodes must reach it).
+	Listen string `toml:"listen"`
+	// Advertise is this node's address as the member list names it;
+	// empty: the member whose host is one of the node's addresses and
+	// whose port is Listen's.
+	Advertise string `toml:"advertise"`
+	// Members is a static list of host:port, this node included.
+	Members []string `toml:"members"`
+	// DNS is the name of a headless Service: its SRV records, or its A
+	// records with Listen's port, refreshed every Refresh.
+	DNS string `toml:"dns"`
+	// DNSServer, when set (host:port), is the DNS server DNS is looked
+	// up with instead of the node's resolv.conf: a DaemonSet on the host
+	// network resolves registries like the node (dnsPolicy Default) and
+	// reaches cluster DNS names only by asking the cluster DNS service.
+	DNSServer string `toml:"dns_server"`
+	// MembersFile lists host:port one a line, read again every Refresh.
+	MembersFile string   `toml:"members_file"`
+	Refresh     Duration `toml:"refresh"`
+	// TokenFile holds the shared bearer token (a mounted Secret); read
+	// again when it changes.
+	TokenFile string `toml:"token_file"`
+	// TLSCert and TLSKey are this node's certificate, presented to peers
+	// as server and as client; TLSCA signs every peer's; TLSServerName is
+	// the name their certificates carry (peer.DefaultTLSServerName).
+	TLSCert       string `toml:"tls_cert"`
+	TLSKey        string `toml:"tls_key"`
+	TLSCA         string `toml:"tls_ca"`
+	TLSServerName string `toml:"tls_server_name"`
+	// HedgeAfter, Timeout and BadFor: see peer.Options.
+	HedgeAfter Duration `toml:"hedge_after"`
+	Timeout    Duration `toml:"timeout"`
+	BadFor     Duration `toml:"bad_for"`
+}
+
+// Defaults of the peer tier the daemon adds to peer's own.
+const (
+	DefaultPeerListen  = ":9168"
+	DefaultPeerRefresh = Duration(10 * time.Second)
+)
+
+func (p *PeerConfig) validate() error {
+	if !p.Enabled {
+		return nil
+	}
+	if p.Listen == "" {
+		p.Listen = DefaultPeerListen
+	}
+	if _, err := net.ResolveTCPAddr("tcp", p.Listen); err != nil {
+		return fmt.Errorf("peers.listen %q: %w", p.Listen, err)
+	}
+	sources := 0
+	for _, set := range []bool{len(p.Members) > 0, p.DNS != "", p.MembersFile != ""} {
+		if set {
+			sources++
+		}
+	}
+	if sources != 1 {
+		return fmt.Errorf("peers: set exactly one of members, dns and members_file")
+	}
+	if p.DNSServer != "" {
+		if _, err := peer.ValidateAddress(p.DNSServer); err != nil {
+			return fmt.Errorf("peers.dns_server: %w", err)
+		}
+	}
+	for _, m := range p.Members {
+		if _, err := peer.ValidateAddress(m); err != nil {
+			return fmt.Errorf("peers.members: %w", err)
+		}
+	}
+	tls := p.TLSCert != "" || p.TLSKey != "" || p.TLSCA != ""
+	if tls && (p.TLSCert == "" || p.TLSKey == "" || p.TLSCA == "") {
+		return fmt.Errorf("peers: tls_cert, tls_key and tls_ca go together")
+	}
+	if !tls && p.TokenFile == "" {
+		return fmt.Errorf("peers: set token_file or the TLS files: peers must authenticate each other")
+	}
+	if p.Refresh == 0 {
+		p.Refresh = DefaultPeerRefresh
+	}
+	if p.Refresh < 0 || p.HedgeAfter < 0 || p.Timeout < 0 || p.BadFor < 0 {
+		return fmt.Errorf("peers: durations must not be negative")
+	}
+	return nil
 }
 
 // DefaultConfig returns the configuration used when nothing is set.
@@ -187,6 +284,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ReadTimeout <= 0 {
 		return fmt.Errorf("read_timeout must be positive")
+	}
+	if err := c.Peers.validate(); err != nil {
+		return err
 	}
 	if c.MetricsAddress != "" {
 		host, port, err := net.SplitHostPort(c.MetricsAddress)

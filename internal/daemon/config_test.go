@@ -125,3 +125,39 @@ func TestMetricsAddressDefaultsToLoopback(t *testing.T) {
 		t.Error("metrics_address without a port accepted")
 	}
 }
+
+func TestPeerConfig(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		toml    string
+		wantErr bool
+	}{
+		{"off needs nothing", "[peers]\nenabled = false\n", false},
+		{"static with token", "[peers]\nenabled = true\nmembers = [\"10.0.0.1:9168\", \"10.0.0.2:9168\"]\ntoken_file = \"/t\"\n", false},
+		{"dns with tls", "[peers]\nenabled = true\ndns = \"peers.ns.svc\"\ntls_cert = \"/c\"\ntls_key = \"/k\"\ntls_ca = \"/ca\"\n", false},
+		{"no authentication", "[peers]\nenabled = true\nmembers = [\"10.0.0.1:9168\"]\n", true},
+		{"half tls", "[peers]\nenabled = true\nmembers = [\"10.0.0.1:9168\"]\ntls_cert = \"/c\"\n", true},
+		{"no member source", "[peers]\nenabled = true\ntoken_file = \"/t\"\n", true},
+		{"two member sources", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\nmembers_file = \"/m\"\n", true},
+		{"bad member", "[peers]\nenabled = true\ntoken_file = \"/t\"\nmembers = [\"10.0.0.1\"]\n", true},
+		{"negative hedge", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\nhedge_after = \"-1s\"\n", true},
+		{"unknown key", "[peers]\nenable = true\n", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), "c.toml")
+			if err := os.WriteFile(p, []byte(tc.toml), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			c, err := LoadConfig(p, true)
+			if err == nil {
+				err = c.Validate()
+			}
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tc.wantErr)
+			}
+			if err == nil && c.Peers.Enabled && (c.Peers.Listen != DefaultPeerListen || c.Peers.Refresh != DefaultPeerRefresh) {
+				t.Errorf("defaults not filled: %+v", c.Peers)
+			}
+		})
+	}
+}

@@ -31,6 +31,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/internal/native"
+	"github.com/envsnap/envsnap/internal/peer"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -62,7 +63,7 @@ func Run(ctx context.Context, cfg Config) error {
 	d := &daemon{}
 	d.phase.Store("restoring layer mounts")
 	var servers []*http.Server
-	errc := make(chan error, 3)
+	errc := make(chan error, 4)
 	serveHTTP := func(l net.Listener, h http.Handler) {
 		srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 		servers = append(servers, srv)
@@ -136,6 +137,10 @@ func Run(ctx context.Context, cfg Config) error {
 		defer copies.Close()
 		cache.SetTenant(copies)
 	}
+	peers, err := d.startPeerClient(ctx, cfg.Peers, reg)
+	if err != nil {
+		return err
+	}
 	var frames *fetch.FrameCache
 	if cfg.FrameCacheSize > 0 {
 		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
@@ -149,6 +154,7 @@ func Run(ctx context.Context, cfg Config) error {
 		ReadTimeout:     time.Duration(cfg.ReadTimeout),
 		Registerer:      reg,
 		FetchMetrics:    fetchMetrics,
+		Peers:           peers,
 		Keeper:          keeper,
 		FrameCache:      frames,
 		Unpacked:        files,
@@ -172,6 +178,11 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if copies != nil {
 		copies.SetInUse(sn.NativeInUse)
+	}
+	if peers != nil {
+		if err := d.servePeers(ctx, cfg.Peers, store.PeerSource(), errc); err != nil {
+			return err
+		}
 	}
 	unmountOrphans(ctx, sn, store, restored)
 	defer func() {
@@ -314,6 +325,7 @@ type daemon struct {
 	cache  *chunkcache.Cache
 	files  *unpacked.Store // nil without passthrough
 	native *native.Store   // nil without native lowers
+	peers  *peerTier       // nil without peers
 	ready  atomic.Bool
 	phase  atomic.Value // string: why not ready
 }
@@ -362,6 +374,7 @@ type Status struct {
 	Cache    chunkcache.Stats `json:"cache"`
 	Unpacked *unpacked.Stats  `json:"unpacked,omitempty"`
 	Native   *native.Stats    `json:"native,omitempty"`
+	Peers    *peer.Stats      `json:"peers,omitempty"`
 }
 
 // LayerStatus joins the snapshotter's view of a layer mount (which
@@ -387,6 +400,10 @@ func (d *daemon) status() Status {
 	if d.native != nil {
 		ns := d.native.Stats()
 		st.Native = &ns
+	}
+	if d.peers != nil {
+		ps := d.peers.metrics.Stats(len(d.peers.client.Members()))
+		st.Peers = &ps
 	}
 	data := d.store.Status()
 	for _, l := range d.sn.Layers() {

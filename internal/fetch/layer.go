@@ -145,6 +145,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	l.canon = canon
 	l.cached = make([]bool, len(l.spans))
 	cache.Pin(l.owner, pins)
+	o.flights.open.add(l)
 	for _, d := range pins {
 		if cache.Contains(d) {
 			j := first[d]
@@ -547,6 +548,11 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 	n := last.Offset + last.CompressedSize - off
 	start := time.Now()
 	ctx = withObserver(ctx, func(err error) { f.lastErr.Store(&err) })
+	if l.o.peers != nil && !servingPeer(ctx) {
+		l.fetchViaPeers(ctx, f, chunks, kind, start)
+		l.keepFlight(ctx, f, chunks)
+		return nil
+	}
 	// next is the first chunk not released yet; the response (or a retry
 	// of it, from its first byte again) reports what has arrived.
 	next := 0
@@ -580,8 +586,13 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 	for _, c := range chunks[next:] {
 		f.arrivals[c.Digest].complete(nil, err)
 	}
-	// After the readers are released: writing the cache is not on their
-	// path.
+	l.keepFlight(ctx, f, chunks)
+	return whole
+}
+
+// keepFlight caches the chunks of f that arrived, after their readers
+// were released: writing the cache is not on their path.
+func (l *Layer) keepFlight(ctx context.Context, f *flight, chunks []layerfmt.Chunk) {
 	for _, c := range chunks {
 		a := f.arrivals[c.Digest]
 		if a.data == nil {
@@ -604,7 +615,6 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 			r.l.markCached(r.j)
 		}
 	}
-	return whole
 }
 
 // verify checks the fetched bytes b of c against its digest and releases
@@ -755,6 +765,7 @@ func (l *Layer) Close() error {
 	}
 	l.closed = true
 	l.mu.Unlock()
+	l.flights.open.remove(l)
 	l.cancel()
 	l.wg.Wait()
 	l.cache.Unpin(l.owner)

@@ -1,6 +1,10 @@
 package fetch
 
-import "time"
+import (
+	"time"
+
+	"github.com/envsnap/envsnap/internal/peer"
+)
 
 // Defaults of a Layer. The coalescing numbers come from the link we are
 // measured on (docs/benchmarks.md: 1 Gbit/s, 20 ms round trip): one round trip is
@@ -67,6 +71,7 @@ type layerOptions struct {
 	sharedFrames *FrameCache
 	flights      *Flights
 	fillYield    bool
+	peers        *peer.Client
 }
 
 // WithReadTimeout bounds one ReadChunk, retries included (default

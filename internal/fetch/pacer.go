@@ -44,6 +44,8 @@ type Flights struct {
 	lastForced  atomic.Int64 // unix ns of the latest batch sent past MaxPause
 
 	gate prefetchGate
+
+	open openLayers // the layers served to peers (peers.go)
 }
 
 // FlightsOption configures Flights.

@@ -41,6 +41,7 @@ import (
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/lazyfs"
 	"github.com/envsnap/envsnap/internal/native"
+	"github.com/envsnap/envsnap/internal/peer"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/internal/unpacked"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -96,6 +97,9 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// FetchMetrics records registry and cache traffic; may be nil.
 	FetchMetrics *fetch.Metrics
+	// Peers, when set, is the cluster tier every layer fetches through
+	// (fetch.WithPeers); PeerSource serves the other members.
+	Peers *peer.Client
 	// FrameCache, when set, holds the decoded frames of every layer of
 	// the node (fetch.WithSharedFrameCache); without it each layer keeps
 	// a few MiB of its own.
@@ -179,6 +183,10 @@ func New(cfg Config) (*Store, error) {
 		flights:   fetch.NewFlights(),
 	}, nil
 }
+
+// PeerSource is what the node serves to its peers: frames of the layers it
+// has open.
+func (s *Store) PeerSource() peer.Source { return s.flights }
 
 // Mount makes the layer named by labels readable at mountpoint. Layers
 // without our TOC annotation fail with errdefs.ErrNotImplemented.
@@ -270,6 +278,9 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 		fetch.WithFlights(s.flights),
 		fetch.WithReadTimeout(s.cfg.ReadTimeout),
 		fetch.WithMetrics(s.cfg.FetchMetrics),
+	}
+	if s.cfg.Peers != nil {
+		layerOpts = append(layerOpts, fetch.WithPeers(s.cfg.Peers))
 	}
 	if s.cfg.FrameCache != nil {
 		layerOpts = append(layerOpts, fetch.WithSharedFrameCache(s.cfg.FrameCache))

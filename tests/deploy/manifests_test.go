@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -27,6 +28,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/envsnap/envsnap/internal/daemon"
 	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
@@ -98,6 +100,7 @@ type objects struct {
 	runtimeClasses  []nodev1.RuntimeClass
 	clusterRoles    []rbacv1.ClusterRole
 	roleBindings    []rbacv1.ClusterRoleBinding
+	services        []corev1.Service
 }
 
 // decodeStrict decodes one document into its typed Kubernetes object.
@@ -133,6 +136,11 @@ func (o *objects) decodeStrict(doc []byte) error {
 		var v appsv1.DaemonSet
 		if err = yaml.UnmarshalStrict(doc, &v); err == nil {
 			o.daemonSets = append(o.daemonSets, v)
+		}
+	case "v1/Service":
+		var v corev1.Service
+		if err = yaml.UnmarshalStrict(doc, &v); err == nil {
+			o.services = append(o.services, v)
 		}
 	case "node.k8s.io/v1/RuntimeClass":
 		var v nodev1.RuntimeClass
@@ -457,8 +465,11 @@ func TestDaemonSetEssentials(t *testing.T) {
 	if host, _, err := net.SplitHostPort(snCfg.MetricsAddress); snCfg.MetricsAddress != "" && (err != nil || (host != "" && !net.ParseIP(host).IsLoopback())) {
 		t.Errorf("metrics_address %q is not loopback: under host networking every container reaching the node could read it", snCfg.MetricsAddress)
 	}
-	if len(sn.Ports) != 0 {
-		t.Errorf("snapshotter declares ports %v; it serves nothing on the pod's (the node's) addresses", sn.Ports)
+	// The one port on the node's addresses is the peer tier's, which
+	// serves nothing without a token or a client certificate (the daemon
+	// refuses to enable peers without one; TestPeersService).
+	if len(sn.Ports) != 1 || sn.Ports[0].Name != "peer" {
+		t.Errorf("snapshotter declares ports %v; it serves only the authenticated peer port on the pod's (the node's) addresses", sn.Ports)
 	}
 	want := []string{"/usr/local/bin/containerd-envsnap", "status", "--address", snCfg.Address}
 	for name, p := range map[string]*corev1.Probe{"readiness": sn.ReadinessProbe, "liveness": sn.LivenessProbe} {
@@ -601,6 +612,66 @@ func TestMetricsOnlyBehindTheProxy(t *testing.T) {
 
 // TestRuntimeClass: the handler must be the CRI runtime name the drop-in
 // defines, bound to our shim and snapshotter.
+// TestPeersService: the headless Service lists the snapshotter pods on
+// the port the daemon's peer server listens on (as the example config
+// sets it), and the token Secret is mounted where the example config
+// reads it.
+func TestPeersService(t *testing.T) {
+	o := loadManifests(t)
+	if len(o.services) != 1 {
+		t.Fatalf("want one Service, got %d", len(o.services))
+	}
+	svc, ds := o.services[0], o.daemonSets[0]
+	if svc.Namespace != namespace || svc.Spec.ClusterIP != corev1.ClusterIPNone || !svc.Spec.PublishNotReadyAddresses {
+		t.Errorf("Service %s/%s: want headless, in %s, listing pods not yet ready", svc.Namespace, svc.Name, namespace)
+	}
+	for k, v := range svc.Spec.Selector {
+		if ds.Spec.Template.Labels[k] != v {
+			t.Errorf("Service selector %s=%s does not match the snapshotter pods", k, v)
+		}
+	}
+	var container *corev1.Container
+	for i, c := range ds.Spec.Template.Spec.Containers {
+		if c.Name == "snapshotter" {
+			container = &ds.Spec.Template.Spec.Containers[i]
+		}
+	}
+	if container == nil {
+		t.Fatal("no snapshotter container")
+	}
+	var port int32
+	for _, p := range container.Ports {
+		if p.Name == "peer" {
+			port = p.ContainerPort
+		}
+	}
+	if len(svc.Spec.Ports) != 1 || svc.Spec.Ports[0].TargetPort.StrVal != "peer" || svc.Spec.Ports[0].Port != port || port == 0 {
+		t.Errorf("Service ports %+v, snapshotter peer port %d", svc.Spec.Ports, port)
+	}
+	if want := fmt.Sprintf(":%d", port); daemon.DefaultPeerListen != want {
+		t.Errorf("daemon listens for peers on %s by default, the manifests use %s", daemon.DefaultPeerListen, want)
+	}
+	text := string(repoFile(t, "deploy/envsnap/config.toml"))
+	m := regexp.MustCompile(`(?m)^# token_file = "(.*)"$`).FindStringSubmatch(text)
+	if m == nil {
+		t.Fatal("config.toml shows no token_file")
+	}
+	mounted := false
+	for _, vm := range container.VolumeMounts {
+		if vm.Name == "peer-token" && filepath.Dir(m[1]) == vm.MountPath && vm.SubPath == "" {
+			mounted = true
+		}
+	}
+	if !mounted {
+		t.Errorf("token_file %s is not in the peer-token Secret's mount", m[1])
+	}
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Name == "peer-token" && (v.Secret == nil || v.Secret.SecretName != "envsnap-peer-token" || v.Secret.Optional == nil || !*v.Secret.Optional) {
+			t.Errorf("volume peer-token: want the optional Secret envsnap-peer-token, got %+v", v.VolumeSource)
+		}
+	}
+}
+
 func TestRuntimeClass(t *testing.T) {
 	o := loadManifests(t)
 	if len(o.runtimeClasses) != 1 {
