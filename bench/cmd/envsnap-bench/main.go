@@ -82,6 +82,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	if err != nil {
 		return err
 	}
+	rep.Command = strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
 	if err := rep.WriteJSON(out); err != nil {
 		return err
 	}
@@ -95,9 +96,32 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	}
 	h := rep.Headline
 	if h.IterationRatio > 0 {
-		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs\n", h.IterationRatio)
+		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs, registry bytes %.2fx\n", h.IterationRatio, h.IterationBytesRatio)
+	}
+	if h.WarmEpisodeRatio > 0 {
+		fmt.Printf("warm, median: init %.3fx overlayfs, episode %.3fx overlayfs\n", h.WarmInitRatio, h.WarmEpisodeRatio)
 	}
 	fmt.Printf("cold, median: init %.3fx overlayfs, episode %.3fx overlayfs, registry bytes %.2fx bytes read\nwrote %s, %s, %s\n",
 		h.InitRatio, h.EpisodeRatio, h.PulledPerRead, out, doc, strings.Join(plots, ", "))
 	return nil
+}
+
+// redact makes the paths among args (also in -flag=value) relative to
+// the repository, so the committed report does not carry this machine's
+// absolute paths.
+func redact(args []string, root string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		prefix := ""
+		if k, v, ok := strings.Cut(a, "="); ok {
+			prefix, a = k+"=", v
+		}
+		if rel, err := filepath.Rel(root, a); err == nil && filepath.IsAbs(a) && filepath.IsLocal(rel) {
+			a = rel
+		} else if filepath.IsAbs(a) {
+			a = "..." + string(filepath.Separator) + filepath.Base(a)
+		}
+		out[i] = prefix + a
+	}
+	return out
 }
