@@ -54,6 +54,10 @@ type Config struct {
 	// unpacked image: the steady state of later environments of an
 	// iteration rather than the one right after a cold start.
 	SettleWarm bool
+	// Checkpoint, when set, is given the report so far once the
+	// iteration scenario is done: a run cut short afterwards still
+	// leaves its headline.
+	Checkpoint func(*Report) error
 	Log        io.Writer
 }
 
@@ -237,6 +241,13 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 			rep.Iterations[sys] = it
 			cfg.logf("%-15s iteration of %d envs, %d at a time: makespan %.1fs, episode p50 %.2fs p95 %.2fs, registry %s, %d failed",
 				sys, it.Envs, it.Concurrent, it.Makespan.Seconds(), it.Episode.Median, it.Episode.P95, mib(it.RegistryBytes), it.Failed)
+		}
+	}
+	if len(rep.Iterations) > 0 && cfg.Checkpoint != nil {
+		rep.summarize()
+		rep.Duration = time.Since(rep.Started)
+		if err := cfg.Checkpoint(rep); err != nil {
+			return nil, fmt.Errorf("checkpoint after the iteration: %w", err)
 		}
 	}
 	for _, sys := range systems {

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -78,20 +79,31 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
 	}
+	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
+	rel, _ := filepath.Rel(root, out)
+	write := func(rep *headline.Report) ([]string, error) {
+		rep.Command = command
+		if err := rep.WriteJSON(out); err != nil {
+			return nil, err
+		}
+		plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+		if err != nil {
+			return nil, err
+		}
+		return plots, rep.WriteMarkdown(doc, rel, plots)
+	}
+	cfg.Checkpoint = func(rep *headline.Report) error {
+		partial := *rep
+		partial.Notes = append(slices.Clone(rep.Notes), "this report was written after the iteration scenario, before the runs one at a time: the run was cut short")
+		_, err := write(&partial)
+		return err
+	}
 	rep, err := headline.Measure(ctx, cfg)
 	if err != nil {
 		return err
 	}
-	rep.Command = strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
-	if err := rep.WriteJSON(out); err != nil {
-		return err
-	}
-	plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+	plots, err := write(rep)
 	if err != nil {
-		return err
-	}
-	rel, _ := filepath.Rel(root, out)
-	if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
 		return err
 	}
 	h := rep.Headline
