@@ -105,9 +105,12 @@ type Report struct {
 	Command string `json:"command"`
 	// SettleWarm: envsnap warm runs waited for their layers to be fully
 	// present (Config.SettleWarm); Settle is how long they waited.
-	SettleWarm bool     `json:"settle_warm"`
-	Settle     Summary  `json:"settle_s"`
-	Notes      []string `json:"notes"`
+	SettleWarm bool    `json:"settle_warm"`
+	Settle     Summary `json:"settle_s"`
+	// Agent is what `agent --version` printed in the environments: the
+	// agent CLI release the workload was built with.
+	Agent string   `json:"agent"`
+	Notes []string `json:"notes"`
 }
 
 // Iteration is one system's run of the iteration scenario: an empty node,
@@ -561,6 +564,9 @@ func (b *bench) readBytes() int64 {
 func (rep *Report) summarize() {
 	groups := map[string][]Run{}
 	for _, r := range rep.Runs {
+		if rep.Agent == "" && r.Error == "" && r.Output != "" {
+			rep.Agent, _, _ = strings.Cut(r.Output, "\n")
+		}
 		key := r.System + "/" + r.Phase
 		if r.Concurrent {
 			key = r.System + "/concurrent"

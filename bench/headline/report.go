@@ -177,7 +177,11 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 	fmt.Fprintf(&b, "## Method\n\n")
 	fmt.Fprintf(&b, "- Machine: %s.\n", rep.Machine)
 	fmt.Fprintf(&b, "- Registry link: %s. The registry (distribution v3) runs in its own network namespace; every pull crosses the link.\n", rep.Link)
-	fmt.Fprintf(&b, "- Workload: `%s` (bench/workload: Debian bookworm base with a Go toolchain from the Go module proxy, Go repositories with their module and build caches and a git history, an agent CLI from npm with its Node.js, an evaluator). Each environment is composed from the four groups plus the task's bug as a mutation layer; every environment's image is distinct.\n", rep.Workload)
+	fmt.Fprintf(&b, "- Workload: `%s` (bench/workload: Debian bookworm base with a Go toolchain from the Go module proxy, Go repositories with their module and build caches and a git history, an agent CLI from npm with its Node.js, an evaluator). Each environment is composed from the four groups plus the task's bug as a mutation layer; every environment's image is distinct.", rep.Workload)
+	if rep.Agent != "" {
+		fmt.Fprintf(&b, " `agent --version` printed `%s`.", rep.Agent)
+	}
+	fmt.Fprintf(&b, "\n")
 	fmt.Fprintf(&b, "- Episode: `agent --version` (the environment is **ready** when it answers), then the scripted agent steps (git status, grep, read files, `go test` failing, apply the fix, `go test` passing, git diff) and the evaluator. Times run from the start of the pull: the whole cost of starting an environment from an image reference.\n")
 	fmt.Fprintf(&b, "- **cold**: before each environment every image, snapshot and cached chunk is removed and the page cache dropped. **warm**: the same environment again right after, with whatever the node kept")
 	if rep.SettleWarm {

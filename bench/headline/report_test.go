@@ -75,7 +75,7 @@ func TestReportRatios(t *testing.T) {
 	}
 
 	for _, r := range []Run{
-		{Result: episode.Result{System: Overlayfs, Phase: "warm", Ready: 2 * time.Second, Episode: 10 * time.Second}},
+		{Result: episode.Result{System: Overlayfs, Phase: "warm", Ready: 2 * time.Second, Episode: 10 * time.Second, Output: "2.1.332 (Claude Code)\n" + episode.ReadyMarker + "\n"}},
 		{Result: episode.Result{System: Envsnap, Phase: "warm", Ready: time.Second, Episode: 8 * time.Second}},
 		{Result: episode.Result{System: Envsnap, Phase: "warm", Episode: time.Hour, Error: "failed"}},
 	} {
@@ -91,5 +91,8 @@ func TestReportRatios(t *testing.T) {
 	got, _ = os.ReadFile(path)
 	if !strings.Contains(string(got), "| warm: whole episode, envsnap / overlayfs | **0.800x** | <= 1.0x |") {
 		t.Errorf("warm row missing:\n%s", got)
+	}
+	if !strings.Contains(string(got), "`agent --version` printed `2.1.332 (Claude Code)`") {
+		t.Errorf("agent release missing:\n%s", got)
 	}
 }
