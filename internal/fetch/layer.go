@@ -216,8 +216,10 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 
 // ReadChunk returns the decompressed bytes of chunk c, verified against its
 // digest. It is what the FUSE filesystem calls on a read. A miss fetches c
-// together with following uncached chunks in one request (read-ahead). The
-// returned slice is the caller's.
+// together with following uncached chunks in one request (read-ahead).
+// Concurrent reads of chunks of one frame decode it once. The returned
+// slice is shared with other readers (it is a window of the decoded frame,
+// kept in the FrameCache): callers must not modify it.
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	l.flights.noteRead()
 	l.noteFootprint(c.FrameIndex)
@@ -226,17 +228,58 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			l.sequential(j)
 		}
 	}
-	if frame, ok := l.frames.get(c.Digest); ok && int64(len(frame)) == c.FrameSize &&
-		c.FrameOffset >= 0 && c.Size > 0 && c.FrameOffset+c.Size <= c.FrameSize {
-		// Verified when it was decoded; copied so no caller can alter
-		// what the next reader gets.
-		return append([]byte(nil), frame[c.FrameOffset:c.FrameOffset+c.Size]...), nil
+	if frame, ok := l.frames.get(c.Digest); ok {
+		return window(c, frame)
 	}
 	ctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
 	defer cancel()
+	for {
+		frame, dec, mine := l.frames.claim(c.Digest)
+		if frame != nil {
+			// Verified when it was decoded.
+			return window(c, frame)
+		}
+		if mine {
+			frame, err := l.readFrame(ctx, c)
+			l.frames.finish(c.Digest, dec, frame, err)
+			if err != nil {
+				return nil, err
+			}
+			return window(c, frame)
+		}
+		select {
+		case <-dec.done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("read chunk %s at offset %d of %s: wait for its decoding: %w", c.Digest, c.Offset, l.label, ctx.Err())
+		}
+		if dec.err == nil {
+			return window(c, dec.frame)
+		}
+		// The reader decoding it ran out of time (or its layer closed);
+		// with time left, this one tries itself.
+		if (errors.Is(dec.err, context.DeadlineExceeded) || errors.Is(dec.err, context.Canceled) || errors.Is(dec.err, errClosed)) &&
+			ctx.Err() == nil && l.ctx.Err() == nil {
+			continue
+		}
+		return nil, dec.err
+	}
+}
+
+// window returns chunk c's bytes in its decoded frame, capped so that an
+// append by the caller cannot write into the frame.
+func window(c layerfmt.Chunk, frame []byte) ([]byte, error) {
+	if int64(len(frame)) != c.FrameSize || c.FrameOffset < 0 || c.Size <= 0 || c.FrameOffset+c.Size > c.FrameSize {
+		return nil, fmt.Errorf("chunk at %d: %d+%d bytes of a %d-byte frame (decoded %d): %w",
+			c.Offset, c.FrameOffset, c.Size, c.FrameSize, len(frame), layerfmt.ErrBadTOC)
+	}
+	return frame[c.FrameOffset : c.FrameOffset+c.Size : c.FrameOffset+c.Size], nil
+}
+
+// readFrame returns c's decoded frame from the node cache or the registry.
+func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	if b, ok := l.cache.Get(c.Digest); ok {
 		// Get verified b against c.Digest: decode without hashing again.
-		out, err := l.decode(c, b)
+		frame, err := layerfmt.DecodeVerifiedFrame(c, b, nil)
 		if err != nil {
 			return nil, fmt.Errorf("decode cached chunk %s at offset %d: %w", c.Digest, c.Offset, err)
 		}
@@ -247,7 +290,7 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		if m := l.o.metrics; m != nil {
 			m.cacheBytes.WithLabelValues(l.label).Add(float64(len(b)))
 		}
-		return out, nil
+		return frame, nil
 	}
 
 	l.flights.waiting.Add(1)
@@ -279,7 +322,8 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			log.G(ctx).WithError(err).Error("lazy read failed")
 			return nil, err
 		}
-		out, err := l.decode(c, b)
+		// Verified on arrival (fetchFlight): decode without hashing again.
+		frame, err := layerfmt.DecodeVerifiedFrame(c, b, nil)
 		if err != nil {
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
 			log.G(ctx).WithError(err).Error("lazy read failed")
@@ -289,7 +333,7 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			// The flight may have been another layer's.
 			l.markCached(j)
 		}
-		return out, nil
+		return frame, nil
 	}
 }
 
@@ -328,20 +372,6 @@ func (l *Layer) prefetchAfter(j int) {
 	if len(ds) > 0 {
 		l.cache.Prefetch(ds)
 	}
-}
-
-// decode decompresses c's frame, keeps the frame for the next chunks that
-// share it and returns a copy of c's bytes. compressed must already be
-// verified against c.Digest: every caller has it from chunkcache.Get (which
-// verifies on every read) or from a flight (which verifies on arrival), and
-// hashing twice was half the CPU of a cached read.
-func (l *Layer) decode(c layerfmt.Chunk, compressed []byte) ([]byte, error) {
-	frame, err := layerfmt.DecodeVerifiedFrame(c, compressed, nil)
-	if err != nil {
-		return nil, err
-	}
-	l.frames.put(c.Digest, frame)
-	return append([]byte(nil), frame[c.FrameOffset:c.FrameOffset+c.Size]...), nil
 }
 
 func timeLeft(ctx context.Context) time.Duration {
