@@ -278,3 +278,52 @@ func BenchmarkConvert(b *testing.B) {
 	zstdStreamSize(in, DefaultCompressionLevel)
 	b.ReportMetric(float64(ours)/float64(time.Since(t0)), "ours/zstd-time")
 }
+
+// BenchmarkDecodeFrame: decompressing one default-size frame of
+// executable-like bytes (the cold read path's CPU per frame), with the
+// output buffer DecodeVerifiedFrame allocates.
+func BenchmarkDecodeFrame(b *testing.B) {
+	data := make([]byte, DefaultChunkSize)
+	r := rand.New(rand.NewPCG(3, 4))
+	for off := 0; off < len(data); off += 4096 {
+		blk := data[off:min(off+4096, len(data))]
+		if r.IntN(2) == 0 {
+			for i := range blk {
+				blk[i] = byte(r.Uint32()) & 0x0f
+			}
+		} else {
+			for i := range blk {
+				blk[i] = byte(r.Uint32())
+			}
+		}
+	}
+	var tb bytes.Buffer
+	tw := tar.NewWriter(&tb)
+	if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: "bin", Mode: 0o755, Size: int64(len(data))}); err != nil {
+		b.Fatal(err)
+	}
+	tw.Write(data)
+	tw.Close()
+	var blob bytes.Buffer
+	res, err := Convert(context.Background(), &blob, &tb)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rd, err := NewReader(bytes.NewReader(blob.Bytes()), int64(blob.Len()), res.TOCDigest)
+	if err != nil {
+		b.Fatal(err)
+	}
+	toc := rd.TOC()
+	i, ok := toc.Lookup("bin")
+	if !ok {
+		b.Fatal("bin not in the TOC")
+	}
+	c := toc.Chunk(i, 0)
+	compressed := blob.Bytes()[c.Offset : c.Offset+c.CompressedSize]
+	b.SetBytes(c.FrameSize)
+	for b.Loop() {
+		if _, err := DecodeVerifiedFrame(c, compressed, nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

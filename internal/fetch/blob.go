@@ -95,14 +95,26 @@ func (b *BlobReader) RangeIgnored() bool { return b.rangeIgnored.Load() }
 // ctx's deadline (or the default timeout). It does not verify content: the
 // caller checks chunk digests.
 func (b *BlobReader) ReadRange(ctx context.Context, off, n int64) ([]byte, error) {
-	data, _, err := b.readRange(ctx, off, n, 0)
+	data, _, err := b.readRange(ctx, off, n, 0, nil)
 	return data, err
 }
+
+// arrived is told the bytes of a range response received so far, starting
+// at blob offset off, each time more arrive; a retried request starts
+// again from its first byte.
+type arrived func(data []byte, off int64)
+
+// streamStep is the most of a range response read at once before the
+// bytes are handed to arrived (each read returns what has arrived): a
+// frame (about 1 MiB compressed) is released to its reader when it is in,
+// not when the whole read-ahead behind it is.
+const streamStep = 256 << 10
 
 // readRange is ReadRange that, when the registry answers with the whole blob
 // and the blob is at most keepWhole bytes, returns all of it: data then
 // starts at blob offset base 0 instead of off.
-func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64) (data []byte, base int64, err error) {
+// Partial responses are reported to progress, when not nil, as they arrive.
+func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64, progress arrived) (data []byte, base int64, err error) {
 	if off < 0 || n <= 0 || off+n > b.desc.Size {
 		return nil, 0, fmt.Errorf("read %s range %d+%d of %d bytes: %w", b.desc.Digest, off, n, b.desc.Size, errdefs.ErrInvalidArgument)
 	}
@@ -111,7 +123,7 @@ func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64) (da
 	hdr.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+n-1))
 	err = b.r.do(ctx, what, "/blobs/"+b.desc.Digest.String(), hdr, func(resp *http.Response) error {
 		var err error
-		data, base, err = b.readBody(ctx, resp, off, n, keepWhole)
+		data, base, err = b.readBody(ctx, resp, off, n, keepWhole, progress)
 		return err
 	})
 	if err != nil {
@@ -120,7 +132,7 @@ func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64) (da
 	return data, base, nil
 }
 
-func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, keepWhole int64) ([]byte, int64, error) {
+func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, keepWhole int64, progress arrived) ([]byte, int64, error) {
 	host := resp.Request.URL.Host
 	switch resp.StatusCode {
 	case http.StatusPartialContent:
@@ -157,9 +169,22 @@ func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, 
 		return nil, 0, permanent(fmt.Errorf("%s: unexpected status %d for a range request", host, resp.StatusCode))
 	}
 	buf := make([]byte, n)
-	if got, err := io.ReadFull(resp.Body, buf); err != nil {
-		// A reset or truncated body: transient, the whole range is retried.
-		return nil, 0, fmt.Errorf("%s: read body: got %d of %d bytes: %w", host, got, n, unexpectedEOF(err))
+	if progress == nil {
+		if got, err := io.ReadFull(resp.Body, buf); err != nil {
+			// A reset or truncated body: transient, the whole range is retried.
+			return nil, 0, fmt.Errorf("%s: read body: got %d of %d bytes: %w", host, got, n, unexpectedEOF(err))
+		}
+		return buf, off, nil
+	}
+	for got := int64(0); got < n; {
+		m, err := resp.Body.Read(buf[got:min(got+streamStep, n)])
+		got += int64(m)
+		if m > 0 {
+			progress(buf[:got], off)
+		}
+		if err != nil && got < n {
+			return nil, 0, fmt.Errorf("%s: read body: got %d of %d bytes: %w", host, got, n, unexpectedEOF(err))
+		}
 	}
 	return buf, off, nil
 }

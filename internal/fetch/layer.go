@@ -193,23 +193,53 @@ func (l *Layer) find(c layerfmt.Chunk) int {
 
 // flight is one registry request for a set of chunks; readers of any of
 // them wait for it instead of sending their own (singleflight by digest).
+// Each chunk is released to its readers as soon as its bytes are in and
+// verified, while the rest of the response is still arriving: a reader
+// does not wait for the read-ahead behind its chunk, and decompresses its
+// frame on one core while the next frames arrive on the other.
 type flight struct {
-	done    chan struct{}
-	lastErr atomic.Pointer[error] // latest registry error while retrying
-	data    map[digest.Digest][]byte
-	errs    map[digest.Digest]error
-	putErr  error
+	lastErr  atomic.Pointer[error]      // latest registry error while retrying
+	arrivals map[digest.Digest]*arrival // fixed when the flight is registered
+	putErr   error                      // set before run returns
+	// joined are the reads of other layers waiting for this flight
+	// (Flights shared node-wide): the frames it caches count in their
+	// layers' progress too. Guarded by Flights.mu.
+	joined []joinedRead
 }
 
-func (f *flight) result(d digest.Digest) ([]byte, error) {
-	if err, ok := f.errs[d]; ok {
-		return nil, err
+// joinedRead is span j of layer l, whose frame is d.
+type joinedRead struct {
+	l *Layer
+	j int
+	d digest.Digest
+}
+
+// arrival is one chunk of a flight: data or err are set, then done closed,
+// by the flight's goroutine alone.
+type arrival struct {
+	done chan struct{}
+	data []byte
+	err  error
+	sent bool // done is closed; read and written by the flight's goroutine only
+}
+
+func (f *flight) arrival(d digest.Digest) *arrival {
+	if a, ok := f.arrivals[d]; ok {
+		return a
 	}
-	b, ok := f.data[d]
-	if !ok {
-		return nil, fmt.Errorf("chunk %s missing from its fetch: %w", d, errdefs.ErrUnknown)
+	a := &arrival{done: make(chan struct{}), err: fmt.Errorf("chunk %s missing from its fetch: %w", d, errdefs.ErrUnknown)}
+	close(a.done)
+	return a
+}
+
+// complete releases a's readers with data or err (once).
+func (a *arrival) complete(data []byte, err error) {
+	if a.sent {
+		return
 	}
-	return b, nil
+	a.sent = true
+	a.data, a.err = data, err
+	close(a.done)
 }
 
 var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
@@ -300,8 +330,9 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 	}()
 	for {
 		f := l.join(ctx, c)
+		a := f.arrival(c.Digest)
 		select {
-		case <-f.done:
+		case <-a.done:
 		case <-ctx.Done():
 			err := fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, ctx.Err())
 			if last := f.lastErr.Load(); last != nil {
@@ -310,7 +341,7 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			log.G(ctx).WithError(err).Error("lazy read failed")
 			return nil, err
 		}
-		b, err := f.result(c.Digest)
+		b, err := a.data, a.err
 		if err != nil {
 			// A fetch started by someone with less time (or a cancelled
 			// fill batch) gave up; if we still have time, fetch again.
@@ -330,7 +361,8 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			return nil, err
 		}
 		if j := l.find(c); j >= 0 && l.cache.Contains(c.Digest) {
-			// The flight may have been another layer's.
+			// Another layer's flight, ended already (the flight marks
+			// the layers whose readers joined it before).
 			l.markCached(j)
 		}
 		return frame, nil
@@ -398,11 +430,16 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	l.flights.mu.Lock()
 	defer l.flights.mu.Unlock()
 	if f, ok := l.flights.m[c.Digest]; ok {
+		if j := l.find(c); j >= 0 {
+			f.joined = append(f.joined, joinedRead{l, j, c.Digest})
+		}
 		return f
 	}
 	if l.closed {
-		f := &flight{done: make(chan struct{}), errs: map[digest.Digest]error{c.Digest: errClosed}}
-		close(f.done)
+		f := &flight{arrivals: map[digest.Digest]*arrival{}}
+		a := &arrival{done: make(chan struct{})}
+		a.complete(nil, errClosed)
+		f.arrivals[c.Digest] = a
 		return f
 	}
 	chunks := l.planLocked(c)
@@ -426,8 +463,11 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 
 // registerLocked needs l.mu and l.flights.mu held.
 func (l *Layer) registerLocked(chunks []layerfmt.Chunk) *flight {
-	f := &flight{done: make(chan struct{}), data: map[digest.Digest][]byte{}, errs: map[digest.Digest]error{}}
+	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks))}
 	for _, c := range chunks {
+		if _, dup := f.arrivals[c.Digest]; !dup {
+			f.arrivals[c.Digest] = &arrival{done: make(chan struct{})}
+		}
 		l.flights.m[c.Digest] = f
 	}
 	return f
@@ -480,10 +520,10 @@ func (l *Layer) planLocked(c layerfmt.Chunk) []layerfmt.Chunk {
 	return chunks
 }
 
-// run fetches chunks (sorted by offset) in one range request, verifies each
-// against its digest, caches the good ones and completes f. When the
-// registry sent the whole blob instead, the other chunks in it are kept
-// after f's readers have been released.
+// run fetches chunks (sorted by offset) in one range request, releases
+// each chunk's readers as soon as it has arrived and been verified, caches
+// the good ones and then retires f. When the registry sent the whole blob
+// instead, the other chunks in it are kept after that.
 func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) {
 	whole := l.fetchFlight(ctx, f, chunks, kind)
 	l.flights.mu.Lock()
@@ -493,55 +533,61 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 		}
 	}
 	l.flights.mu.Unlock()
-	close(f.done)
 	if whole != nil {
 		l.keepWhole(ctx, whole, chunks)
 	}
 }
 
-// fetchFlight fills f's results; it returns the blob when the registry
-// ignored Range and sent all of it.
+// fetchFlight completes every arrival of f, then caches the chunks that
+// arrived; it returns the blob when the registry ignored Range and sent
+// all of it.
 func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kind string) (whole []byte) {
 	off := chunks[0].Offset
 	last := chunks[len(chunks)-1]
 	n := last.Offset + last.CompressedSize - off
 	start := time.Now()
 	ctx = withObserver(ctx, func(err error) { f.lastErr.Store(&err) })
-	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax)
+	// next is the first chunk not released yet; the response (or a retry
+	// of it, from its first byte again) reports what has arrived.
+	next := 0
+	release := func(data []byte, base int64) {
+		for ; next < len(chunks); next++ {
+			c := chunks[next]
+			if c.Offset < base || c.Offset+c.CompressedSize > base+int64(len(data)) {
+				return
+			}
+			l.verify(ctx, f, c, data[c.Offset-base:c.Offset-base+c.CompressedSize])
+		}
+	}
+	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax, release)
 	m := l.o.metrics
 	if m != nil {
 		m.latency.WithLabelValues(kind).Observe(time.Since(start).Seconds())
 	}
-	if err != nil {
-		for _, c := range chunks {
-			f.errs[c.Digest] = err
+	if err == nil {
+		if m != nil {
+			m.registryBytes.WithLabelValues(l.label).Add(float64(len(data)))
 		}
-		return nil
+		if base != off {
+			// The registry ignored Range and sent the whole (small) blob.
+			whole = data
+		}
+		release(data, base)
 	}
-	if m != nil {
-		m.registryBytes.WithLabelValues(l.label).Add(float64(len(data)))
+	if next < len(chunks) && err == nil {
+		err = fmt.Errorf("fetch %s range %d+%d: response ends before chunk at %d: %w", l.label, off, n, chunks[next].Offset, errdefs.ErrUnknown)
 	}
-	if base != off {
-		// The registry ignored Range and sent the whole (small) blob.
-		whole = data
+	for _, c := range chunks[next:] {
+		f.arrivals[c.Digest].complete(nil, err)
 	}
+	// After the readers are released: writing the cache is not on their
+	// path.
 	for _, c := range chunks {
-		b := data[c.Offset-base : c.Offset-base+c.CompressedSize]
-		if got := c.Digest.Algorithm().FromBytes(b); got != c.Digest {
-			// Never cached, never served, never retried into success: a
-			// registry or proxy returning wrong bytes needs a human.
-			err := fmt.Errorf("chunk at offset %d of %s: fetched bytes have digest %s, want %s: %w",
-				c.Offset, l.label, got, c.Digest, layerfmt.ErrDigestMismatch)
-			log.G(ctx).WithField("digest", c.Digest).WithField("layer", l.label).WithField("offset", c.Offset).
-				WithError(err).Error("chunk digest mismatch")
-			if m != nil {
-				m.mismatches.Inc()
-			}
-			f.errs[c.Digest] = err
+		a := f.arrivals[c.Digest]
+		if a.data == nil {
 			continue
 		}
-		f.data[c.Digest] = b
-		if err := l.cache.PutVerified(c.Digest, b); err != nil {
+		if err := l.cache.PutVerified(c.Digest, a.data); err != nil {
 			f.putErr = err
 			l.logPutError(ctx, err)
 			continue
@@ -550,7 +596,38 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 			l.markCached(j)
 		}
 	}
+	l.flights.mu.Lock()
+	joined := f.joined
+	l.flights.mu.Unlock()
+	for _, r := range joined {
+		if r.l != l && f.arrivals[r.d].data != nil && l.cache.Contains(r.d) {
+			r.l.markCached(r.j)
+		}
+	}
 	return whole
+}
+
+// verify checks the fetched bytes b of c against its digest and releases
+// c's readers with them, or with the mismatch.
+func (l *Layer) verify(ctx context.Context, f *flight, c layerfmt.Chunk, b []byte) {
+	a := f.arrivals[c.Digest]
+	if a.sent {
+		return // the same chunk twice in one request
+	}
+	if got := c.Digest.Algorithm().FromBytes(b); got != c.Digest {
+		// Never cached, never served, never retried into success: a
+		// registry or proxy returning wrong bytes needs a human.
+		err := fmt.Errorf("chunk at offset %d of %s: fetched bytes have digest %s, want %s: %w",
+			c.Offset, l.label, got, c.Digest, layerfmt.ErrDigestMismatch)
+		log.G(ctx).WithField("digest", c.Digest).WithField("layer", l.label).WithField("offset", c.Offset).
+			WithError(err).Error("chunk digest mismatch")
+		if m := l.o.metrics; m != nil {
+			m.mismatches.Inc()
+		}
+		a.complete(nil, err)
+		return
+	}
+	a.complete(b, nil)
 }
 
 // keepWhole verifies and caches every chunk of the whole blob in data that
@@ -600,6 +677,10 @@ func (l *Layer) markCached(j int) {
 	j = l.canonical(j)
 	l.mu.Lock()
 	if l.cached[j] {
+		l.mu.Unlock()
+		return
+	}
+	if l.closed {
 		l.mu.Unlock()
 		return
 	}
@@ -656,8 +737,10 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 	rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
 	defer cancel()
 	l.run(rctx, f, chunks, kind)
-	for _, err := range f.errs {
-		return err
+	for _, a := range f.arrivals {
+		if a.err != nil {
+			return a.err
+		}
 	}
 	return f.putErr
 }

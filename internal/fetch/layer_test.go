@@ -56,6 +56,11 @@ func newLayerFixture(t *testing.T, cache *chunkcache.Cache, files []testFile, op
 
 // chunksOf returns every chunk of every regular file with the bytes it must
 // decode to.
+// settle waits for the layer's fetches in progress (nothing else may read
+// from it meanwhile): readers are released before their flight caches
+// what it fetched.
+func (l *Layer) settle() { l.wg.Wait() }
+
 func (fx *layerFixture) chunksOf(t *testing.T, name string) []layerfmt.Chunk {
 	t.Helper()
 	i, ok := fx.toc.Lookup(name)
@@ -90,6 +95,7 @@ func (fx *layerFixture) readAll(t *testing.T) {
 			t.Fatalf("ReadChunk %d: wrong bytes", k)
 		}
 	}
+	fx.layer.settle()
 }
 
 func TestLayerCoalescing(t *testing.T) {
@@ -217,6 +223,7 @@ func TestLayerCorruptReadAhead(t *testing.T) {
 	if err != nil || !bytes.Equal(got, want[0]) {
 		t.Fatalf("requested chunk: %v", err)
 	}
+	fx.layer.settle() // the reader is released before the read-ahead is cached
 	var missing []int
 	for k, c := range cs {
 		if !fx.cache.Contains(c.Digest) {
@@ -247,7 +254,10 @@ func TestLayerDeadline(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			checkGoroutines(t)
-			fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(400*time.Millisecond))
+			// No read-ahead: a response cut short must not hold the whole
+			// chunk asked for, which would be served (verified) before
+			// the cut.
+			fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(400*time.Millisecond), WithReadAhead(0))
 			fx.reg.latency = tt.latency
 			fx.reg.setFaults(tt.always)
 			c := fx.chunksOf(t, "a.txt")[0]
@@ -410,6 +420,7 @@ func TestSharedChunksAcrossLayers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	a.layer.settle()
 	entries := cache.Stats().Entries
 	for _, c := range b.chunksOf(t, "c.bin") {
 		got, err := b.layer.ReadChunk(context.Background(), c)
@@ -511,6 +522,30 @@ func TestLayerFrameCache(t *testing.T) {
 	}
 	if n := fx.reg.requests(); n != 1 {
 		t.Errorf("%d requests for one frame", n)
+	}
+}
+
+// TestLayerStreamedFlight: a reader is released when its chunk has arrived,
+// while the read-ahead behind it is still on the way, and the read-ahead is
+// cached once it arrives.
+func TestLayerStreamedFlight(t *testing.T) {
+	checkGoroutines(t)
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(20*time.Second))
+	cs, want := fx.allChunks(t)
+	fx.reg.setFaults(faultNone, faultStall)
+	got, err := fx.layer.ReadChunk(context.Background(), cs[0])
+	if err != nil || !bytes.Equal(got, want[0]) {
+		t.Fatalf("first chunk while the rest of its response is held back: %v", err)
+	}
+	if fx.cache.Contains(cs[len(cs)-1].Digest) {
+		t.Fatal("last chunk cached before it was sent")
+	}
+	fx.reg.unstall()
+	fx.layer.settle()
+	fx.reg.resetCounts()
+	fx.readAll(t)
+	if n := fx.reg.requests(); n != 0 {
+		t.Errorf("%d requests after the streamed response ended, want 0 (all of it cached)", n)
 	}
 }
 
@@ -652,6 +687,8 @@ func TestSharedFlights(t *testing.T) {
 			if n := a.reg.requests() + b.reg.requests(); n != tt.want {
 				t.Fatalf("%d requests for one frame read by two layers, want %d", n, tt.want)
 			}
+			a.layer.settle()
+			b.layer.settle()
 			if cached, _ := b.layer.Progress(); cached == 0 {
 				t.Error("layer b's progress ignores the frame layer a fetched for it")
 			}
@@ -670,6 +707,7 @@ func TestLayerCorruptCacheFile(t *testing.T) {
 	if _, err := fx.layer.ReadChunk(context.Background(), c); err != nil {
 		t.Fatal(err)
 	}
+	fx.layer.settle()
 	enc := c.Digest.Encoded()
 	p := filepath.Join(fx.cache.Dir(), c.Digest.Algorithm().String(), enc[:2], enc)
 	b, err := os.ReadFile(p)

@@ -104,6 +104,7 @@ func TestWriteFileFromCache(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	fx.layer.settle()
 	if fx.layer.FileLocal(idx) {
 		t.Fatal("FileLocal with one chunk missing")
 	}

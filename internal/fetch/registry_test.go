@@ -37,10 +37,11 @@ const (
 	fault429
 	faultCorrupt
 	fault404
+	faultStall // sends the first half of the body, then waits for unstall
 )
 
 func (f fault) String() string {
-	return [...]string{"none", "reset", "truncate", "503", "429", "corrupt", "404"}[f]
+	return [...]string{"none", "reset", "truncate", "503", "429", "corrupt", "404", "stall"}[f]
 }
 
 // fakeRegistry serves blobs and manifests of any repository under /v2/ with
@@ -59,6 +60,7 @@ type fakeRegistry struct {
 	redirect  string // base URL of a storage server blob GETs redirect to
 	ranges    []string
 	times     []time.Time
+	stall     chan struct{} // closed by unstall
 
 	// token auth
 	auth       bool
@@ -77,6 +79,7 @@ func newFakeRegistry(t testing.TB) *fakeRegistry {
 		blobs:     map[digest.Digest][]byte{},
 		manifests: map[digest.Digest][]byte{},
 		tokens:    map[string]time.Time{},
+		stall:     make(chan struct{}),
 	}
 	r.srv = httptest.NewServer(r)
 	t.Cleanup(func() {
@@ -110,6 +113,9 @@ func (r *fakeRegistry) setLatency(d time.Duration) {
 	r.latency = d
 	r.mu.Unlock()
 }
+
+// unstall lets every response held by faultStall finish.
+func (r *fakeRegistry) unstall() { close(r.stall) }
 
 func (r *fakeRegistry) requests() int { return int(r.blobGets.Load()) }
 
@@ -250,11 +256,11 @@ func (r *fakeRegistry) serveBlob(w http.ResponseWriter, req *http.Request, d dig
 		http.Redirect(w, req, redirect+"/storage/"+d.Encoded(), http.StatusTemporaryRedirect)
 		return
 	}
-	serveRange(w, req, b, f, noRange)
+	serveRange(w, req, b, f, noRange, r.stall)
 }
 
 // serveRange answers a GET of blob b honouring one "bytes=a-b" range.
-func serveRange(w http.ResponseWriter, req *http.Request, b []byte, f fault, noRange bool) {
+func serveRange(w http.ResponseWriter, req *http.Request, b []byte, f fault, noRange bool, stall <-chan struct{}) {
 	start, end := int64(0), int64(len(b))-1
 	status := http.StatusOK
 	if rng := req.Header.Get("Range"); rng != "" && !noRange {
@@ -281,6 +287,17 @@ func serveRange(w http.ResponseWriter, req *http.Request, b []byte, f fault, noR
 		w.Write(body[:len(body)/2])
 		// Returning with fewer bytes than Content-Length makes the server
 		// close the connection: the client sees an unexpected EOF.
+		return
+	case faultStall:
+		w.WriteHeader(status)
+		w.Write(body[:len(body)/2])
+		w.(http.Flusher).Flush()
+		select {
+		case <-stall:
+		case <-req.Context().Done():
+			return
+		}
+		w.Write(body[len(body)/2:])
 		return
 	case faultReset:
 		w.WriteHeader(status)
@@ -318,7 +335,7 @@ func storageServer(t *testing.T, reg *fakeRegistry) (*httptest.Server, *atomic.I
 			http.Error(w, "range header lost in redirect", http.StatusBadRequest)
 			return
 		}
-		serveRange(w, req, b, faultNone, false)
+		serveRange(w, req, b, faultNone, false, nil)
 	}))
 	t.Cleanup(srv.Close)
 	return srv, &n

@@ -3,6 +3,7 @@ package snapshotter_test
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -22,7 +23,10 @@ import (
 // (issue target: <= 1.5x).
 // With ENVSNAP_BENCH_BASELINE=<containerd-envsnap binary> it runs that
 // build too, interleaved. ENVSNAP_BENCH_CROWD sets the crowd (default 8),
-// ENVSNAP_BENCH_ROUNDS the rounds (default 2). Run with -v -benchtime=1x.
+// ENVSNAP_BENCH_ROUNDS the rounds (default 2). ENVSNAP_BENCH_PROFILE=<dir>
+// saves a CPU profile and an execution trace (go tool trace -pprof=sync
+// shows where goroutines waited on locks) of the daemon during each crowd.
+// Run with -v -benchtime=1x.
 func BenchmarkCrowdedStart(b *testing.B) {
 	requireBench(b)
 	crowd, rounds := 8, 2
@@ -62,6 +66,20 @@ func BenchmarkCrowdedStart(b *testing.B) {
 						args := append([]string{"sha256sum"}, append(reads, own.Path)...)
 						refs[i] = pushLazyLayers(b, env, fmt.Sprintf("bench/crowd%d:1", i), [][]testenv.File{base, {own}}, args...).Ref
 					}
+					var profiles sync.WaitGroup
+					if dir := os.Getenv("ENVSNAP_BENCH_PROFILE"); dir != "" && n > 1 {
+						for _, kind := range []string{"profile", "trace"} {
+							profiles.Add(1)
+							go func() {
+								defer profiles.Done()
+								dst := filepath.Join(dir, fmt.Sprintf("%s-%s-%d-x%d.out", kind, v.name, round, n))
+								if err := saveProfile(env.SnapshotterSocket, kind, dst, 8); err != nil {
+									b.Logf("%s: %v", kind, err)
+								}
+							}()
+						}
+						time.Sleep(100 * time.Millisecond) // the profiles are running
+					}
 					ready := make([]float64, n)
 					var wg sync.WaitGroup
 					for i := range n {
@@ -84,6 +102,7 @@ func BenchmarkCrowdedStart(b *testing.B) {
 						}()
 					}
 					wg.Wait()
+					profiles.Wait()
 					if b.Failed() {
 						return
 					}
