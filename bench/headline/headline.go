@@ -270,7 +270,9 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 						return nil, fmt.Errorf("reset before %s %s: %w", sys, e.name, err)
 					}
 				}
-				if phase == "warm" && cfg.SettleWarm && sys != Overlayfs {
+				// Without fill a layer is never fully present: nothing
+				// to wait for.
+				if phase == "warm" && cfg.SettleWarm && (sys == Envsnap || sys == EnvsnapEager) {
 					if took, err := b.settle(3 * time.Minute); err != nil {
 						cfg.logf("%-15s settle %s: %v; measuring anyway", sys, e.name, err)
 					} else {
