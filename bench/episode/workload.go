@@ -27,7 +27,8 @@ import (
 // Kinds in stacking order, lowest first.
 var Kinds = []string{group.KindBase, group.KindTask, group.KindHarness, group.KindEvaluator}
 
-// Task is one line of the workload's tasks.jsonl.
+// Task is one line of the workload's tasks.jsonl. Its file paths may be
+// relative to the list's directory; LoadWorkload makes them absolute.
 type Task struct {
 	ID          string            `json:"id"`
 	Groups      map[string]string `json:"groups"` // kind -> rootfs fragment tar
@@ -66,7 +67,9 @@ func LoadWorkload(path string) (*Workload, error) {
 			if t.Groups[k] == "" {
 				return nil, fmt.Errorf("%s line %d: task %s has no %s group", path, n, t.ID, k)
 			}
+			t.Groups[k] = resolve(path, t.Groups[k])
 		}
+		t.Patch, t.Fix = resolve(path, t.Patch), resolve(path, t.Fix)
 		w.Tasks = append(w.Tasks, t)
 	}
 	if err := sc.Err(); err != nil {
@@ -76,6 +79,16 @@ func LoadWorkload(path string) (*Workload, error) {
 		return nil, fmt.Errorf("%s: no tasks", path)
 	}
 	return w, nil
+}
+
+// resolve makes p, a path in the task list at list, absolute: build.sh
+// writes paths relative to the list's directory, so a workload cache
+// still works when it is moved or linked into another checkout.
+func resolve(list, p string) string {
+	if p == "" || filepath.IsAbs(p) {
+		return p
+	}
+	return filepath.Join(filepath.Dir(list), p)
 }
 
 // GroupRef names the group published from a fragment: task-uuid.tar of

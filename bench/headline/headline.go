@@ -54,6 +54,10 @@ type Config struct {
 	// unpacked image: the steady state of later environments of an
 	// iteration rather than the one right after a cold start.
 	SettleWarm bool
+	// Checkpoint, when set, is given the report so far once the
+	// iteration scenario is done: a run cut short afterwards still
+	// leaves its headline.
+	Checkpoint func(*Report) error
 	Log        io.Writer
 }
 
@@ -97,7 +101,16 @@ type Report struct {
 	// Iterations: system -> the iteration scenario's outcome.
 	Iterations map[string]Iteration `json:"iterations,omitempty"`
 	Headline   Headline             `json:"headline"`
-	Notes      []string             `json:"notes"`
+	// Command is how the run was started (the report says what ran).
+	Command string `json:"command"`
+	// SettleWarm: envsnap warm runs waited for their layers to be fully
+	// present (Config.SettleWarm); Settle is how long they waited.
+	SettleWarm bool    `json:"settle_warm"`
+	Settle     Summary `json:"settle_s"`
+	// Agent is what `agent --version` printed in the environments: the
+	// agent CLI release the workload was built with.
+	Agent string   `json:"agent"`
+	Notes []string `json:"notes"`
 }
 
 // Iteration is one system's run of the iteration scenario: an empty node,
@@ -117,10 +130,17 @@ type Headline struct {
 	// IterationRatio: envsnap makespan / overlayfs makespan of the
 	// iteration scenario.
 	IterationRatio float64 `json:"iteration_ratio,omitempty"`
-	InitRatio      float64 `json:"init_ratio"`       // envsnap ready / overlayfs ready
-	EpisodeRatio   float64 `json:"episode_ratio"`    // envsnap episode / overlayfs episode
-	PulledPerRead  float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
-	FillPulledFrac float64 `json:"fill_pulled_frac"` // envsnap registry bytes / image bytes
+	// IterationBytesRatio: envsnap registry bytes / overlayfs registry
+	// bytes over the iteration scenario.
+	IterationBytesRatio float64 `json:"iteration_bytes_ratio,omitempty"`
+	InitRatio           float64 `json:"init_ratio"`    // envsnap ready / overlayfs ready
+	EpisodeRatio        float64 `json:"episode_ratio"` // envsnap episode / overlayfs episode
+	// Warm: the same environment again (see Config.SettleWarm), envsnap
+	// / overlayfs, medians.
+	WarmInitRatio    float64 `json:"warm_init_ratio,omitempty"`
+	WarmEpisodeRatio float64 `json:"warm_episode_ratio,omitempty"`
+	PulledPerRead    float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
+	FillPulledFrac   float64 `json:"fill_pulled_frac"` // envsnap registry bytes / image bytes
 }
 
 type env struct {
@@ -139,7 +159,8 @@ func (c *Config) logf(format string, args ...any) {
 // Measure runs the benchmark.
 func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{},
-		Iterations: map[string]Iteration{}}
+		Iterations: map[string]Iteration{}, SettleWarm: cfg.SettleWarm}
+	var settled []float64
 	rep.Machine = machine()
 	w, err := episode.LoadWorkload(cfg.Tasks)
 	if err != nil {
@@ -225,6 +246,13 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 				sys, it.Envs, it.Concurrent, it.Makespan.Seconds(), it.Episode.Median, it.Episode.P95, mib(it.RegistryBytes), it.Failed)
 		}
 	}
+	if len(rep.Iterations) > 0 && cfg.Checkpoint != nil {
+		rep.summarize()
+		rep.Duration = time.Since(rep.Started)
+		if err := cfg.Checkpoint(rep); err != nil {
+			return nil, fmt.Errorf("checkpoint after the iteration: %w", err)
+		}
+	}
 	for _, sys := range systems {
 		if err := b.useSystem(sys); err != nil {
 			rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))
@@ -242,11 +270,16 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 						return nil, fmt.Errorf("reset before %s %s: %w", sys, e.name, err)
 					}
 				}
-				if phase == "warm" && cfg.SettleWarm && sys != Overlayfs {
+				// Without fill a layer is never fully present: nothing
+				// to wait for.
+				if phase == "warm" && cfg.SettleWarm && (sys == Envsnap || sys == EnvsnapEager) {
 					if took, err := b.settle(3 * time.Minute); err != nil {
 						cfg.logf("%-15s settle %s: %v; measuring anyway", sys, e.name, err)
 					} else {
 						cfg.logf("%-15s settle %s: layers fully present %.1fs after the cold run", sys, e.name, took.Seconds())
+						if sys == Envsnap {
+							settled = append(settled, took.Seconds())
+						}
 					}
 				}
 				r := b.run(ctx, e, sys, phase)
@@ -266,6 +299,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 			}
 		}
 	}
+	rep.Settle = summarize(settled)
 	rep.summarize()
 	rep.Duration = time.Since(rep.Started)
 	return rep, nil
@@ -532,6 +566,9 @@ func (b *bench) readBytes() int64 {
 func (rep *Report) summarize() {
 	groups := map[string][]Run{}
 	for _, r := range rep.Runs {
+		if rep.Agent == "" && r.Error == "" && r.Output != "" {
+			rep.Agent, _, _ = strings.Cut(r.Output, "\n")
+		}
 		key := r.System + "/" + r.Phase
 		if r.Concurrent {
 			key = r.System + "/concurrent"
@@ -556,6 +593,11 @@ func (rep *Report) summarize() {
 	med := func(key, m string) float64 { return rep.Summary[key][m].Median }
 	if o, e := rep.Iterations[Overlayfs], rep.Iterations[Envsnap]; o.Makespan > 0 && e.Makespan > 0 && o.Failed == 0 && e.Failed == 0 {
 		rep.Headline.IterationRatio = e.Makespan.Seconds() / o.Makespan.Seconds()
+		rep.Headline.IterationBytesRatio = float64(e.RegistryBytes) / float64(max(o.RegistryBytes, 1))
+	}
+	if o := med(Overlayfs+"/warm", "ready_s"); o > 0 {
+		rep.Headline.WarmInitRatio = med(Envsnap+"/warm", "ready_s") / o
+		rep.Headline.WarmEpisodeRatio = med(Envsnap+"/warm", "episode_s") / med(Overlayfs+"/warm", "episode_s")
 	}
 	if o := med(Overlayfs+"/cold", "ready_s"); o > 0 {
 		rep.Headline.InitRatio = med(Envsnap+"/cold", "ready_s") / o

@@ -5,7 +5,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/envsnap/envsnap/bench/episode"
 	"github.com/envsnap/envsnap/internal/devenv"
 )
 
@@ -48,5 +50,49 @@ func TestWriteMarkdownKeepsOtherSections(t *testing.T) {
 	}
 	if !strings.HasSuffix(string(got), kept) {
 		t.Errorf("the kept sections are gone:\n%s", got)
+	}
+}
+
+// TestReportRatios: the headline ratios come from the runs of the report
+// (iteration makespans and bytes, warm medians), and a report cut short
+// after the iteration prints no ratio it has no runs for.
+func TestReportRatios(t *testing.T) {
+	rep := &Report{Summary: map[string]map[string]Summary{}, Iterations: map[string]Iteration{
+		Overlayfs: {Envs: 4, Concurrent: 2, Makespan: 100 * time.Second, RegistryBytes: 400},
+		Envsnap:   {Envs: 4, Concurrent: 2, Makespan: 50 * time.Second, RegistryBytes: 100},
+	}}
+	path := filepath.Join(t.TempDir(), "benchmarks.md")
+	rep.summarize()
+	if err := rep.WriteMarkdown(path, "benchmarks.json", nil); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(path)
+	if !strings.Contains(string(got), "envsnap / overlayfs: 0.500x** (target <= 0.6x); registry bytes 0.25x") {
+		t.Errorf("iteration ratios missing:\n%s", got)
+	}
+	if strings.Contains(string(got), "one at a time, cold and warm") {
+		t.Errorf("ratios printed without runs one at a time:\n%s", got)
+	}
+
+	for _, r := range []Run{
+		{Result: episode.Result{System: Overlayfs, Phase: "warm", Ready: 2 * time.Second, Episode: 10 * time.Second, Output: "2.1.332 (Claude Code)\n" + episode.ReadyMarker + "\n"}},
+		{Result: episode.Result{System: Envsnap, Phase: "warm", Ready: time.Second, Episode: 8 * time.Second}},
+		{Result: episode.Result{System: Envsnap, Phase: "warm", Episode: time.Hour, Error: "failed"}},
+	} {
+		rep.Runs = append(rep.Runs, r)
+	}
+	rep.summarize()
+	if h := rep.Headline; h.WarmInitRatio != 0.5 || h.WarmEpisodeRatio != 0.8 {
+		t.Errorf("warm ratios %v, %v; want 0.5, 0.8 (a failed run does not count)", h.WarmInitRatio, h.WarmEpisodeRatio)
+	}
+	if err := rep.WriteMarkdown(path, "benchmarks.json", nil); err != nil {
+		t.Fatal(err)
+	}
+	got, _ = os.ReadFile(path)
+	if !strings.Contains(string(got), "| warm: whole episode, envsnap / overlayfs | **0.800x** | <= 1.0x |") {
+		t.Errorf("warm row missing:\n%s", got)
+	}
+	if !strings.Contains(string(got), "`agent --version` printed `2.1.332 (Claude Code)`") {
+		t.Errorf("agent release missing:\n%s", got)
 	}
 }

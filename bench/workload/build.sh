@@ -396,13 +396,16 @@ else
 fi
 
 # --------------------------------------------------------------- task list
+# Paths relative to the list's directory (episode.LoadWorkload resolves
+# them), so the cache still works when moved or linked into another
+# checkout.
 {
 	for name in "${task_names[@]}"; do
 		for d in "$out/tasks/$name"/*/; do
 			id=$(basename "$d")
 			printf '{"id":"%s","groups":{"base":"%s","task":"%s","harness":"%s","evaluator":"%s"},"repo":"/workspace/%s","patch":"%s","fix":"%s","fix_in_rootfs":"/opt/tasks/%s/%s/fix.diff"}\n' \
-				"$id" "$out/base.tar" "$out/task-$name.tar" "$out/harness.tar" "$out/evaluator.tar" \
-				"$name" "$d"bug.diff "$d"fix.diff "$name" "$id"
+				"$id" base.tar "task-$name.tar" harness.tar evaluator.tar \
+				"$name" "tasks/$name/$id/bug.diff" "tasks/$name/$id/fix.diff" "$name" "$id"
 		done
 	done
 } >"$out/tasks.jsonl.tmp"

@@ -4,9 +4,7 @@ package workload
 
 import (
 	"archive/tar"
-	"bufio"
 	"bytes"
-	"encoding/json"
 	"errors"
 	"io"
 	"os"
@@ -17,16 +15,9 @@ import (
 
 	"github.com/bluekeyes/go-gitdiff/gitdiff"
 
+	"github.com/envsnap/envsnap/bench/episode"
 	"github.com/envsnap/envsnap/internal/prereq"
 )
-
-type task struct {
-	ID     string            `json:"id"`
-	Groups map[string]string `json:"groups"`
-	Repo   string            `json:"repo"`
-	Patch  string            `json:"patch"`
-	Fix    string            `json:"fix"`
-}
 
 // builtTaskLists finds tasks.jsonl files of earlier build.sh runs.
 func builtTaskLists(t *testing.T) []string {
@@ -42,26 +33,13 @@ func builtTaskLists(t *testing.T) []string {
 	return lists
 }
 
-func readTasks(t *testing.T, list string) []task {
+func readTasks(t *testing.T, list string) []episode.Task {
 	t.Helper()
-	f, err := os.Open(list)
+	w, err := episode.LoadWorkload(list)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	var tasks []task
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		var tk task
-		if err := json.Unmarshal(sc.Bytes(), &tk); err != nil {
-			t.Fatalf("%s: %v", list, err)
-		}
-		tasks = append(tasks, tk)
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return tasks
+	return w.Tasks
 }
 
 // filesFromTar returns the named files' contents from a group tarball,

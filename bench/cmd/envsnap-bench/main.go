@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -78,26 +79,61 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
 	}
+	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
+	rel, _ := filepath.Rel(root, out)
+	write := func(rep *headline.Report) ([]string, error) {
+		rep.Command = command
+		if err := rep.WriteJSON(out); err != nil {
+			return nil, err
+		}
+		plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+		if err != nil {
+			return nil, err
+		}
+		return plots, rep.WriteMarkdown(doc, rel, plots)
+	}
+	cfg.Checkpoint = func(rep *headline.Report) error {
+		partial := *rep
+		partial.Notes = append(slices.Clone(rep.Notes), "this report was written after the iteration scenario, before the runs one at a time: the run was cut short")
+		_, err := write(&partial)
+		return err
+	}
 	rep, err := headline.Measure(ctx, cfg)
 	if err != nil {
 		return err
 	}
-	if err := rep.WriteJSON(out); err != nil {
-		return err
-	}
-	plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+	plots, err := write(rep)
 	if err != nil {
-		return err
-	}
-	rel, _ := filepath.Rel(root, out)
-	if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
 		return err
 	}
 	h := rep.Headline
 	if h.IterationRatio > 0 {
-		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs\n", h.IterationRatio)
+		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs, registry bytes %.2fx\n", h.IterationRatio, h.IterationBytesRatio)
+	}
+	if h.WarmEpisodeRatio > 0 {
+		fmt.Printf("warm, median: init %.3fx overlayfs, episode %.3fx overlayfs\n", h.WarmInitRatio, h.WarmEpisodeRatio)
 	}
 	fmt.Printf("cold, median: init %.3fx overlayfs, episode %.3fx overlayfs, registry bytes %.2fx bytes read\nwrote %s, %s, %s\n",
 		h.InitRatio, h.EpisodeRatio, h.PulledPerRead, out, doc, strings.Join(plots, ", "))
 	return nil
+}
+
+// redact makes the paths among args (also in -flag=value) relative to
+// the repository, so the committed report does not carry this machine's
+// absolute paths.
+func redact(args []string, root string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		prefix := ""
+		if k, v, ok := strings.Cut(a, "="); ok {
+			prefix, a = k+"=", v
+		}
+		if rel, err := filepath.Rel(root, a); err == nil && filepath.IsAbs(a) && filepath.IsLocal(rel) {
+			a = rel
+		} else if filepath.IsAbs(a) {
+			a = "..." + string(filepath.Separator) + filepath.Base(a)
+		}
+		out[i] = prefix + a
+	}
+	return out
 }

@@ -88,9 +88,13 @@ func run(ctx context.Context, tasksPath string, n int, rtt time.Duration, rate i
 	regNet := netshape.NewRegistryNet(ctx, link, rtt)
 	// Environments start small and grow with their demand (the envlet
 	// shim, with the node arbiter); the report shows the quota changes.
-	// Background fill is off so "fetched" is what each environment needed
-	// (with fill on, the rest of the image follows within seconds).
-	env, err := devenv.Start(ctx, devenv.WithEnvsnap("--fill=false"), devenv.WithDirPrefix("envsnap-demo-"), devenv.WithRegistryNetwork(regNet),
+	// The daemon runs as shipped, with background fill: the first
+	// environment reads what it needs on demand while the rest of its
+	// layers follow, and later ones find the shared groups on the node
+	// (native lowers once a layer is complete), as in an iteration.
+	// "fetched when ready" is what the first one needed before it could
+	// answer.
+	env, err := devenv.Start(ctx, devenv.WithEnvsnap(), devenv.WithDirPrefix("envsnap-demo-"), devenv.WithRegistryNetwork(regNet),
 		devenv.WithEnvlet(devenv.EnvletConfig{Policy: map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"}}))
 	if err != nil {
 		return err
