@@ -152,14 +152,21 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 	lim := s.Limit.Memory
 	if lim > 0 {
 		frac := float64(o.WS) / float64(lim)
-		pressure := o.NewOOMs > 0 || o.UnderOOM || (o.LimitHits && frac >= cfg.MemGrowWS)
+		// A working set above the limit: only cgroup v2's memory.high lets
+		// one pass it, and every further charge is throttled. The group is
+		// squeezed whether or not it charged this tick: a task that got its
+		// memory through the throttling and then blocks (on a pipe, a
+		// lock) charges nothing, so memory.events high stops counting
+		// while it runs on memory the node never granted.
+		over := o.WS > lim
+		pressure := o.NewOOMs > 0 || o.UnderOOM || over || (o.LimitHits && frac >= cfg.MemGrowWS)
 		for range o.NewOOMs {
 			s.ooms[s.oomNext%len(s.ooms)] = now
 			s.oomNext++
 		}
 		// Stuck: the kernel is killing, pausing, or squeezing the group at
 		// its limit. A high working set alone is not stuck.
-		if o.NewOOMs > 0 || o.UnderOOM || (o.LimitHits && frac >= cfg.MemGrow4WS) {
+		if o.NewOOMs > 0 || o.UnderOOM || over || (o.LimitHits && frac >= cfg.MemGrow4WS) {
 			if s.atLimitSince.IsZero() {
 				s.atLimitSince = now
 			}

@@ -403,3 +403,34 @@ func TestTraceV2GuestMemory(t *testing.T) {
 		t.Fatalf("after the release the grant is %s, want 128 MiB", FormatBytes(got))
 	}
 }
+
+// Measured in the tests/vm guest (cgroup v2): an environment granted the
+// whole node (435 MiB) allocated 300 MiB more in one dd. memory.high
+// throttled the allocation, then let it through; dd then blocked on a
+// pipe with 500 MiB, charging nothing, so memory.events high stopped
+// counting. The controller must still see the group squeezed above its
+// limit, be denied by the node, and fail it after FailPaused rather than
+// leave it on memory the node never granted.
+func TestTraceV2AboveHighDenied(t *testing.T) {
+	cfg := testConfig()
+	arb := NewNodeArbiter(Resources{CPU: 16, Memory: 256 * MiB}, 0)
+	tr := newTrace(t, cfg, arb, 2)
+	var err error
+	steps := 0
+	for range 50 {
+		steps++
+		if err = tr.step(func(s *Sample) { s.MemUsage = 300 * MiB; tr.cpu(0) }); err != nil {
+			break
+		}
+	}
+	var fe *FailureError
+	if !errors.As(err, &fe) || fe.Reason != ReasonNodeExhausted {
+		t.Fatalf("after %d ticks above the limit with growth denied: %v, want %s", steps, err, ReasonNodeExhausted)
+	}
+	if d := time.Duration(steps) * tick; d < cfg.FailPaused {
+		t.Fatalf("failed after %v, before FailPaused %v", d, cfg.FailPaused)
+	}
+	if fe.WorkingSet != 300*MiB || fe.Granted != 256*MiB {
+		t.Fatalf("failure %+v", fe.Failure)
+	}
+}

@@ -305,7 +305,21 @@ check loud-failure-frozen "the shim did not freeze the failed environment before
 	sh -c "journalctl --no-pager -u containerd | grep -q 'froze failed environment'"
 check loud-failure-event "no /envlet/env/failed event with MEM_NODE_EXHAUSTED for the hog" \
 	sh -c "grep -q 'MEM_NODE_EXHAUSTED' /tmp/events.log && grep -q '/tasks/oom' /tmp/events.log"
-[ -n "$C3" ] && { crictl stop -t 1 "$C3" >/dev/null; crictl rm "$C3" >/dev/null; }
+
+# --- an in-place resize (kubelet's UpdateContainerResources) moves the cap ---
+# The shim keeps runc away from cpu.max (envlet owns it) and makes the new
+# limit envlet's cap: 0.2 cores, below the 0.5 granted, forces cpu.max down.
+if [ -n "$C3" ]; then
+	D3=$(cgdir "$C3")
+	crictl update --cpu-period 100000 --cpu-quota 20000 "$C3" >/dev/null
+	check resize-cap "cpu.max of $C3 did not follow an in-place resize to 0.2 cores: $(cat "$D3"/cpu.max)" \
+		wait_for 30 sh -c "[ \"\$(cat $D3/cpu.max)\" = '20000 100000' ]"
+	log "after crictl update --cpu-quota 20000: cpu.max=$(cat "$D3"/cpu.max)"
+	crictl stop -t 1 "$C3" >/dev/null
+	crictl rm "$C3" >/dev/null
+else
+	fail resize-cap "no container to resize"
+fi
 crictl rm "$C2" >/dev/null
 rm -f /var/lib/vmtest/mem/*
 
