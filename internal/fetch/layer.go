@@ -13,6 +13,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -715,13 +716,17 @@ func (l *Layer) Progress() (cachedBytes, totalBytes int64) {
 }
 
 // fetchSpans fetches the spans idx (canonical, in blob order) that are
-// neither cached nor being fetched, in one request, registered as a
-// flight so that reads of them wait for it instead of asking again. before,
-// when set, is called with the request's size before it is sent.
+// neither cached nor being fetched, registered as flights so that reads of
+// them wait for those instead of asking again. Spans close together go in
+// one request; a gap wider than the layer's maxGap starts another, run
+// concurrently: a peer asking for a frame that repeats an earlier one of
+// the layer (the canonical span) must not cost the registry everything in
+// between. before, when set, is called with each request's size before it
+// is sent.
 func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before func(n int64)) error {
 	l.mu.Lock()
 	l.flights.mu.Lock()
-	var chunks []layerfmt.Chunk
+	var runs [][]layerfmt.Chunk
 	for _, j := range idx {
 		if l.cached[j] {
 			continue
@@ -730,29 +735,42 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 		if _, busy := l.flights.m[c.Digest]; busy {
 			continue
 		}
-		chunks = append(chunks, c)
+		if n := len(runs); n > 0 {
+			prev := runs[n-1][len(runs[n-1])-1]
+			if c.Offset-(prev.Offset+prev.CompressedSize) <= l.o.maxGap {
+				runs[n-1] = append(runs[n-1], c)
+				continue
+			}
+		}
+		runs = append(runs, []layerfmt.Chunk{c})
 	}
-	var f *flight
-	if len(chunks) > 0 && !l.closed {
-		f = l.registerLocked(chunks)
+	var flights []*flight
+	if !l.closed {
+		for _, chunks := range runs {
+			flights = append(flights, l.registerLocked(chunks))
+		}
 	}
 	l.flights.mu.Unlock()
 	l.mu.Unlock()
-	if f == nil {
-		return nil
+	var g errgroup.Group
+	for i, f := range flights {
+		chunks := runs[i]
+		g.Go(func() error {
+			if before != nil {
+				before(chunks[len(chunks)-1].Offset + chunks[len(chunks)-1].CompressedSize - chunks[0].Offset)
+			}
+			rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
+			defer cancel()
+			l.run(rctx, f, chunks, kind)
+			for _, a := range f.arrivals {
+				if a.err != nil {
+					return a.err
+				}
+			}
+			return f.putErr
+		})
 	}
-	if before != nil {
-		before(chunks[len(chunks)-1].Offset + chunks[len(chunks)-1].CompressedSize - chunks[0].Offset)
-	}
-	rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
-	defer cancel()
-	l.run(rctx, f, chunks, kind)
-	for _, a := range f.arrivals {
-		if a.err != nil {
-			return a.err
-		}
-	}
-	return f.putErr
+	return g.Wait()
 }
 
 // Close stops the background fill, waits for fetches in progress and
