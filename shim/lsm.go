@@ -128,7 +128,7 @@ func (l *lsmEnv) poll(ctx context.Context) {
 					WithField("denied", n-was[k]).WithField("total", n).Warn("lsm: denied")
 			}
 		}
-		l.seen[path] = [2]uint64{c[0], c[1]}
+		l.seen[path] = c
 	}
 	l.denied = total
 }

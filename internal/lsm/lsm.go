@@ -8,7 +8,7 @@
 // it on the same file system.
 //
 // Two programs are loaded per environment, on the unix_stream_connect and
-// file_post_open hooks (see prog.go). They are node-wide LSM programs
+// file_post_open hooks (file_open before Linux 6.9; see prog.go). They are node-wide LSM programs
 // that return at once for any process outside the environment's cgroup
 // (cgroup v2, the unified hierarchy on a hybrid host), not BPF_LSM_CGROUP
 // programs: cilium/ebpf v0.22 cannot load the latter (it does not resolve

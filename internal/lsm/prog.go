@@ -36,6 +36,9 @@ type offsets struct {
 	inodeIno       int16 // inode.i_ino
 	inodeSb        int16 // inode.i_sb
 	sbDev          int16 // super_block.s_dev
+	// openHook is file_post_open (Linux 6.9) where the kernel has it,
+	// file_open before.
+	openHook string
 }
 
 var (
@@ -52,6 +55,11 @@ func kernelOffsets() (offsets, error) {
 			return
 		}
 		o := &offsetsVal
+		o.openHook = "file_post_open"
+		var fn *btf.Func
+		if err := spec.TypeByName("bpf_lsm_file_post_open", &fn); err != nil {
+			o.openHook = "file_open"
+		}
 		for _, f := range []struct {
 			dst          *int16
 			typ, members string
@@ -204,20 +212,22 @@ func connectProgram(cg Cgroup, protected int, off offsets) *ebpf.ProgramSpec {
 // openProgram runs on file_post_open(file, mask): every open that comes
 // through open(2), openat(2), openat2(2), open_by_handle_at(2) or
 // execve(2), once the file is open and before the caller gets it (and
-// before O_TRUNC truncates it). Not file_open: overlayfs opens each file
-// of the container's rootfs a second time, on the layer below, in the
-// caller's context, and the layers live under directories the node may
-// protect; those internal opens do not pass file_post_open.
+// before O_TRUNC truncates it). Not file_open where file_post_open
+// exists: overlayfs opens each file of the container's rootfs a second
+// time, on the layer below, in the caller's context, and those internal
+// opens do not pass file_post_open. Kernels before 6.9 only have
+// file_open, where a protected directory must not hold the layers of a
+// container's rootfs (the defaults do not).
 func openProgram(cg Cgroup, protected int, off offsets) *ebpf.ProgramSpec {
 	insns := prologue(cg)
 	insns = append(insns,
-		asm.LoadMem(asm.R1, asm.R6, 0, asm.DWord), // file
+		asm.LoadMem(asm.R1, asm.R6, 0, asm.DWord), // file, both hooks' first argument
 		asm.LoadMem(asm.R7, asm.R1, off.fileDentry, asm.DWord),
 	)
 	insns = append(insns, walk(protected, off)...)
 	insns = append(insns, epilogue(Open)...)
 	return &ebpf.ProgramSpec{
 		Name: "envsnap_open", Type: ebpf.LSM, AttachType: ebpf.AttachLSMMac,
-		AttachTo: "file_post_open", License: "GPL", Instructions: insns,
+		AttachTo: off.openHook, License: "GPL", Instructions: insns,
 	}
 }
