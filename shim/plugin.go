@@ -9,7 +9,9 @@
 // Life of a container: Create admits it with the node arbiter (rejection
 // fails Create with errdefs.ErrResourceExhausted) and, when an egress
 // policy applies, installs it in the container's network namespace once
-// runc has created it, before it runs (package egress); Start starts its
+// runc has created it, before it runs (package egress), and attaches the
+// BPF LSM rules that keep its processes from the node's sockets and
+// protected paths (package lsm); Start starts its
 // controller on the container's cgroup, Update moves the controller's
 // bounds, exit and Delete stop the controller and release the grant. A
 // controller that gives up (memory denied while OOMing) fails the task
@@ -21,6 +23,7 @@ package shim
 import (
 	"context"
 	"fmt"
+	"os"
 
 	runctask "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/task"
 	"github.com/containerd/containerd/v2/pkg/shim"
@@ -82,6 +85,12 @@ func init() {
 			if err != nil {
 				return nil, fmt.Errorf("envlet egress: %w", err)
 			}
+			// The node's sockets, wherever this node keeps them.
+			arbSocket := cc.Socket
+			if arbSocket == "" {
+				arbSocket = arbiter.DefaultSocket
+			}
+			guard.Protected = append(append(guard.Protected, NodeSockets(os.Getenv)...), arbSocket)
 			arb := arbiter.NewClient(cc)
 			ss.(shutdown.Service).RegisterCallback(func(context.Context) error { return arb.Close() })
 			return New(ic.Context, inner, publisher, Options{

@@ -102,6 +102,7 @@ type Service struct {
 	mu     sync.Mutex
 	envs   map[string]*env
 	egress map[string]*egressEnv
+	lsm    map[string]*lsmEnv
 }
 
 // env is one managed container.
@@ -149,6 +150,7 @@ func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.P
 		opts:             opts,
 		envs:             make(map[string]*env),
 		egress:           make(map[string]*egressEnv),
+		lsm:              make(map[string]*lsmEnv),
 	}
 }
 
@@ -314,6 +316,12 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 			return failCreated("egress policy failed", err)
 		}
 	}
+	if s.opts.Guard.LSM {
+		if err := s.startLSM(ctx, r.ID, resp.Pid); err != nil {
+			s.stopEgress(r.ID)
+			return failCreated("lsm rules failed", err)
+		}
+	}
 	s.mu.Lock()
 	s.envs[r.ID] = e
 	s.mu.Unlock()
@@ -345,10 +353,13 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 		e.mu.Unlock()
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
 	}
-	var src arbiter.StatusSource = ctrl
+	var src Controller = ctrl
 	s.mu.Lock()
 	if eg := s.egress[e.id]; eg != nil {
-		src = egressStatus{ctrl, eg}
+		src = egressStatus{src, eg}
+	}
+	if l := s.lsm[e.id]; l != nil {
+		src = lsmStatus{src, l}
 	}
 	s.mu.Unlock()
 	s.opts.Arbiter.Track(e.key, src)
@@ -604,6 +615,7 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 		return resp, err
 	}
 	s.stopEgress(r.ID)
+	s.stopLSM(r.ID)
 	s.mu.Lock()
 	e := s.envs[r.ID]
 	delete(s.envs, r.ID)

@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -121,6 +122,11 @@ type EnvletConfig struct {
 	// Policy holds [policy] keys of envlet.toml (docs/shim.md), e.g.
 	// "initial-cpu": "0.5".
 	Policy map[string]string
+	// Protected is [guard] protected: paths no environment may open or
+	// connect to, besides the node's sockets.
+	Protected []string
+	// ArbiterMetrics is the arbiter's --metrics-address ("" for none).
+	ArbiterMetrics string
 }
 
 // WithEnvlet writes an envlet.toml for the shim (containerd passes
@@ -254,6 +260,13 @@ func (e *Env) startArbiter(c EnvletConfig) error {
 		cfg += fmt.Sprintf("memory = %q\n", c.NodeMemory)
 	}
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", socket)
+	if len(c.Protected) > 0 {
+		quoted := make([]string, len(c.Protected))
+		for i, p := range c.Protected {
+			quoted[i] = strconv.Quote(p)
+		}
+		cfg += "[guard]\nprotected = [" + strings.Join(quoted, ", ") + "]\n"
+	}
 	e.EnvletConfig = filepath.Join(e.Dir, "envlet.toml")
 	if err := os.WriteFile(e.EnvletConfig, []byte(cfg), 0o600); err != nil {
 		return err
@@ -263,7 +276,11 @@ func (e *Env) startArbiter(c EnvletConfig) error {
 	if err != nil {
 		return err
 	}
-	p, err := e.StartProcess("arbiter", nil, bin, "arbiter", "--config", e.EnvletConfig)
+	args := []string{"arbiter", "--config", e.EnvletConfig}
+	if c.ArbiterMetrics != "" {
+		args = append(args, "--metrics-address", c.ArbiterMetrics)
+	}
+	p, err := e.StartProcess("arbiter", nil, bin, args...)
 	if err != nil {
 		return err
 	}

@@ -56,6 +56,11 @@ type Status struct {
 	// rejected. The shim fills it in (the controller does not see the
 	// network).
 	EgressDenied int `json:",omitempty"`
+	// LSMDenied counts the connects and opens the environment's BPF LSM
+	// rules refused; LSMUnavailable says it runs without them (the
+	// kernel does not run BPF LSM programs). The shim fills both in.
+	LSMDenied      int  `json:",omitempty"`
+	LSMUnavailable bool `json:",omitempty"`
 }
 
 // Option configures a Controller.

@@ -12,7 +12,9 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -117,6 +119,14 @@ type Guard struct {
 	// "0" for no cap) and files. A watcher, not a hard limit.
 	Disk   string `toml:"disk"`
 	Inodes *int64 `toml:"inodes"`
+	// LSM is "auto" (BPF LSM rules per environment where the kernel runs
+	// them; elsewhere environments start without them, and say so) or
+	// "off".
+	LSM string `toml:"lsm"`
+	// Protected are paths, besides DefaultProtected and the node's
+	// sockets the shim knows (containerd's, the arbiter's), that no
+	// environment may open or connect to, nor anything under them.
+	Protected []string `toml:"protected"`
 }
 
 // Guard defaults.
@@ -128,7 +138,15 @@ const (
 	DefaultOutput    = envlet.GiB
 	DefaultDisk      = 20 * envlet.GiB
 	DefaultInodes    = 2_000_000
+	LSMAuto          = "auto"
+	LSMOff           = "off"
 )
+
+// DefaultProtected are always protected (package lsm): the directory of
+// containerd's shim sockets (each one serves the task API of the
+// containers it runs) and that of the envsnap daemon's sockets
+// (daemon.DefaultAddress, with the root-only status socket).
+var DefaultProtected = []string{"/run/containerd/s", "/run/containerd-envsnap"}
 
 // GuardLimits is [guard] resolved.
 type GuardLimits struct {
@@ -138,11 +156,27 @@ type GuardLimits struct {
 	Output    int64
 	Disk      int64
 	Inodes    int64
+	LSM       bool
+	// Protected is DefaultProtected and [guard] protected.
+	Protected []string
 }
 
 // GuardLimits resolves [guard] with the defaults.
 func (c Config) GuardLimits() (GuardLimits, error) {
-	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}
+	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes, LSM: true}
+	switch c.Guard.LSM {
+	case "", LSMAuto:
+	case LSMOff:
+		g.LSM = false
+	default:
+		return g, fmt.Errorf("[guard] lsm %q: want %q or %q", c.Guard.LSM, LSMAuto, LSMOff)
+	}
+	g.Protected = append(slices.Clone(DefaultProtected), c.Guard.Protected...)
+	for _, p := range c.Guard.Protected {
+		if !filepath.IsAbs(p) {
+			return g, fmt.Errorf("[guard] protected %q: must be an absolute path", p)
+		}
+	}
 	switch c.Guard.Seccomp {
 	case "", SeccompDefault:
 	case SeccompNone:

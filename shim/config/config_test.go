@@ -3,6 +3,8 @@ package config
 import (
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -122,9 +124,11 @@ func TestGuardLimits(t *testing.T) {
 		want    GuardLimits
 		wantErr string
 	}{
-		{"", GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes}, ""},
-		{"[guard]\nseccomp = \"none\"\npids = 0\noutput = \"0\"\npids-grace = \"5s\"\ndisk = \"0\"\ninodes = 0\n", GuardLimits{Pids: 0, PidsGrace: 5 * time.Second}, ""},
-		{"[guard]\npids = 128\noutput = \"64Mi\"\ndisk = \"1Gi\"\ninodes = 1000\n", GuardLimits{Seccomp: true, Pids: 128, PidsGrace: DefaultPidsGrace, Output: 64 * envlet.MiB, Disk: envlet.GiB, Inodes: 1000}, ""},
+		{"", GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes, LSM: true, Protected: DefaultProtected}, ""},
+		{"[guard]\nseccomp = \"none\"\npids = 0\noutput = \"0\"\npids-grace = \"5s\"\ndisk = \"0\"\ninodes = 0\nlsm = \"off\"\n", GuardLimits{Pids: 0, PidsGrace: 5 * time.Second, Protected: DefaultProtected}, ""},
+		{"[guard]\npids = 128\noutput = \"64Mi\"\ndisk = \"1Gi\"\ninodes = 1000\nprotected = [\"/srv/answers\"]\n", GuardLimits{Seccomp: true, Pids: 128, PidsGrace: DefaultPidsGrace, Output: 64 * envlet.MiB, Disk: envlet.GiB, Inodes: 1000, LSM: true, Protected: append(slices.Clone(DefaultProtected), "/srv/answers")}, ""},
+		{"[guard]\nlsm = \"maybe\"\n", GuardLimits{}, "lsm"},
+		{"[guard]\nprotected = [\"srv\"]\n", GuardLimits{}, "absolute"},
 		{"[guard]\ndisk = \"much\"\n", GuardLimits{}, "disk"},
 		{"[guard]\ninodes = -5\n", GuardLimits{}, "inodes"},
 		{"[guard]\nseccomp = \"strict\"\n", GuardLimits{}, "seccomp"},
@@ -146,7 +150,7 @@ func TestGuardLimits(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%q: %v", tc.toml, err)
 		}
-		if g, err := c.GuardLimits(); err != nil || g != tc.want {
+		if g, err := c.GuardLimits(); err != nil || !reflect.DeepEqual(g, tc.want) {
 			t.Errorf("%q: %+v %v, want %+v", tc.toml, g, err, tc.want)
 		}
 	}

@@ -233,7 +233,11 @@ func (n *neighbour) alive(t *testing.T, ep *episode) {
 }
 
 func TestHostileEpisode(t *testing.T) {
-	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithEnvlet(testenv.EnvletConfig{}))
+	node := newNodeSide(t)
+	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithEnvlet(testenv.EnvletConfig{
+		Protected: []string{node.secretDir}, ArbiterMetrics: fmt.Sprintf(":%d", node.metricsPort),
+	}))
+	node.arbiterSocket = filepath.Join(env.Dir, "arbiter.sock")
 	tools := []testenv.File{
 		{Path: "/bin/bash", Mode: 0o755, Data: []byte(genuineBash)},
 		{Path: "/agent", Mode: 0o755, Data: agentBinary(t)},
@@ -388,6 +392,20 @@ func TestHostileEpisode(t *testing.T) {
 		if !strings.Contains(errOut, "Read-only file system") {
 			t.Errorf("evaluator files writable: stdout %q stderr %q", out, errOut)
 		}
+		nb.alive(t, ep)
+	})
+
+	t.Run("node sockets and a forged arbiter request", func(t *testing.T) {
+		nodeSockets(t, ep, node)
+		nb.alive(t, ep)
+	})
+
+	t.Run("arbiter metrics port from the container", func(t *testing.T) {
+		arbiterMetrics(t, ep, node)
+	})
+
+	t.Run("node sockets and a protected directory mounted in on purpose", func(t *testing.T) {
+		mountedInOnPurpose(t, ep, node)
 		nb.alive(t, ep)
 	})
 

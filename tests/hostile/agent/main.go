@@ -4,15 +4,27 @@
 // whatever the attempts gave (the test reads the lines).
 //
 //	agent ioctls SRC DST   clone/dedupe/swap-extent ioctls from SRC onto DST
+//	agent connect PATH...  connect to unix sockets
+//	agent open PATH...     open files for reading
+//	agent tcp ADDR...      TCP connections (host:port), 2 s each
+//	agent arbiter PATH...  a forged arbiter request (List) on each socket
 package main
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"net"
 	"os"
+	"syscall"
+	"time"
 	"unsafe"
 
+	"github.com/containerd/ttrpc"
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/shim"
 )
 
@@ -21,8 +33,60 @@ func main() {
 		ioctls(os.Args[2], os.Args[3])
 		return
 	}
-	fmt.Fprintln(os.Stderr, "usage: agent ioctls SRC DST")
+	if len(os.Args) >= 3 {
+		for _, arg := range os.Args[2:] {
+			switch os.Args[1] {
+			case "connect":
+				c, err := net.Dial("unix", arg)
+				if err == nil {
+					c.Close()
+				}
+				report("connect "+arg, err)
+			case "open":
+				f, err := os.Open(arg)
+				if err == nil {
+					f.Close()
+				}
+				report("open "+arg, err)
+			case "tcp":
+				c, err := net.DialTimeout("tcp", arg, 2*time.Second)
+				if err == nil {
+					c.Close()
+				}
+				report("tcp "+arg, err)
+			case "arbiter":
+				report("arbiter "+arg, forge(arg))
+			default:
+				usage()
+			}
+		}
+		return
+	}
+	usage()
+}
+
+func usage() {
+	fmt.Fprintln(os.Stderr, "usage: agent ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH...")
 	os.Exit(2)
+}
+
+// forge sends the arbiter's List request, which the shims use to find
+// the node's environments, on socket: what an agent would try first.
+func forge(socket string) error {
+	conn, err := net.Dial("unix", socket)
+	if err != nil {
+		return err
+	}
+	c := ttrpc.NewClient(conn)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var resp wrapperspb.BytesValue
+	if err := c.Call(ctx, arbiter.ServiceName, "List", &wrapperspb.BytesValue{Value: []byte("{}")}, &resp); err != nil {
+		return err
+	}
+	fmt.Printf("arbiter %s answered %d bytes\n", socket, len(resp.Value))
+	return nil
 }
 
 // ioctls issues every denied ioctl with a well-formed argument naming src
@@ -80,8 +144,14 @@ func report(what string, err error) {
 		fmt.Println(what, "ok")
 		return
 	}
-	if e, ok := err.(unix.Errno); ok {
+	var e syscall.Errno
+	if errors.As(err, &e) {
 		fmt.Println(what, unix.ErrnoName(e))
+		return
+	}
+	var te interface{ Timeout() bool }
+	if errors.As(err, &te) && te.Timeout() {
+		fmt.Println(what, "timeout")
 		return
 	}
 	fmt.Println(what, err)

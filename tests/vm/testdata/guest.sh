@@ -50,6 +50,17 @@ mkdir -p /etc/envsnap /etc/containerd/conf.d /etc/containerd/certs.d/127.0.0.1:5
 # (what the restart checks need).
 sed 's/^fill = true/fill = false/' "$S"/deploy/envsnap/config.toml >/etc/envsnap/config.toml
 cp "$S"/envlet.toml /etc/envsnap/envlet.toml
+
+# --- BPF LSM rules (internal/lsm): Debian's kernel has bpf in its active
+# LSMs, so the programs must load and deny here ---
+log "active LSMs: $(cat /sys/kernel/security/lsm 2>/dev/null || echo 'securityfs not mounted')"
+lsm_test() {
+	ENVSNAP_LSM_REQUIRED=1 /usr/local/bin/lsm.test -test.run '^TestGuard$' -test.v >/tmp/lsm.out 2>&1
+	local rc=$?
+	sed 's/^/VMTEST: LOG lsm.test: /' /tmp/lsm.out
+	return $rc
+}
+check bpf-lsm "internal/lsm TestGuard failed in the guest (output above)" lsm_test
 cp "$S"/deploy/containerd/envsnap.toml /etc/containerd/conf.d/envsnap.toml
 cat >/etc/containerd/certs.d/127.0.0.1:5000/hosts.toml <<'EOF'
 server = "http://127.0.0.1:5000"
