@@ -267,8 +267,15 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		}
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	cleanup()
 	res.Encode = time.Since(t)
+	// Removing the staged copy (thousands of files, the diff's size in
+	// memory) overlaps the end of the push.
+	cleaned := make(chan struct{})
+	go func() {
+		defer close(cleaned)
+		cleanup()
+	}()
+	defer func() { <-cleaned }()
 
 	top := diff
 	if layout.Squash > 0 && !layout.Background {
