@@ -83,7 +83,10 @@ type Options struct {
 	// streamed to the registry otherwise).
 	TempDir string
 	// UploadChunk is the size of the requests that stream the diff layer
-	// to the registry while it is encoded (DefaultUploadChunk).
+	// to the registry while it is encoded (DefaultUploadChunk). Negative:
+	// no streaming; the layer is written to TempDir and uploaded after
+	// the encode with containerd's pusher, for a registry that refuses
+	// chunked uploads.
 	UploadChunk int
 	// Platform picks the manifest of a multi-platform image (default the
 	// running platform).
@@ -150,7 +153,7 @@ func (o *Options) defaults() {
 	if o.MaxDepth < 1 {
 		o.MaxDepth = DefaultMaxDepth
 	}
-	if o.UploadChunk <= 0 {
+	if o.UploadChunk == 0 {
 		o.UploadChunk = DefaultUploadChunk
 	}
 	if o.Platform == nil {
@@ -221,9 +224,9 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	// The new diff is the pushed layer unless the parent's layers are
 	// squashed with it first: it is then streamed to the registry while it
 	// is encoded, and kept on disk only for a squash.
-	stream := layout.Squash == 0 || layout.Background
+	stream := (layout.Squash == 0 || layout.Background) && o.UploadChunk > 0
 	diffPath := ""
-	if layout.Squash > 0 {
+	if layout.Squash > 0 || !stream {
 		diffPath = filepath.Join(tmp, "diff")
 	}
 	pusher, err := group.NewPusher(ctx, o.Hosts, target)

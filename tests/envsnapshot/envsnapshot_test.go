@@ -559,6 +559,24 @@ func TestSnapshotBadInput(t *testing.T) {
 	}
 	// The same snapshot goes through once the registry is healthy.
 	r.snapshot(t, "big", target)
+	// Without streaming (a registry that refuses chunked uploads) the
+	// layer goes up after the encode, with no PATCH.
+	e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+		if req.Method == http.MethodPatch {
+			http.Error(w, "no chunked uploads here", http.StatusMethodNotAllowed)
+			return true
+		}
+		return false
+	})
+	unstreamed := e.Registry.Host + "/envsnap-test/bad-snap:unstreamed"
+	res, err := envsnapshot.Take(ctx, e.Client, "big", unstreamed, envsnapshot.Options{Hosts: e.Hosts(), UploadChunk: -1})
+	e.Registry.Intercept(nil)
+	if err != nil {
+		t.Fatalf("snapshot without streaming: %v", err)
+	}
+	if m := r.manifest(t, unstreamed); m.Layers[len(m.Layers)-1].Digest != res.Layer.Digest {
+		t.Errorf("snapshot without streaming: top layer %s, want %s", m.Layers[len(m.Layers)-1].Digest, res.Layer.Digest)
+	}
 
 	// A stopped container is read in place, without a freeze.
 	exited, err := task.Wait(ctx)
