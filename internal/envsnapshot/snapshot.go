@@ -131,11 +131,11 @@ type Result struct {
 	// for it before the process exits.
 	Squash *Squashing
 	// Encode is the time spent writing the diff as an envsnap layer,
-	// which is uploaded as it is written (unless it is squashed first)
-	// while the base layers are linked; Push the time after it (and
-	// after a squash) until the manifest is pushed: the rest of the
-	// upload, the config and the manifest. Duration is the whole
-	// snapshot.
+	// which is uploaded as it is written (unless it is squashed first or
+	// UploadChunk is negative) while the base layers are linked; Push the
+	// time after it (and after a squash) until the manifest is pushed:
+	// the rest of the upload, the config and the manifest. Duration is
+	// the whole snapshot.
 	Encode, Push time.Duration
 	Duration     time.Duration
 }
@@ -221,9 +221,9 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	if layout.Background {
 		first = Layout{Keep: layout.Keep}
 	}
-	// The new diff is the pushed layer unless the parent's layers are
-	// squashed with it first: it is then streamed to the registry while it
-	// is encoded, and kept on disk only for a squash.
+	// Unless the parent's layers are squashed with it first, the new diff
+	// is the pushed layer, streamed to the registry while it is encoded.
+	// It goes to disk only for a squash or an unstreamed upload.
 	stream := (layout.Squash == 0 || layout.Background) && o.UploadChunk > 0
 	diffPath := ""
 	if layout.Squash > 0 || !stream {

@@ -27,6 +27,9 @@ import (
 // still on the rest.
 const DefaultUploadChunk = 8 << 20
 
+// maxUploadChunk bounds the chunk size a registry can ask for.
+const maxUploadChunk = 256 << 20
+
 // blobUpload streams a blob whose digest is not known yet to a registry,
 // with the chunked upload of the OCI distribution spec: POST opens an
 // upload session, each chunk is a PATCH with its Content-Range, and the
@@ -107,8 +110,12 @@ func startUpload(ctx context.Context, hosts docker.RegistryHosts, target string,
 		return nil, fmt.Errorf("start upload to %s: %w", target, err)
 	}
 	// A registry may ask for larger chunks (OCI distribution spec,
-	// OCI-Chunk-Min-Length).
+	// OCI-Chunk-Min-Length); two chunks are held in memory, so a demand
+	// past maxUploadChunk is refused rather than allocated.
 	if v, err := strconv.Atoi(resp.Header.Get("OCI-Chunk-Min-Length")); err == nil && v > chunk {
+		if v > maxUploadChunk {
+			return nil, fmt.Errorf("start upload to %s: the registry wants chunks of at least %d bytes, over the %d this holds in memory: %w", target, v, maxUploadChunk, errdefs.ErrNotImplemented)
+		}
 		chunk = v
 	}
 	u.buf = make([]byte, 0, chunk)

@@ -120,10 +120,11 @@ func TestBenchSnapshot(t *testing.T) {
 // returns each one's time until its task ran (the shared pull included).
 func forkTimes(t *testing.T, ctx context.Context, e *testenv.Env, ref, prefix string, n int) []time.Duration {
 	t.Helper()
-	_, forks, err := envsnapshot.Fork(ctx, e.Client, ref, n, envsnapshot.ForkOptions{Hosts: e.Hosts(), IDPrefix: prefix, Args: []string{"sleep", "100000"}})
+	pull, forks, err := envsnapshot.Fork(ctx, e.Client, ref, n, envsnapshot.ForkOptions{Hosts: e.Hosts(), IDPrefix: prefix, Args: []string{"sleep", "100000"}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("%s: pull (lazy) %s, then %d containers created and started at once", prefix, pull, n)
 	var out []time.Duration
 	for _, f := range forks {
 		if f.Err != nil {
