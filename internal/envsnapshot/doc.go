@@ -11,10 +11,11 @@
 // copy is brought up to date (only files that changed, or may have,
 // since the pre-copy are copied again); the container is thawed; the
 // copy is written as an OCI diff (overlay whiteouts and opaque
-// directories become OCI whiteouts) and encoded with layerfmt; the layer,
-// then the config, then the manifest are pushed. Only the manifest makes
-// the snapshot visible, so a failure never leaves an image that refers to
-// missing blobs.
+// directories become OCI whiteouts) and encoded with layerfmt, the layer
+// streamed to the registry in chunks as it is encoded while the base
+// layers are linked; then the config, and the manifest last. Only the
+// manifest makes the snapshot visible, so a failure never leaves an image
+// that refers to missing blobs.
 //
 // Chains of snapshots (a fork snapshotted again) add one layer each; past
 // the depth limit Decide has them squashed into one, in the background

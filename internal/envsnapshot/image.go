@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/remotes"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/pkg/reference"
 	"github.com/opencontainers/go-digest"
@@ -116,24 +117,48 @@ func trimHistory(h []ocispec.History, layers int) ([]ocispec.History, bool) {
 // manifest last; guard, if set, runs just before the manifest push and
 // stops it with its error.
 func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, srcRef, target string, top *blob, res *Result, guard func(context.Context) error) error {
-	dst, err := reference.Parse(target)
-	if err != nil {
-		return fmt.Errorf("target %s: %w", target, err)
-	}
-	src, err := reference.Parse(srcRef)
-	if err != nil {
-		return fmt.Errorf("image %s is not a registry reference, so its layers cannot be linked: %w", srcRef, err)
-	}
 	pusher, err := group.NewPusher(ctx, hosts, target)
 	if err != nil {
 		return fmt.Errorf("push %s: %w", target, err)
 	}
-	for _, l := range img.linked {
-		if err := plan.LinkLayer(ctx, pusher, l, dst, src); err != nil {
-			return fmt.Errorf("push %s: %w", target, err)
-		}
-		res.LayersLinked++
+	if res.LayersLinked, err = linkLayers(ctx, pusher, img.linked, srcRef, target); err != nil {
+		return err
 	}
+	if err := img.pushLayer(ctx, pusher, target, top, res); err != nil {
+		return err
+	}
+	sent, err := img.pushConfig(ctx, pusher, target)
+	if err != nil {
+		return err
+	}
+	if sent {
+		res.UploadedBytes += img.manifest.Config.Size
+	}
+	return img.pushManifest(ctx, pusher, target, res, guard)
+}
+
+// linkLayers links layers into target's repository from srcRef's (a HEAD,
+// or a cross-repository mount: no byte is sent) and returns how many it
+// linked.
+func linkLayers(ctx context.Context, pusher remotes.Pusher, layers []ocispec.Descriptor, srcRef, target string) (int, error) {
+	dst, err := reference.Parse(target)
+	if err != nil {
+		return 0, fmt.Errorf("target %s: %w", target, err)
+	}
+	src, err := reference.Parse(srcRef)
+	if err != nil {
+		return 0, fmt.Errorf("image %s is not a registry reference, so its layers cannot be linked: %w", srcRef, err)
+	}
+	for i, l := range layers {
+		if err := plan.LinkLayer(ctx, pusher, l, dst, src); err != nil {
+			return i, fmt.Errorf("push %s: %w", target, err)
+		}
+	}
+	return len(layers), nil
+}
+
+// pushLayer uploads the layer top from its file.
+func (img *snapshotImage) pushLayer(ctx context.Context, pusher remotes.Pusher, target string, top *blob, res *Result) error {
 	f, err := os.Open(top.path)
 	if err != nil {
 		return err
@@ -146,18 +171,28 @@ func (img *snapshotImage) push(ctx context.Context, hosts docker.RegistryHosts, 
 	if sent {
 		res.UploadedBytes += top.desc.Size
 	}
-	if sent, err = group.PushBytes(ctx, pusher, img.manifest.Config, img.configRaw); err != nil {
-		return fmt.Errorf("push %s: config: %w", target, err)
+	return nil
+}
+
+// pushConfig uploads the config; it reports whether bytes were sent.
+func (img *snapshotImage) pushConfig(ctx context.Context, pusher remotes.Pusher, target string) (bool, error) {
+	sent, err := group.PushBytes(ctx, pusher, img.manifest.Config, img.configRaw)
+	if err != nil {
+		return false, fmt.Errorf("push %s: config: %w", target, err)
 	}
-	if sent {
-		res.UploadedBytes += img.manifest.Config.Size
-	}
+	return sent, nil
+}
+
+// pushManifest pushes the manifest, which makes the image visible under
+// target; guard, if set, runs just before and stops it with its error.
+func (img *snapshotImage) pushManifest(ctx context.Context, pusher remotes.Pusher, target string, res *Result, guard func(context.Context) error) error {
 	if guard != nil {
 		if err := guard(ctx); err != nil {
 			return fmt.Errorf("push %s: %w", target, err)
 		}
 	}
-	if sent, err = group.PushBytes(ctx, pusher, img.desc, img.manifestRaw); err != nil {
+	sent, err := group.PushBytes(ctx, pusher, img.desc, img.manifestRaw)
+	if err != nil {
 		return fmt.Errorf("push %s: manifest: %w", target, err)
 	}
 	if sent {

@@ -25,9 +25,11 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/opencontainers/image-spec/identity"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
 	"github.com/envsnap/envsnap/internal/fetch"
+	"github.com/envsnap/envsnap/internal/group"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -77,8 +79,15 @@ type Options struct {
 	// (default /dev/shm when it is a tmpfs with room for it, else the
 	// temporary directory).
 	StagingDir string
-	// TempDir holds the encoded layer until it is pushed.
+	// TempDir holds the encoded layer when it is squashed (it is
+	// streamed to the registry otherwise).
 	TempDir string
+	// UploadChunk is the size of the requests that stream the diff layer
+	// to the registry while it is encoded (DefaultUploadChunk). Negative:
+	// no streaming; the layer is written to TempDir and uploaded after
+	// the encode with containerd's pusher, for a registry that refuses
+	// chunked uploads.
+	UploadChunk int
 	// Platform picks the manifest of a multi-platform image (default the
 	// running platform).
 	Platform platforms.MatchComparer
@@ -121,9 +130,12 @@ type Result struct {
 	// limit: the squash then runs in the background (see Decide); Wait
 	// for it before the process exits.
 	Squash *Squashing
-	// Encode is the time spent writing the diff as an envsnap layer, Push
-	// the time spent linking, uploading and tagging; Duration is the
-	// whole snapshot.
+	// Encode is the time spent writing the diff as an envsnap layer,
+	// which is uploaded as it is written (unless it is squashed first or
+	// UploadChunk is negative) while the base layers are linked; Push the
+	// time after it (and after a squash) until the manifest is pushed:
+	// the rest of the upload, the config and the manifest. Duration is
+	// the whole snapshot.
 	Encode, Push time.Duration
 	Duration     time.Duration
 }
@@ -140,6 +152,9 @@ func (o *Options) defaults() {
 	}
 	if o.MaxDepth < 1 {
 		o.MaxDepth = DefaultMaxDepth
+	}
+	if o.UploadChunk == 0 {
+		o.UploadChunk = DefaultUploadChunk
 	}
 	if o.Platform == nil {
 		o.Platform = platforms.Default()
@@ -200,44 +215,120 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	defer cleanup()
 	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which copying %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 
+	parentDiffs := len(src.manifest.Layers) - src.base
+	layout := Decide(parentDiffs, o.MaxDepth)
+	first := layout
+	if layout.Background {
+		first = Layout{Keep: layout.Keep}
+	}
+	// Unless the parent's layers are squashed with it first, the new diff
+	// is the pushed layer, streamed to the registry while it is encoded.
+	// It goes to disk only for a squash or an unstreamed upload.
+	stream := (layout.Squash == 0 || layout.Background) && o.UploadChunk > 0
+	diffPath := ""
+	if layout.Squash > 0 || !stream {
+		diffPath = filepath.Join(tmp, "diff")
+	}
+	pusher, err := group.NewPusher(ctx, o.Hosts, target)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: push %s: %w", id, target, err)
+	}
+	// The base layers are linked while the diff is encoded: both only
+	// add blobs, which nothing refers to before the manifest.
+	var links errgroup.Group
+	links.Go(func() error {
+		n, err := linkLayers(ctx, pusher, src.manifest.Layers[:src.base+first.Keep], src.imageRef, target)
+		res.LayersLinked = n
+		return err
+	})
+	pushFailed := func(err error) error {
+		return fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
+	}
+	var up *blobUpload
+	var sink io.Writer
+	if stream {
+		if up, err = startUpload(ctx, o.Hosts, target, o.UploadChunk); err != nil {
+			_ = links.Wait()
+			return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, err))
+		}
+		sink = up
+	}
 	t := time.Now()
-	diff, err := encodeLayer(ctx, filepath.Join(tmp, "diff"), func(w io.Writer) error {
+	diff, err := encodeLayer(ctx, diffPath, sink, func(w io.Writer) error {
 		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
 		res.Diff = st
 		return err
 	})
 	if err != nil {
+		if up != nil {
+			up.Abort()
+		}
+		_ = links.Wait()
+		if up != nil && up.failed() != nil {
+			// The encoder stopped because the registry did.
+			return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, up.failed()))
+		}
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	cleanup()
 	res.Encode = time.Since(t)
+	// Removing the staged copy (thousands of files, the diff's size in
+	// memory) overlaps the end of the push.
+	cleaned := make(chan struct{})
+	go func() {
+		defer close(cleaned)
+		cleanup()
+	}()
+	defer func() { <-cleaned }()
 
-	parentDiffs := len(src.manifest.Layers) - src.base
-	layout := Decide(parentDiffs, o.MaxDepth)
 	top := diff
 	if layout.Squash > 0 && !layout.Background {
 		top, err = squashLayers(ctx, filepath.Join(tmp, "squash"), src, diff, o)
 		if err != nil {
+			_ = links.Wait()
 			return nil, fmt.Errorf("snapshot %s: squash %d layers: %w", id, layout.Squash+1, err)
 		}
 		top.desc.Annotations[AnnotationSquashed] = strconv.Itoa(layout.Squash + 1)
 		res.Squashed = layout.Squash
 		fmt.Fprintf(o.Log, "squashed %d snapshot layers into one\n", layout.Squash+1)
 	}
-	first := layout
-	if layout.Background {
-		first = Layout{Keep: layout.Keep}
-	}
 	img, err := buildImage(src, first, top)
 	if err != nil {
+		if up != nil {
+			up.Abort()
+		}
+		_ = links.Wait()
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	res.Layer, res.DiffID, res.Depth = top.desc, top.diffID, first.Keep+1
 	t = time.Now()
-	err = img.push(ctx, o.Hosts, src.imageRef, target, top, res, nil)
+	// The rest of the layer and the config go up together; the manifest
+	// only once every blob it names is there.
+	var blobs errgroup.Group
+	blobs.Go(func() error {
+		if up == nil {
+			return img.pushLayer(ctx, pusher, target, top, res)
+		}
+		if err := up.Commit(top.desc.Digest, top.desc.Size); err != nil {
+			return fmt.Errorf("push %s: diff layer: %w", target, err)
+		}
+		res.UploadedBytes += top.desc.Size
+		return nil
+	})
+	var configSent bool
+	blobs.Go(func() (err error) {
+		configSent, err = img.pushConfig(ctx, pusher, target)
+		return err
+	})
+	err = errors.Join(links.Wait(), blobs.Wait())
+	if configSent {
+		res.UploadedBytes += img.manifest.Config.Size
+	}
+	if err == nil {
+		err = img.pushManifest(ctx, pusher, target, res, nil)
+	}
 	res.Push = time.Since(t)
 	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
+		return nil, pushFailed(err)
 	}
 	res.Manifest = img.desc
 	res.Duration = time.Since(start)
@@ -607,23 +698,34 @@ type blob struct {
 	toc    digest.Digest
 }
 
-// encodeLayer converts the tar written by write into an envsnap layer
-// file at path.
-func encodeLayer(ctx context.Context, path string, write func(io.Writer) error) (*blob, error) {
-	f, err := os.Create(path)
-	if err != nil {
-		return nil, err
+// encodeLayer converts the tar written by write into an envsnap layer,
+// written to the file at path (none when path is empty) and to sink (if
+// set) as it is produced.
+func encodeLayer(ctx context.Context, path string, sink io.Writer, write func(io.Writer) error) (*blob, error) {
+	var outs []io.Writer
+	var f *os.File
+	if path != "" {
+		var err error
+		if f, err = os.Create(path); err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		outs = append(outs, f)
 	}
-	defer f.Close()
+	if sink != nil {
+		outs = append(outs, sink)
+	}
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(write(pw)) }()
-	wr, err := layerfmt.Convert(ctx, f, pr)
+	wr, err := layerfmt.Convert(ctx, io.MultiWriter(outs...), pr)
 	pr.CloseWithError(err)
 	if err != nil {
 		return nil, fmt.Errorf("encode layer: %w", err)
 	}
-	if err := f.Close(); err != nil {
-		return nil, err
+	if f != nil {
+		if err := f.Close(); err != nil {
+			return nil, err
+		}
 	}
 	return &blob{
 		path:   path,
@@ -663,5 +765,5 @@ func squashLayers(ctx context.Context, path string, src *source, diff *blob, o O
 		return nil, fmt.Errorf("open new diff: %w", err)
 	}
 	readers = append(readers, top)
-	return encodeLayer(ctx, path, func(w io.Writer) error { return Squash(ctx, w, readers) })
+	return encodeLayer(ctx, path, nil, func(w io.Writer) error { return Squash(ctx, w, readers) })
 }

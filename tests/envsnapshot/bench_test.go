@@ -63,6 +63,7 @@ func TestBenchSnapshot(t *testing.T) {
 
 	var snapWall, commitWall, snapFreeze, snapCopy, commitFreeze []time.Duration
 	var snapPre, snapEncode, snapPush []time.Duration
+	var fileWall, fileEncode, filePush []time.Duration
 	var snapBytes, commitBytes int64
 	var snapRef string
 	for i := range rounds {
@@ -79,6 +80,17 @@ func TestBenchSnapshot(t *testing.T) {
 		t.Logf("envsnap round %d: pre-copy %s, frozen %s by %s (copy %s: %d files copied, %d from the pre-copy), encode %s, push %s, wall %s, diff %d data bytes -> %d-byte layer, uploaded %d",
 			i, res.Precopy, res.Frozen, res.Freezer, res.Copy, res.FilesCopied, res.FilesReused, res.Encode, res.Push, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
 
+		// The same snapshot without streaming: the layer is written to a
+		// file, then pushed.
+		ref := fmt.Sprintf("%s/envsnap-bench/snap-file-%d:1", e.Registry.Host, i)
+		res, err = envsnapshot.Take(ctx, e.Client, "bench-envsnap", ref, envsnapshot.Options{Hosts: e.Hosts(), UploadChunk: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		fileWall, fileEncode, filePush = append(fileWall, res.Duration), append(fileEncode, res.Encode), append(filePush, res.Push)
+		t.Logf("envsnap without streaming round %d: pre-copy %s, frozen %s, encode %s, push %s, wall %s, uploaded %d",
+			i, res.Precopy, res.Frozen, res.Encode, res.Push, res.Duration, res.UploadedBytes)
+
 		wall, frozen, sent := commitAndPush(t, e, ovlTask, "bench-overlayfs", fmt.Sprintf("%s/envsnap-bench/commit-%d:1", e.Registry.Host, i))
 		commitWall, commitFreeze, commitBytes = append(commitWall, wall), append(commitFreeze, frozen), sent
 		t.Logf("commit round %d: paused %s, wall %s, uploaded %d", i, frozen, wall, sent)
@@ -87,26 +99,32 @@ func TestBenchSnapshot(t *testing.T) {
 	t.Logf("| snapshot of a ~48 MiB episode (median of %d) | envsnap `env snapshot` | overlayfs commit + push (gzip) | ratio |", rounds)
 	t.Logf("| freeze | %s (copy %s) | %s (paused for the whole diff) | %.3fx |", ms(median(snapFreeze)), ms(median(snapCopy)), ms(median(commitFreeze)), ratio(median(snapFreeze), median(commitFreeze)))
 	t.Logf("| wall time | %s | %s | %.2fx |", ms(median(snapWall)), ms(median(commitWall)), ratio(median(snapWall), median(commitWall)))
+	t.Logf("| wall time, layer written to a file then pushed (no streaming) | %s (encode %s, push %s) | | %.2fx |", ms(median(fileWall)), ms(median(fileEncode)), ms(median(filePush)), ratio(median(fileWall), median(commitWall)))
 	t.Logf("| bytes uploaded | %d | %d | %.2fx |", snapBytes, commitBytes, float64(snapBytes)/float64(commitBytes))
-	t.Logf("| where the time goes | pre-copy %s, frozen %s, encode %s, push %s | paused (diff + gzip) %s, the rest (config, manifest, push) %s | |",
-		ms(median(snapPre)), ms(median(snapFreeze)), ms(median(snapEncode)), ms(median(snapPush)), ms(median(commitFreeze)), ms(median(commitWall)-median(commitFreeze)))
+	var snapOther []time.Duration
+	for i := range snapWall {
+		snapOther = append(snapOther, snapWall[i]-snapPre[i]-snapFreeze[i]-snapEncode[i]-snapPush[i])
+	}
+	t.Logf("| where the time goes | pre-copy %s, frozen %s, encode (uploading as it goes, base layers linked meanwhile) %s, push (last chunk, config, manifest) %s, other (container look-up, size check, clean-up) %s | paused (diff + gzip) %s, the rest (config, manifest, push) %s | |",
+		ms(median(snapPre)), ms(median(snapFreeze)), ms(median(snapEncode)), ms(median(snapPush)), ms(median(snapOther)), ms(median(commitFreeze)), ms(median(commitWall)-median(commitFreeze)))
 
 	forks := forkTimes(t, ctx, e, snapRef, "bench-fork", 8)
 	node2 := testenv.New(t, testenv.WithEnvsnap())
 	testenv.WriteHostsDir(t, node2.HostsDir, e.Registry.Host)
 	cold := forkTimes(t, node2.Context(), node2, lazy.Ref, "bench-cold", 8)
-	t.Logf("| 8 environments ready (task running), p50 / max | forks of the snapshot, parent's node | original image, empty node (cold) |")
-	t.Logf("| ready | %s / %s | %s / %s |", ms(median(forks)), ms(maxDur(forks)), ms(median(cold)), ms(maxDur(cold)))
+	t.Logf("| 8 environments ready (task running), p50 / max | forks of the snapshot, parent's node | original image, empty node (cold) | ratio of p50 |")
+	t.Logf("| ready | %s / %s | %s / %s | %.2fx |", ms(median(forks)), ms(maxDur(forks)), ms(median(cold)), ms(maxDur(cold)), ratio(median(forks), median(cold)))
 }
 
 // forkTimes starts n environments from ref on e with env fork's Go API and
 // returns each one's time until its task ran (the shared pull included).
 func forkTimes(t *testing.T, ctx context.Context, e *testenv.Env, ref, prefix string, n int) []time.Duration {
 	t.Helper()
-	_, forks, err := envsnapshot.Fork(ctx, e.Client, ref, n, envsnapshot.ForkOptions{Hosts: e.Hosts(), IDPrefix: prefix, Args: []string{"sleep", "100000"}})
+	pull, forks, err := envsnapshot.Fork(ctx, e.Client, ref, n, envsnapshot.ForkOptions{Hosts: e.Hosts(), IDPrefix: prefix, Args: []string{"sleep", "100000"}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("%s: pull (lazy) %s, then %d containers created and started at once", prefix, pull, n)
 	var out []time.Duration
 	for _, f := range forks {
 		if f.Err != nil {

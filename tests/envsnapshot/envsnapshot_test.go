@@ -499,6 +499,47 @@ func TestSnapshotBadInput(t *testing.T) {
 	if err != nil || st.Status != client.Running {
 		t.Errorf("after the failed snapshot the task is %v (%v), want running", st.Status, err)
 	}
+	// The diff layer is streamed in chunks while it is encoded: a chunk
+	// the registry refuses, or a connection cut in the middle of one,
+	// fails the snapshot with what did not get there; no image, and the
+	// container runs.
+	chunkFaults := []struct {
+		name   string
+		answer func(w http.ResponseWriter, req *http.Request)
+		want   string
+	}{
+		{"PATCH refused", func(w http.ResponseWriter, req *http.Request) {
+			http.Error(w, "injected refusal", http.StatusServiceUnavailable)
+		}, "503 Service Unavailable: injected refusal"},
+		{"connection cut", func(w http.ResponseWriter, req *http.Request) {
+			_, _ = io.CopyN(io.Discard, req.Body, 1000)
+			if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+				conn.Close()
+			}
+		}, "Patch "},
+	}
+	for _, f := range chunkFaults {
+		e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+			if req.Method == http.MethodPatch && strings.HasPrefix(req.Header.Get("Content-Range"), "262144-") {
+				f.answer(w, req)
+				return true
+			}
+			return false
+		})
+		_, err := envsnapshot.Take(ctx, e.Client, "big", target, envsnapshot.Options{Hosts: e.Hosts(), UploadChunk: 256 << 10})
+		e.Registry.Intercept(nil)
+		t.Logf("%s: %v", f.name, err)
+		if err == nil || !strings.Contains(err.Error(), "diff layer: upload bytes 262144-524287") || !strings.Contains(err.Error(), f.want) ||
+			!strings.Contains(err.Error(), "the manifest was not pushed") {
+			t.Errorf("%s: %v", f.name, err)
+		}
+		if r.exists(target) {
+			t.Errorf("%s exists after a failed chunk (%s)", target, f.name)
+		}
+		if st, err := task.Status(ctx); err != nil || st.Status != client.Running {
+			t.Errorf("after a failed chunk (%s) the task is %v (%v), want running", f.name, st.Status, err)
+		}
+	}
 	// The blobs go up but the manifest is refused: still no image.
 	e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
 		if strings.Contains(req.URL.Path, "/manifests/") && req.Method == http.MethodPut {
@@ -518,6 +559,24 @@ func TestSnapshotBadInput(t *testing.T) {
 	}
 	// The same snapshot goes through once the registry is healthy.
 	r.snapshot(t, "big", target)
+	// Without streaming (a registry that refuses chunked uploads) the
+	// layer goes up after the encode, with no PATCH.
+	e.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+		if req.Method == http.MethodPatch {
+			http.Error(w, "no chunked uploads here", http.StatusMethodNotAllowed)
+			return true
+		}
+		return false
+	})
+	unstreamed := e.Registry.Host + "/envsnap-test/bad-snap:unstreamed"
+	res, err := envsnapshot.Take(ctx, e.Client, "big", unstreamed, envsnapshot.Options{Hosts: e.Hosts(), UploadChunk: -1})
+	e.Registry.Intercept(nil)
+	if err != nil {
+		t.Fatalf("snapshot without streaming: %v", err)
+	}
+	if m := r.manifest(t, unstreamed); m.Layers[len(m.Layers)-1].Digest != res.Layer.Digest {
+		t.Errorf("snapshot without streaming: top layer %s, want %s", m.Layers[len(m.Layers)-1].Digest, res.Layer.Digest)
+	}
 
 	// A stopped container is read in place, without a freeze.
 	exited, err := task.Wait(ctx)
