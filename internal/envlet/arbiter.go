@@ -120,8 +120,10 @@ func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) {
 //   - Grow draws only on capacity x (1 - reserve) minus the others' counted
 //     use and the asker's whole grant, and may be partial.
 //   - Admit then reclaims idle burst (largest grant - usage first, never
-//     below max(1.5 x usage, base)) while the counted use, with unreported
-//     leases at their base, is above capacity x (1 - reserve).
+//     below the base, 1.5 x CPU usage, nor a memory limit at which the
+//     working set would reach the grow threshold) while the counted use,
+//     with unreported leases at their base, is above capacity x (1 -
+//     reserve).
 //   - Report: when the counted memory use passes capacity x (1 - reserve
 //     / 2), promised memory is really needed and the node cannot supply it:
 //     the victim policy chooses whom to fail until it is back under, and
@@ -280,8 +282,12 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 }
 
 func cpuFloor(l *Lease) float64 { return math.Max(1.5*l.Used.CPU, l.Base.CPU) }
+
+// memFloor keeps the working set under the shims' default grow threshold
+// (belowGrow), so a reclaimed burst stays reclaimed; at 1.5 x usage it sat
+// at 67% of the limit, above the 60% threshold, and grew straight back.
 func memFloor(l *Lease) int64 {
-	return max(int64(math.Ceil(1.5*float64(l.Used.Memory))), l.Base.Memory)
+	return max(belowGrow(l.Used.Memory, DefaultConfig().MemGrowWS), l.Base.Memory)
 }
 
 // byIdle orders leases by idle grant (grant - usage), largest first, with

@@ -35,7 +35,7 @@ func TestNodeArbiter(t *testing.T) {
 				t.Fatalf("granted %v", g)
 			}
 		}},
-		{"admission reclaims idle burst, largest idle first, floor 1.5x usage", func(t *testing.T, a *NodeArbiter) {
+		{"admission reclaims idle burst, largest idle first, above its floors", func(t *testing.T, a *NodeArbiter) {
 			mustAdmit(t, a, "busy", base)
 			mustAdmit(t, a, "idle", base)
 			a.Grow(ctx, "busy", Resources{CPU: 4.5, Memory: 4 * GiB})
@@ -195,7 +195,7 @@ func TestTraceAdmissionReclaim(t *testing.T) {
 		tr.mustStep(func(s *Sample) { s.MemUsage = 300 * MiB; tr.cpu(0.1) })
 	}
 	lim := tr.c.Status().Limit
-	// The arbiter's floor is 1.5 x the reported working set; it takes
+	// The arbiter's floor is 1.85 x the reported working set; it takes
 	// what the newcomer's base needs: 1 - (3.4 - 2.5) cores, 1 GiB - (1.7
 	// GiB - 1 GiB) of memory.
 	if lim.Memory < 450*MiB || lim.Memory >= GiB || math.Abs(lim.CPU-3.3) > 1e-9 {
@@ -207,5 +207,18 @@ func TestTraceAdmissionReclaim(t *testing.T) {
 	// The newcomer counts at its base until it reports.
 	if u := arb.Used(); u.CPU+1 > 4*0.85+1e-9 || float64(u.Memory+GiB) > 0.85*2*float64(GiB)+1 {
 		t.Fatalf("counted use %v plus the newcomer's base above capacity minus reserve after reclaim", u)
+	}
+	// A second newcomer takes the idle burst down to the arbiter's floor.
+	// What was reclaimed stays reclaimed: the same working set does not
+	// reach the grow threshold of the lowered limit.
+	grows := tr.c.Status().MemGrows
+	mustAdmit(t, arb, "second", Resources{CPU: 0.1, Memory: GiB})
+	for range 15 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 300 * MiB; tr.cpu(0.1) })
+	}
+	st := tr.c.Status()
+	if st.Reclaims != 2 || st.MemGrows != grows || st.Limit.Memory >= lim.Memory {
+		t.Fatalf("after the second reclaim: limit %v (was %v), %d reclaims, %d grows since; log %q",
+			st.Limit, lim, st.Reclaims, st.MemGrows-grows, tr.log)
 	}
 }
