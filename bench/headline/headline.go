@@ -218,8 +218,16 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	for _, e := range envs {
 		rep.Images[e.name] = episode.ImageSize(e.image)
 	}
-	for i, l := range envs[0].image.Manifest.Layers {
-		rep.GroupSize[kindOf(envs[0].image, i)] += l.Size
+	// Every environment has the same groups; the iteration's list is the
+	// longer one (-envs 0 runs the iteration alone).
+	sample := iterEnvs
+	if len(envs) > 0 {
+		sample = envs
+	}
+	if len(sample) > 0 {
+		for i, l := range sample[0].image.Manifest.Layers {
+			rep.GroupSize[kindOf(sample[0].image, i)] += l.Size
+		}
 	}
 
 	systems := cfg.Systems

@@ -2,6 +2,7 @@ package netshape
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -240,20 +241,19 @@ func (l *Link) inNamespace(fn func() error) error {
 // root namespace, starting from a hash of name so concurrent benches with
 // different names rarely probe the same one.
 func freeSubnet(name string) (host, ns netip.Addr, _ error) {
-	used := map[netip.Prefix]bool{}
 	addrs, err := net.InterfaceAddrs()
 	if err != nil {
 		return host, ns, fmt.Errorf("list addresses: %w", err)
 	}
+	var prefixes []netip.Prefix
 	for _, a := range addrs {
 		if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Is4() {
-			if q, err := p.Addr().Prefix(30); err == nil {
-				used[q] = true
-			}
-			if p.Bits() < 30 && p.Overlaps(benchNet) {
-				return host, ns, fmt.Errorf("an interface already uses %s, which overlaps %s", p, benchNet)
-			}
+			prefixes = append(prefixes, p)
 		}
+	}
+	used, err := usedSubnets(prefixes)
+	if err != nil {
+		return host, ns, err
 	}
 	var h uint32 = 2166136261
 	for i := 0; i < len(name); i++ {
@@ -275,6 +275,35 @@ func freeSubnet(name string) (host, ns netip.Addr, _ error) {
 		return u32addr(n + 1), u32addr(n + 2), nil
 	}
 	return host, ns, fmt.Errorf("no free /30 in %s", benchNet)
+}
+
+// usedSubnets returns the /30s of benchNet that the root namespace's
+// addresses take: each address's own /30, and every /30 a wider subnet
+// (another tool's link) covers.
+func usedSubnets(addrs []netip.Prefix) (map[netip.Prefix]bool, error) {
+	used := map[netip.Prefix]bool{}
+	for _, p := range addrs {
+		if q, err := p.Addr().Prefix(30); err == nil {
+			used[q] = true
+		}
+		if p.Bits() >= 30 || !p.Overlaps(benchNet) {
+			continue
+		}
+		// One wider than a few thousand /30s is not worth stepping around.
+		if p.Bits() < 20 {
+			return nil, fmt.Errorf("an interface already uses %s, which overlaps %s", p, benchNet)
+		}
+		p = p.Masked()
+		for q := netip.PrefixFrom(p.Addr(), 30); p.Contains(q.Addr()); q = netip.PrefixFrom(u32addr(addrU32(q.Addr())+4), 30) {
+			used[q] = true
+		}
+	}
+	return used, nil
+}
+
+func addrU32(a netip.Addr) uint32 {
+	b := a.As4()
+	return binary.BigEndian.Uint32(b[:])
 }
 
 func u32addr(v uint32) netip.Addr {

@@ -106,15 +106,24 @@ func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) {
 // min(used, base), plus its burst (grant - base), which was granted
 // because it was needed. Per resource:
 //
-//   - Admit succeeds while the counted use of all leases leaves the
-//     reserve free (sum <= capacity x (1 - reserve)) and the sum of bases
-//     stays within the overcommit bound. A new lease counts nothing until
-//     it reports.
+//   - Admit succeeds while the counted memory use of all leases leaves
+//     the reserve free (sum <= capacity x (1 - reserve)) and the sum of
+//     bases stays within the overcommit bound, per resource. A new lease
+//     counts nothing until it reports. CPU use never refuses an
+//     admission: CPU is compressible, and the use of a busy node's CPU is
+//     capped by its supply, so a node running its environments flat out
+//     (an RL iteration's steady state) would refuse whoever came next,
+//     depending only on when the others last reported. A newcomer takes
+//     its CPU share from the others (CFS weights, tiers) and from the
+//     idle burst reclaimed below; the overcommit bound caps how many
+//     share the node.
 //   - Grow draws only on capacity x (1 - reserve) minus the others' counted
 //     use and the asker's whole grant, and may be partial.
 //   - Admit then reclaims idle burst (largest grant - usage first, never
-//     below max(1.5 x usage, base)) while the counted use, with unreported
-//     leases at their base, is above capacity x (1 - reserve).
+//     below the base, 1.5 x CPU usage, nor a memory limit at which the
+//     working set would reach the grow threshold) while the counted use,
+//     with unreported leases at their base, is above capacity x (1 -
+//     reserve).
 //   - Report: when the counted memory use passes capacity x (1 - reserve
 //     / 2), promised memory is really needed and the node cannot supply it:
 //     the victim policy chooses whom to fail until it is back under, and
@@ -252,9 +261,9 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 	lim, used, promised := a.growLimit(), a.used("", false), a.promised()
 	bound := Resources{CPU: a.capacity.CPU * a.overcommit.CPU, Memory: int64(float64(a.capacity.Memory) * a.overcommit.Memory)}
 	switch {
-	case used.CPU > lim.CPU+1e-9 || used.Memory > lim.Memory:
-		return fmt.Errorf("node %v: %v in use leaves less than the %.0f%% reserve: %w",
-			a.capacity, used, a.reserve*100, errdefs.ErrResourceExhausted)
+	case used.Memory > lim.Memory:
+		return fmt.Errorf("node %v: %s of memory in use leaves less than the %.0f%% reserve: %w",
+			a.capacity, FormatBytes(used.Memory), a.reserve*100, errdefs.ErrResourceExhausted)
 	case promised.CPU+base.CPU > bound.CPU+1e-9 || promised.Memory+base.Memory > bound.Memory:
 		return fmt.Errorf("node %v: %v already promised, overcommit bound %gx cpu %gx memory: %w",
 			a.capacity, promised, a.overcommit.CPU, a.overcommit.Memory, errdefs.ErrResourceExhausted)
@@ -273,8 +282,12 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 }
 
 func cpuFloor(l *Lease) float64 { return math.Max(1.5*l.Used.CPU, l.Base.CPU) }
+
+// memFloor keeps the working set under the shims' default grow threshold
+// (belowGrow), so a reclaimed burst stays reclaimed; at 1.5 x usage it sat
+// at 67% of the limit, above the 60% threshold, and grew straight back.
 func memFloor(l *Lease) int64 {
-	return max(int64(math.Ceil(1.5*float64(l.Used.Memory))), l.Base.Memory)
+	return max(belowGrow(l.Used.Memory, DefaultConfig().MemGrowWS), l.Base.Memory)
 }
 
 // byIdle orders leases by idle grant (grant - usage), largest first, with

@@ -228,8 +228,7 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 	}
 	if cfg.IdleReclaimAfter > 0 && !s.cpuIdleSince.IsZero() && d.Mem.Kind == Keep && lim > 0 &&
 		now.Sub(s.cpuIdleSince) >= cfg.IdleAfter+cfg.IdleReclaimAfter {
-		floor := int64(math.Ceil(float64(o.WS) / (0.9 * cfg.MemGrowWS)))
-		to := max(lim/2, floor, p.memFloor(o.WS), IdleReclaimFloor)
+		to := max(lim/2, belowGrow(o.WS, cfg.MemGrowWS), p.memFloor(o.WS), IdleReclaimFloor)
 		if to < lim {
 			d.Mem = MemChange{Kind: Shrink, To: to, Want: to, Idle: true}
 		}
@@ -241,6 +240,13 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 // pages of a sleeping shell and its runtime, so waking up never starts
 // from a limit the first page faults already exceed.
 const IdleReclaimFloor = 32 * MiB
+
+// belowGrow is the lowest memory limit at which working set ws stays
+// under 90% of the grow threshold growWS: a limit lowered for reclaim
+// (idle, or an admission's) must not make the next tick grow it back.
+func belowGrow(ws int64, growWS float64) int64 {
+	return int64(math.Ceil(float64(ws) / (0.9 * growWS)))
+}
 
 // memFloor is the lowest memory limit ever set for a working set.
 func (p *Policy) memFloor(ws int64) int64 {
@@ -357,14 +363,16 @@ func (p *Policy) Resolve(s State, o Observation, d Decision, granted Resources) 
 }
 
 // Reclaim lowers the limits to what the arbiter asks back for admissions,
-// but never memory below MemMinHeadroom x the working set.
+// but never memory below MemMinHeadroom x the working set, nor so far that
+// the working set reaches the grow threshold (belowGrow): a reclaimed
+// burst would come straight back at the next tick.
 func (p *Policy) Reclaim(s State, o Observation, limit Resources) Resources {
 	next := s.Limit
 	if limit.CPU > 0 && limit.CPU < next.CPU {
 		next.CPU = limit.CPU
 	}
 	if limit.Memory > 0 && limit.Memory < next.Memory {
-		next.Memory = min(next.Memory, max(limit.Memory, p.memFloor(o.WS)))
+		next.Memory = min(next.Memory, max(limit.Memory, p.memFloor(o.WS), belowGrow(o.WS, p.Cfg.MemGrowWS)))
 	}
 	return next
 }
