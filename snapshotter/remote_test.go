@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -831,4 +832,52 @@ func TestLayerRefsFollowUsers(t *testing.T) {
 	}
 	check(shared, b)
 	check(solo, c)
+}
+
+// countingSnapshotter counts overlay's Prepare calls, each slowed down
+// to widen the window in which concurrent Prepares overlap.
+type countingSnapshotter struct {
+	snapshots.Snapshotter
+	prepares atomic.Int32
+}
+
+func (c *countingSnapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	c.prepares.Add(1)
+	time.Sleep(20 * time.Millisecond)
+	return c.Snapshotter.Prepare(ctx, key, parent, opts...)
+}
+
+// TestConcurrentPreparesOfOneTarget: environments pulled together prepare
+// their shared layer at once; one Prepare makes it, the others wait and
+// find it committed, without making and removing an active snapshot of
+// their own (write transactions of overlay's metadata store).
+func TestConcurrentPreparesOfOneTarget(t *testing.T) {
+	fsys := newFakeFS()
+	s, _ := newTestSnapshotter(t, fsys)
+	counting := &countingSnapshotter{Snapshotter: s.Snapshotter}
+	s.Snapshotter = counting
+	ctx := testContext(t)
+	shared := layerDigest(1)
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Go(func() {
+			_, errs[i] = s.Prepare(ctx, fmt.Sprintf("extract-%d-base", i), "", remoteOpts("base", shared))
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if !errdefs.IsAlreadyExists(err) {
+			t.Errorf("Prepare %d: %v, want ErrAlreadyExists", i, err)
+		}
+	}
+	if n := counting.prepares.Load(); n != 1 {
+		t.Errorf("overlay Prepare called %d times for one target, want 1", n)
+	}
+	if info, err := s.Stat(ctx, "base"); err != nil || info.Kind != snapshots.KindCommitted {
+		t.Fatalf("target: %+v, %v", info, err)
+	}
+	if _, mounts := fsys.state(); mounts != 1 {
+		t.Errorf("%d mounts, want 1", mounts)
+	}
 }

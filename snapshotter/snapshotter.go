@@ -168,6 +168,9 @@ type Snapshotter struct {
 	layers map[digest.Digest]*layer
 	useSeq uint64
 	closed bool
+	// preparing holds the lazy targets a Prepare is making, closed when
+	// it is done (lockTarget).
+	preparing map[string]chan struct{}
 }
 
 // layer is one shared layer mount. mu serialises mounting and unmounting it;
@@ -480,7 +483,13 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 	if target == "" || !ok {
 		return s.Snapshotter.Prepare(ctx, key, parent, opts...)
 	}
-	// Another namespace (or an earlier pull) already made this layer lazily.
+	unlock, err := s.lockTarget(ctx, target)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	// Another namespace (or an earlier pull, or the Prepare this one
+	// waited for) already made this layer lazily.
 	if info, err := s.Snapshotter.Stat(ctx, target); err == nil {
 		if info.Kind == snapshots.KindCommitted && info.Parent == parent {
 			if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil {
@@ -512,6 +521,41 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 		return s.Snapshotter.Prepare(ctx, key, parent, opts...)
 	}
 	return mounts, nil
+}
+
+// lockTarget makes the Prepares of one lazy target wait for each other.
+// Environments started together pull images sharing their base layers:
+// each Prepare of a shared layer used to create an active snapshot, mount
+// or join the layer, lose the race to Commit and remove its snapshot
+// again: three write transactions of overlay's metadata store (two of
+// them committed, with their fsyncs), each behind its single writer lock.
+// Waiting instead, the others find the target committed and write
+// nothing.
+func (s *Snapshotter) lockTarget(ctx context.Context, target string) (func(), error) {
+	for {
+		s.mu.Lock()
+		busy, ok := s.preparing[target]
+		if !ok {
+			if s.preparing == nil {
+				s.preparing = map[string]chan struct{}{}
+			}
+			done := make(chan struct{})
+			s.preparing[target] = done
+			s.mu.Unlock()
+			return func() {
+				s.mu.Lock()
+				delete(s.preparing, target)
+				s.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		s.mu.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("wait for another prepare of %s: %w", target, ctx.Err())
+		}
+	}
 }
 
 // prepareLazy turns the freshly prepared active snapshot key into the

@@ -48,6 +48,7 @@ type Layer struct {
 	lastHit     atomic.Int32 // span index of the last read from the cache
 	lastFullLog atomic.Int64
 	seq         seqTable
+	ahead       aheadTable
 
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
@@ -77,6 +78,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 		fill:         true,
 		readAhead:    DefaultReadAhead,
 		seqReadAhead: DefaultSequentialReadAhead,
+		decodeAhead:  DefaultDecodeAhead,
 		maxGap:       DefaultMaxGap,
 		fillBatch:    DefaultFillBatch,
 		fillParallel: DefaultFillParallel,
@@ -255,9 +257,10 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
 	l.flights.noteRead()
 	l.noteFootprint(c.FrameIndex)
-	if l.o.seqReadAhead > 0 {
+	if l.o.seqReadAhead > 0 || l.o.decodeAhead > 0 {
 		if j := l.find(c); j >= 0 {
 			l.sequential(j)
+			l.decodeAhead(j)
 		}
 	}
 	if frame, ok := l.frames.get(c.Digest); ok {
@@ -287,8 +290,9 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		if dec.err == nil {
 			return window(c, dec.frame)
 		}
-		// The reader decoding it ran out of time (or its layer closed);
-		// with time left, this one tries itself.
+		// The reader decoding it ran out of time (or its layer closed,
+		// or it was decoding ahead and failed: errAheadFailed); with
+		// time left, this one tries itself.
 		if (errors.Is(dec.err, context.DeadlineExceeded) || errors.Is(dec.err, context.Canceled) || errors.Is(dec.err, errClosed)) &&
 			ctx.Err() == nil && l.ctx.Err() == nil {
 			continue

@@ -252,13 +252,23 @@ func TestPeersFetchOncePerCluster(t *testing.T) {
 		if peers {
 			var fetched, served, hedges int64
 			outcomes := map[string]int64{}
-			for _, nd := range pc.nodes {
-				s := nd.metrics.Stats(4)
-				fetched += s.FetchedBytes
-				served += s.ServedBytes
-				hedges += s.Hedges
-				for o, n := range s.Outcomes {
-					outcomes[o] += n
+			// An owner counts what it served after its last write, which
+			// can be after the requester has read the bytes and returned:
+			// give the handlers a moment to finish.
+			for wait := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				fetched, served, hedges = 0, 0, 0
+				clear(outcomes)
+				for _, nd := range pc.nodes {
+					s := nd.metrics.Stats(4)
+					fetched += s.FetchedBytes
+					served += s.ServedBytes
+					hedges += s.Hedges
+					for o, n := range s.Outcomes {
+						outcomes[o] += n
+					}
+				}
+				if fetched == served || time.Now().After(wait) {
+					break
 				}
 			}
 			t.Logf("peers: %d bytes fetched from peers, %d served, %d hedges, outcomes %v", fetched, served, hedges, outcomes)

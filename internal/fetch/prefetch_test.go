@@ -87,7 +87,8 @@ func TestFootprintThenPrefetch(t *testing.T) {
 // local, and never fetched for it.
 func TestWriteFileFromCache(t *testing.T) {
 	checkGoroutines(t)
-	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0))
+	// Nothing read ahead: the reads below leave exactly one chunk out.
+	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0), WithDecodeAhead(0))
 	idx, _ := fx.toc.Lookup("big.bin")
 	if fx.layer.FileLocal(idx) {
 		t.Fatal("FileLocal before any read")

@@ -2,9 +2,12 @@ package fetch
 
 import (
 	"context"
+	"fmt"
 	"sync"
 
 	"github.com/containerd/log"
+
+	"github.com/envsnap/envsnap/layerfmt"
 )
 
 // maxSeqFiles bounds the files whose sequential reads a Layer tracks at
@@ -107,4 +110,101 @@ func (l *Layer) windowAfter(entry int, from, window int64) ([]int, int64) {
 		}
 	}
 	return idx, end
+}
+
+// aheadTable is the decode-ahead state of the files being read, by TOC
+// entry.
+type aheadTable struct {
+	mu    sync.Mutex
+	files map[int32]*aheadRead
+}
+
+type aheadRead struct {
+	last  int32 // chunk index of the last chunk read
+	ahead int32 // chunks up to it are decoded ahead, or being
+}
+
+// errAheadFailed is what readers waiting on a decoding ahead of them see
+// when it failed: they try themselves (ReadChunk), with their own
+// deadline and their own error.
+var errAheadFailed = fmt.Errorf("decoding ahead of the reader failed: %w", context.Canceled)
+
+// decodeAhead notes a read of span j and, when it continues the previous
+// read of its file (chunk k after chunk k-1), fetches and decodes the
+// file's chunks up to k+decodeAhead in the background into the frame
+// cache. A large file mapped and faulted in (an executable's loader)
+// reaches the daemon as one FUSE read per frame, one at a time: the rest
+// of each frame is stored into the page cache with the reply, so the next
+// fault is on the next frame. Each read used to wait for its own request
+// and decompression in turn; ahead, the next frames' requests are in
+// flight and their decompression runs on the other core while the reader
+// copies this one. At most decodeAhead frames past where the reader stops
+// are fetched and decoded for nothing.
+func (l *Layer) decodeAhead(j int) {
+	n := int32(l.o.decodeAhead)
+	s := l.spans[j]
+	c := l.chunk(j)
+	// Frames decoded ahead must not push the ones being read out of the
+	// cache.
+	if n <= 0 || l.frames.max < int64(n+2)*c.FrameSize {
+		return
+	}
+	t := &l.ahead
+	t.mu.Lock()
+	if t.files == nil || len(t.files) >= maxSeqFiles {
+		t.files = map[int32]*aheadRead{}
+	}
+	st := t.files[s.entry]
+	switch {
+	case st == nil:
+		t.files[s.entry] = &aheadRead{last: s.k, ahead: s.k}
+		t.mu.Unlock()
+		return
+	case s.k == st.last || (s.k < st.last && s.k >= st.last-n):
+		// The same chunk again (the kernel reads a frame in pieces), or
+		// a piece of the kernel's readahead arriving late.
+		t.mu.Unlock()
+		return
+	case s.k != st.last+1:
+		st.last, st.ahead = s.k, s.k // a jump: not sequential (yet)
+		t.mu.Unlock()
+		return
+	}
+	st.last = s.k
+	from, to := max(st.ahead, s.k)+1, min(s.k+n, int32(l.toc.NumChunks(int(s.entry)))-1)
+	st.ahead = max(st.ahead, to)
+	t.mu.Unlock()
+	for k := from; k <= to; k++ {
+		c := l.toc.Chunk(int(s.entry), int(k))
+		l.mu.Lock()
+		if l.closed {
+			l.mu.Unlock()
+			return
+		}
+		l.wg.Add(1)
+		l.mu.Unlock()
+		go func() {
+			defer l.wg.Done()
+			l.readAhead(c)
+		}()
+	}
+}
+
+// readAhead decodes chunk c's frame into the frame cache unless it is
+// there or being decoded.
+func (l *Layer) readAhead(c layerfmt.Chunk) {
+	frame, dec, mine := l.frames.claim(c.Digest)
+	if frame != nil || !mine {
+		return
+	}
+	ctx, cancel := context.WithTimeout(l.ctx, l.o.readTimeout)
+	defer cancel()
+	frame, err := l.readFrame(ctx, c)
+	if err != nil {
+		if l.ctx.Err() == nil {
+			log.G(ctx).WithError(err).WithField("layer", l.label).Debug("decoding ahead failed")
+		}
+		err = errAheadFailed
+	}
+	l.frames.finish(c.Digest, dec, frame, err)
 }

@@ -85,7 +85,8 @@ func executableBytes(n int64, seed uint64) []byte {
 // registry with one GET per span, then every frame they hold verified and
 // decompressed on one core. With ENVSNAP_BENCH_BASELINE=<containerd-envsnap
 // binary> it runs that build too, interleaved, and prints current/baseline.
-// ENVSNAP_BENCH_PROFILE=<dir> saves a CPU profile of the daemon per run;
+// ENVSNAP_BENCH_PROFILE=<dir> saves a CPU profile and an execution trace
+// of the daemon per run;
 // ENVSNAP_BENCH_ROUNDS sets the rounds (default 3).
 // Run with -benchtime=1x.
 func BenchmarkColdBigBinary(b *testing.B) {
@@ -135,12 +136,15 @@ func BenchmarkColdBigBinary(b *testing.B) {
 				env := testenv.New(b, opts...)
 				img := env.PushLayerBlobs(b, "bench/bigbin:1", []testenv.LayerBlob{layer}, testenv.WithoutBusybox())
 				var profile chan error
+				kinds := []string{"profile", "trace"}
 				if dir := os.Getenv("ENVSNAP_BENCH_PROFILE"); dir != "" {
-					profile = make(chan error, 1)
-					go func() {
-						profile <- saveProfile(env.SnapshotterSocket, "profile", filepath.Join(dir, fmt.Sprintf("cpu-%s-%d.pprof", v.name, round)), 6)
-					}()
-					time.Sleep(100 * time.Millisecond) // the profile is running
+					profile = make(chan error, len(kinds))
+					for _, kind := range kinds {
+						go func() {
+							profile <- saveProfile(env.SnapshotterSocket, kind, filepath.Join(dir, fmt.Sprintf("%s-%s-%d.out", kind, v.name, round)), 6)
+						}()
+					}
+					time.Sleep(100 * time.Millisecond) // the profiles are running
 				}
 				cpu0 := processCPU(b, env.Envsnap.PID())
 				start := time.Now()
@@ -161,8 +165,10 @@ func BenchmarkColdBigBinary(b *testing.B) {
 				ready[v.name] = append(ready[v.name], d.Seconds())
 				cpus[v.name] = append(cpus[v.name], cpu.Seconds())
 				if profile != nil {
-					if err := <-profile; err != nil {
-						b.Logf("profile: %v", err)
+					for range kinds {
+						if err := <-profile; err != nil {
+							b.Logf("profile: %v", err)
+						}
 					}
 				}
 				if v.name == "current" {
