@@ -344,7 +344,7 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			if last := f.lastErr.Load(); last != nil {
 				err = fmt.Errorf("%w (last registry error: %w)", err, *last)
 			}
-			log.G(ctx).WithError(err).Error("lazy read failed")
+			l.logReadFailure(ctx, err)
 			return nil, err
 		}
 		b, err := a.data, a.err
@@ -356,14 +356,14 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 				continue
 			}
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
-			log.G(ctx).WithError(err).Error("lazy read failed")
+			l.logReadFailure(ctx, err)
 			return nil, err
 		}
 		// Verified on arrival (fetchFlight): decode without hashing again.
 		frame, err := layerfmt.DecodeVerifiedFrame(c, b, nil)
 		if err != nil {
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
-			log.G(ctx).WithError(err).Error("lazy read failed")
+			l.logReadFailure(ctx, err)
 			return nil, err
 		}
 		if j := l.find(c); j >= 0 && l.cache.Contains(c.Digest) {
@@ -373,6 +373,17 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		}
 		return frame, nil
 	}
+}
+
+// logReadFailure reports a failed read at error level, unless the layer
+// is closing: then every read in progress (a decoding ahead of its reader
+// among them) ends with it, and that is no fault to report.
+func (l *Layer) logReadFailure(ctx context.Context, err error) {
+	if l.ctx.Err() != nil {
+		log.G(ctx).WithError(err).Debug("lazy read ended by the layer closing")
+		return
+	}
+	log.G(ctx).WithError(err).Error("lazy read failed")
 }
 
 // cachePrefetch is how many chunks after one read from the node cache are
