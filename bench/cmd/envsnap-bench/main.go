@@ -36,7 +36,9 @@ func main() {
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
 	flag.BoolVar(&cfg.NoPrefetch, "no-prefetch", false, "do not record footprints and attach prefetch lists to the shared groups before the runs")
 	flag.BoolVar(&cfg.SettleWarm, "settle-warm", false, "before an envsnap warm run, wait until its layers are fully cached (and their native copies built)")
-	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, committed with the report)")
+	peers := flag.Int("peers", 0, "run only the peer tier's scenario with this many nodes (network namespaces), with and without peers, and replace its section of the markdown report")
+	peerEnvs := flag.Int("peer-envs", 4, "environments each node starts at once in the peer tier's scenario")
+	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
 	cfg.Systems = strings.Split(systems, ",")
@@ -44,13 +46,13 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg, variant, *out, *doc); err != nil {
+	if err := run(ctx, cfg, variant, *out, *doc, *peers, *peerEnvs); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers, peerEnvs int) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -75,12 +77,19 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	}
 	if out == "" {
 		out = filepath.Join(root, "docs/benchmarks.json")
+		if peers > 0 {
+			out = filepath.Join(root, "docs/benchmarks-peers.json")
+		}
 	}
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
 	}
 	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
 	rel, _ := filepath.Rel(root, out)
+	if peers > 0 {
+		return runPeers(ctx, headline.PeersConfig{Tasks: cfg.Tasks, Nodes: peers, EnvsPerNode: peerEnvs, RTT: cfg.RTT, Rate: cfg.Rate,
+			Timeout: cfg.Timeout, NoPrefetch: cfg.NoPrefetch, Log: cfg.Log}, command, out, rel, doc)
+	}
 	write := func(rep *headline.Report) ([]string, error) {
 		rep.Command = command
 		if err := rep.WriteJSON(out); err != nil {
@@ -136,4 +145,24 @@ func redact(args []string, root string) []string {
 		out[i] = prefix + a
 	}
 	return out
+}
+
+// runPeers runs the peer tier's scenario and writes its JSON and its
+// section of the markdown report.
+func runPeers(ctx context.Context, cfg headline.PeersConfig, command, out, rel, doc string) error {
+	rep, err := headline.MeasurePeers(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	rep.Command = command
+	if err := rep.WriteJSON(out); err != nil {
+		return err
+	}
+	if err := rep.WriteMarkdown(doc, rel); err != nil {
+		return err
+	}
+	np, wp := rep.Modes[headline.NoPeers], rep.Modes[headline.WithPeers]
+	fmt.Printf("\npeers: registry egress %.2fx no peers; ready p95 %.2fs vs %.2fs; episode p95 %.2fs vs %.2fs\nwrote %s, %s\n",
+		float64(wp.RegistryBytes)/float64(max(np.RegistryBytes, 1)), wp.Ready.P95, np.Ready.P95, wp.Episode.P95, np.Episode.P95, out, doc)
+	return nil
 }
