@@ -38,6 +38,9 @@ func main() {
 	flag.BoolVar(&cfg.SettleWarm, "settle-warm", false, "before an envsnap warm run, wait until its layers are fully cached (and their native copies built)")
 	peers := flag.Int("peers", 0, "run only the peer tier's scenario with this many nodes (network namespaces), with and without peers, and replace its section of the markdown report")
 	peerEnvs := flag.Int("peer-envs", 4, "environments each node starts at once in the peer tier's scenario")
+	var slow headline.PeersConfig
+	flag.DurationVar(&slow.SlowHedgeAfter, "peer-slow-hedge-after", 0, "peer tier's scenario: add a mode with peers hedging after this instead of the default")
+	flag.DurationVar(&slow.SlowTimeout, "peer-slow-timeout", 0, "peer tier's scenario: and this peer timeout")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
@@ -46,13 +49,14 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg, variant, *out, *doc, *peers, *peerEnvs); err != nil {
+	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
+	if err := run(ctx, cfg, variant, *out, *doc, slow); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers, peerEnvs int) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -77,7 +81,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	}
 	if out == "" {
 		out = filepath.Join(root, "docs/benchmarks.json")
-		if peers > 0 {
+		if peers.Nodes > 0 {
 			out = filepath.Join(root, "docs/benchmarks-peers.json")
 		}
 	}
@@ -86,9 +90,9 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	}
 	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
 	rel, _ := filepath.Rel(root, out)
-	if peers > 0 {
-		return runPeers(ctx, headline.PeersConfig{Tasks: cfg.Tasks, Nodes: peers, EnvsPerNode: peerEnvs, RTT: cfg.RTT, Rate: cfg.Rate,
-			Timeout: cfg.Timeout, NoPrefetch: cfg.NoPrefetch, Log: cfg.Log}, command, out, rel, doc)
+	if peers.Nodes > 0 {
+		peers.Tasks, peers.RTT, peers.Rate, peers.Timeout, peers.NoPrefetch, peers.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
+		return runPeers(ctx, peers, command, out, rel, doc)
 	}
 	write := func(rep *headline.Report) ([]string, error) {
 		rep.Command = command
@@ -161,8 +165,12 @@ func runPeers(ctx context.Context, cfg headline.PeersConfig, command, out, rel, 
 	if err := rep.WriteMarkdown(doc, rel); err != nil {
 		return err
 	}
-	np, wp := rep.Modes[headline.NoPeers], rep.Modes[headline.WithPeers]
-	fmt.Printf("\npeers: registry egress %.2fx no peers; ready p95 %.2fs vs %.2fs; episode p95 %.2fs vs %.2fs\nwrote %s, %s\n",
-		float64(wp.RegistryBytes)/float64(max(np.RegistryBytes, 1)), wp.Ready.P95, np.Ready.P95, wp.Episode.P95, np.Episode.P95, out, doc)
+	np := rep.Modes[headline.NoPeers]
+	for _, mode := range rep.Order[1:] {
+		m := rep.Modes[mode]
+		fmt.Printf("%s: registry egress %.2fx no peers; ready p95 %.2fs vs %.2fs; episode p95 %.2fs vs %.2fs\n",
+			mode, float64(m.RegistryBytes)/float64(max(np.RegistryBytes, 1)), m.Ready.P95, np.Ready.P95, m.Episode.P95, np.Episode.P95)
+	}
+	fmt.Printf("wrote %s, %s\n", out, doc)
 	return nil
 }
