@@ -68,14 +68,16 @@ demo: deps build
 
 # Micro-benchmarks (format, fetcher, FUSE, sampler), then the end-to-end
 # benchmarks gated by ENVSNAP_BENCH=1, then the headline benchmark, which
-# regenerates docs/benchmarks.md and its plots, and the peer tier's cluster
-# model (docs/scale.md's table; about a minute of CPU). Raw output in bench/out.
+# regenerates docs/benchmarks.md and its plots, the peer tier's 4-node run
+# (its section of docs/benchmarks.md), and the peer tier's cluster model
+# (docs/scale.md's table; about a minute of CPU). Raw output in bench/out.
 MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/
 BENCH_ARGS ?=
 
 bench: deps build
 	@mkdir -p bench/out
 	$(GO) run ./bench/cmd/envsnap-bench $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
+	$(GO) run ./bench/cmd/envsnap-bench -variant small -peers 4 -peer-envs 4 -peer-slow-hedge-after 2s -peer-slow-timeout 30s 2>&1 | tee bench/out/peers.txt
 	$(GO) run ./bench/cmd/envsnap-peersim 2>&1 | tee bench/out/peersim.txt
 	$(GO) test -count=1 -run '^$$' -bench . -benchmem $(MICRO_BENCH_PKGS) 2>&1 | tee bench/out/micro.txt
 	ENVSNAP_BENCH=1 $(GO) test -count=1 -p 1 -timeout 90m -v -run '^TestBench' -bench . -benchtime 1x ./tests/... 2>&1 | tee bench/out/e2e.txt

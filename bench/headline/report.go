@@ -16,7 +16,9 @@ import (
 )
 
 // WriteJSON writes the raw report.
-func (rep *Report) WriteJSON(path string) error {
+func (rep *Report) WriteJSON(path string) error { return writeJSON(path, rep) }
+
+func writeJSON(path string, rep any) error {
 	b, err := json.MarshalIndent(rep, "", "  ")
 	if err != nil {
 		return err

@@ -2,7 +2,6 @@ package netshape
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -10,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -188,7 +188,7 @@ func (l *Link) Command(ctx context.Context, name string, args ...string) *exec.C
 // the listener works from any goroutine afterwards.
 func (l *Link) Listen(ctx context.Context, port int) (net.Listener, error) {
 	var ln net.Listener
-	err := l.inNamespace(func() error {
+	err := inNetNS("/run/netns/"+l.Name, func() error {
 		var err error
 		var lc net.ListenConfig
 		ln, err = lc.Listen(ctx, "tcp", netip.AddrPortFrom(l.NSAddr, uint16(port)).String())
@@ -200,10 +200,11 @@ func (l *Link) Listen(ctx context.Context, port int) (net.Listener, error) {
 	return ln, nil
 }
 
-// inNamespace runs fn on an OS thread switched into the namespace. The
-// thread is not returned to the scheduler's pool if switching back fails.
-func (l *Link) inNamespace(fn func() error) error {
-	target, err := os.Open("/run/netns/" + l.Name)
+// inNetNS runs fn on an OS thread switched into the network namespace at
+// path. The thread is not returned to the scheduler's pool if switching
+// back fails.
+func inNetNS(path string, fn func() error) error {
+	target, err := os.Open(path)
 	if err != nil {
 		return err
 	}
@@ -241,69 +242,48 @@ func (l *Link) inNamespace(fn func() error) error {
 // root namespace, starting from a hash of name so concurrent benches with
 // different names rarely probe the same one.
 func freeSubnet(name string) (host, ns netip.Addr, _ error) {
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return host, ns, fmt.Errorf("list addresses: %w", err)
-	}
-	var prefixes []netip.Prefix
-	for _, a := range addrs {
-		if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Is4() {
-			prefixes = append(prefixes, p)
-		}
-	}
-	used, err := usedSubnets(prefixes)
+	p, err := freePrefix(name, 30)
 	if err != nil {
 		return host, ns, err
+	}
+	return p.Addr().Next(), p.Addr().Next().Next(), nil
+}
+
+// freePrefix picks a prefix of bits in benchNet that overlaps no address
+// of an interface of the root namespace (a Link's /30, a Bridge's
+// subnet), starting from a hash of name.
+func freePrefix(name string, bits int) (netip.Prefix, error) {
+	if bits < benchNet.Bits() || bits > 30 {
+		return netip.Prefix{}, fmt.Errorf("no /%d in %s", bits, benchNet)
+	}
+	var used []netip.Prefix
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("list addresses: %w", err)
+	}
+	for _, a := range addrs {
+		if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Is4() {
+			used = append(used, p.Masked())
+		}
 	}
 	var h uint32 = 2166136261
 	for i := 0; i < len(name); i++ {
 		h = (h ^ uint32(name[i])) * 16777619
 	}
-	const subnets = 1 << (32 - 15 - 2)
+	subnets := uint32(1) << (bits - benchNet.Bits())
 	base := benchNet.Addr().As4()
 	start := uint32(base[0])<<24 | uint32(base[1])<<16
 	for i := uint32(0); i < subnets; i++ {
 		idx := (h + i) % subnets
 		if idx == 0 {
-			continue // skip the network's first /30
+			continue // skip the network's first subnet
 		}
-		n := start + idx*4
-		p := netip.PrefixFrom(u32addr(n), 30)
-		if used[p] {
-			continue
-		}
-		return u32addr(n + 1), u32addr(n + 2), nil
-	}
-	return host, ns, fmt.Errorf("no free /30 in %s", benchNet)
-}
-
-// usedSubnets returns the /30s of benchNet that the root namespace's
-// addresses take: each address's own /30, and every /30 a wider subnet
-// (another tool's link) covers.
-func usedSubnets(addrs []netip.Prefix) (map[netip.Prefix]bool, error) {
-	used := map[netip.Prefix]bool{}
-	for _, p := range addrs {
-		if q, err := p.Addr().Prefix(30); err == nil {
-			used[q] = true
-		}
-		if p.Bits() >= 30 || !p.Overlaps(benchNet) {
-			continue
-		}
-		// One wider than a few thousand /30s is not worth stepping around.
-		if p.Bits() < 20 {
-			return nil, fmt.Errorf("an interface already uses %s, which overlaps %s", p, benchNet)
-		}
-		p = p.Masked()
-		for q := netip.PrefixFrom(p.Addr(), 30); p.Contains(q.Addr()); q = netip.PrefixFrom(u32addr(addrU32(q.Addr())+4), 30) {
-			used[q] = true
+		p := netip.PrefixFrom(u32addr(start+idx<<(32-bits)), bits)
+		if !slices.ContainsFunc(used, p.Overlaps) {
+			return p, nil
 		}
 	}
-	return used, nil
-}
-
-func addrU32(a netip.Addr) uint32 {
-	b := a.As4()
-	return binary.BigEndian.Uint32(b[:])
+	return netip.Prefix{}, fmt.Errorf("no free /%d in %s", bits, benchNet)
 }
 
 func u32addr(v uint32) netip.Addr {

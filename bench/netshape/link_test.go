@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"net/netip"
 	"os"
 	"os/exec"
 	"slices"
@@ -195,29 +194,5 @@ func TestFreeSubnetStaysInBenchRange(t *testing.T) {
 		if hp != np || host == ns || hp.Addr() == host {
 			t.Errorf("%q: %s and %s are not the two hosts of one /30", name, host, ns)
 		}
-	}
-}
-
-// Another tool's wider subnet inside the bench range (seen: a /29 of a
-// peer-link test) takes the /30s it covers instead of failing the bench.
-func TestUsedSubnetsStepsAroundWiderSubnets(t *testing.T) {
-	used, err := usedSubnets([]netip.Prefix{
-		netip.MustParsePrefix("198.18.32.153/29"),
-		netip.MustParsePrefix("198.18.110.173/30"),
-		netip.MustParsePrefix("10.0.0.1/8"),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, want := range []string{"198.18.32.152/30", "198.18.32.156/30", "198.18.110.172/30"} {
-		if !used[netip.MustParsePrefix(want)] {
-			t.Errorf("%s not counted as used: %v", want, used)
-		}
-	}
-	if used[netip.MustParsePrefix("198.18.32.160/30")] || used[netip.MustParsePrefix("198.18.32.148/30")] {
-		t.Errorf("a /30 outside the /29 counted as used: %v", used)
-	}
-	if _, err := usedSubnets([]netip.Prefix{netip.MustParsePrefix("198.16.0.1/12")}); err == nil {
-		t.Error("a /12 over the whole bench range did not fail")
 	}
 }

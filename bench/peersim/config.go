@@ -9,8 +9,9 @@
 // owner (node-wide single flight), owners that answer 404 for layers they
 // do not have open, hedging to the registry when an owner has not
 // accepted within HedgeAfter, a per-request Timeout after which the owner
-// is marked bad for BadFor by that requester alone, and liveness learnt
-// from failed requests only. What it leaves out is listed in
+// is marked bad for BadFor by that requester alone and the stripe's next
+// owner is asked (once), owners that refuse at once past MaxServing
+// requests in progress, and liveness learnt from failed requests only. What it leaves out is listed in
 // docs/scale.md.
 //
 // The invariant its tests hold it to is conservation of bytes: without
@@ -125,6 +126,10 @@ type Config struct {
 	HedgeAfter time.Duration
 	Timeout    time.Duration
 	BadFor     time.Duration
+	// MaxServing bounds the requests an owner answers at once
+	// (peer.DefaultMaxServing); past it an owner refuses at once and the
+	// requester reads from the registry. 0: no bound.
+	MaxServing int
 
 	// Design alternatives internal/peer does not implement, to measure
 	// what changing it would buy. AnyLayer: an owner serves (fetching
@@ -187,6 +192,7 @@ func DefaultConfig() Config {
 		HedgeAfter:        200 * time.Millisecond, // peer.DefaultHedgeAfter
 		Timeout:           5 * time.Second,        // peer.DefaultTimeout
 		BadFor:            30 * time.Second,       // peer.DefaultBadFor
+		MaxServing:        64,                     // peer.DefaultMaxServing
 		FailFraction:      0,
 		FailAt:            time.Second,
 		FailMode:          FailSilent,
@@ -207,6 +213,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("bandwidths must be positive")
 	case c.Replicas < 0 || c.Replicas > rankDepth:
 		return fmt.Errorf("replicas %d: want 0-%d", c.Replicas, rankDepth)
+	case c.MaxServing < 0:
+		return fmt.Errorf("max serving %d: want >= 0", c.MaxServing)
 	case c.PrefetchInflight < 1:
 		return fmt.Errorf("prefetch in flight %d: want >= 1", c.PrefetchInflight)
 	case c.FailFraction < 0 || c.FailFraction >= 1:

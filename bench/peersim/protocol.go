@@ -56,9 +56,10 @@ func (s *sim) complete(n *node, f *flight) {
 
 // peerRequest is peer.Client.hedged: ask the owner; if it has not
 // accepted after HedgeAfter, ask the registry too; give up on it after
-// Timeout.
-func (s *sim) peerRequest(n *node, o int32, f *flight) {
-	r := &request{from: n.id, to: o, f: f}
+// Timeout. failover marks the request to the next owner that follows a
+// failed one.
+func (s *sim) peerRequest(n *node, o int32, f *flight, failover bool) {
+	r := &request{from: n.id, to: o, f: f, failover: failover}
 	s.st.PeerRequests++
 	half := s.cfg.PeerRTT.Seconds() / 2
 	s.after(half, func() { s.arrive(r) })
@@ -79,9 +80,12 @@ func (s *sim) peerRequest(n *node, o int32, f *flight) {
 }
 
 // giveUp abandons r: the owner stops sending, the requester marks it bad
-// (unless it only lacked the layer) and reads from the registry.
+// (unless it only lacked the layer or was busy) and, as peer.Client.Fetch
+// does, asks the stripe's next owner by rendezvous once when it marked
+// the owner bad (unless the registry is already asked), else the
+// registry.
 func (s *sim) giveUp(r *request, bad bool) {
-	r.closed = true
+	s.close(r)
 	n, o := s.nodes[r.from], s.nodes[r.to]
 	if r.flow != nil {
 		o.up.remove(r.flow)
@@ -90,8 +94,25 @@ func (s *sim) giveUp(r *request, bad bool) {
 	if bad {
 		s.markBad(n, r.to)
 	}
-	if !r.f.done {
-		s.registryFetch(n, r.f)
+	if r.f.done || n.dead {
+		return
+	}
+	if bad && !r.failover && !r.f.regStarted {
+		if next := s.owner(n, s.pieces[r.f.p].stripe); next != n.id && next != r.to {
+			s.st.Failovers++
+			s.peerRequest(n, next, r.f, true)
+			return
+		}
+	}
+	s.registryFetch(n, r.f)
+}
+
+// close ends r, freeing its place among what its owner answers.
+func (s *sim) close(r *request) {
+	r.closed = true
+	if r.answering {
+		r.answering = false
+		s.nodes[r.to].answering--
 	}
 }
 
@@ -115,6 +136,17 @@ func (s *sim) arrive(r *request) {
 		return
 	}
 	o.received = bump(o.received, s.now)
+	if s.cfg.MaxServing > 0 && o.answering >= s.cfg.MaxServing {
+		// peer.Server's bound: refused at once (503); the requester
+		// reads from the registry and does not mark the owner bad.
+		s.after(half, func() {
+			if !r.closed {
+				s.st.Busy++
+				s.giveUp(r, false)
+			}
+		})
+		return
+	}
 	p := s.pieces[r.f.p]
 	if !(o.started && o.open[p.layer]) && !s.cfg.AnyLayer {
 		// 404: the layer is not open there; the registry serves, and
@@ -128,6 +160,8 @@ func (s *sim) arrive(r *request) {
 		return
 	}
 	s.st.fanIn(r.to, r.f.p)
+	o.answering++
+	r.answering = true
 	// Headers go out before the owner fetches: the requester stops its
 	// hedge timer when they arrive.
 	s.after(half, func() { r.accepted = true })
@@ -154,7 +188,7 @@ func (s *sim) serve(o *node, r *request) {
 		if r.closed {
 			return
 		}
-		r.closed = true
+		s.close(r)
 		s.st.PeerBytes += size
 		o.served += size
 		s.deliver(s.nodes[r.from], r.f, size)

@@ -34,6 +34,7 @@ func Flags(fs *flag.FlagSet, c *Config) {
 	fs.DurationVar(&c.HedgeAfter, "hedge-after", c.HedgeAfter, "ask the registry when the owner has not accepted by then")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on an owner after")
 	fs.DurationVar(&c.BadFor, "bad-for", c.BadFor, "skip a failed owner for")
+	fs.IntVar(&c.MaxServing, "max-serving", c.MaxServing, "requests an owner answers at once; past it it refuses at once (0: no bound)")
 	fs.BoolVar(&c.AnyLayer, "any-layer", c.AnyLayer, "design alternative: owners serve layers they do not have open")
 	fs.IntVar(&c.Replicas, "replicas", c.Replicas, "design alternative: owners per stripe (0 or 1: one, as internal/peer)")
 	fs.DurationVar(&c.FailAt, "fail-at", c.FailAt, "when nodes fail in the failure rows")
@@ -107,21 +108,21 @@ func WriteTable(w io.Writer, c Config, rows []Row) {
 	if c.AnyLayer || c.Replicas > 1 {
 		fmt.Fprintf(w, "Design alternatives (not internal/peer): owners serve unopened layers %v, owners per stripe %d.\n\n", c.AnyLayer, max(1, c.Replicas))
 	}
-	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s), nodes starting over %v; registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v; failures at %v.\n\n",
+	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s), nodes starting over %v; registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v, owner answers at most %d at once (0: no bound); failures at %v.\n\n",
 		c.Nodes, c.EnvsPerNode, (envs+c.Rollouts-1)/c.Rollouts, c.Rollouts, map[bool]string{true: "packed", false: "spread at random"}[c.Pack], c.Stagger,
-		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, c.BadFor, c.FailAt)
+		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, c.BadFor, c.MaxServing, c.FailAt)
 	if len(rows) > 0 {
 		r := rows[0]
 		fmt.Fprintf(w, "Union of reads %s; sum over nodes of what each reads %s (%.1fx the union).\n\n", gb(r.UnionBytes), gb(r.NodeBytes), float64(r.NodeBytes)/float64(r.UnionBytes))
 	}
-	fmt.Fprintln(w, "| scenario | registry egress | / union | registry req/s peak (mean) | hottest owner req/s peak | max fan-in (requests for one piece at its owner) | most answers one owner sent at once | ready p50 | ready p99 | reads done p50 | reads done p99 | hedges | timeouts | refused | 404 | bad marks | envs (stuck) |")
-	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Fprintln(w, "| scenario | registry egress | / union | registry req/s peak (mean) | hottest owner req/s peak | max fan-in (requests for one piece at its owner) | most answers one owner sent at once | ready p50 | ready p99 | reads done p50 | reads done p99 | hedges | timeouts | refused | 404 | busy | next owner asked | bad marks | envs (stuck) |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, r := range rows {
-		fmt.Fprintf(w, "| %s | %s | %.2fx | %d (%.0f) | %d | %d | %d | %s | %s | %s | %s | %d | %d | %d | %d | %d | %d (%d) |\n",
+		fmt.Fprintf(w, "| %s | %s | %.2fx | %d (%.0f) | %d | %d | %d | %s | %s | %s | %s | %d | %d | %d | %d | %d | %d | %d | %d (%d) |\n",
 			r.Name, gb(r.RegistryBytes), float64(r.RegistryBytes)/float64(r.UnionBytes),
 			r.RegistryPeakRPS, r.RegistryMeanRPS, r.HottestOwnerPeakRPS, r.MaxFanIn, r.PeakOwnerTransfers,
 			sec(r.ReadyP50), sec(r.ReadyP99), sec(r.ReadsDoneP50), sec(r.ReadsDoneP99),
-			r.Hedges, r.Timeouts, r.Refused, r.Unknown, r.BadMarks, r.Envs, r.Stuck)
+			r.Hedges, r.Timeouts, r.Refused, r.Unknown, r.Busy, r.Failovers, r.BadMarks, r.Envs, r.Stuck)
 	}
 }
 

@@ -38,6 +38,9 @@ type request struct {
 	accepted bool
 	closed   bool // answered, failed or given up
 	flow     *flow
+	failover bool // to the next owner, after the first failed
+	// answering: counted in its owner's answering (accepted, not closed)
+	answering bool
 }
 
 type node struct {
@@ -50,10 +53,13 @@ type node struct {
 	up       *psLink
 	served   int64 // bytes sent to peers
 	serving  []*request
-	envs     []*env
-	start    float64
-	started  bool    // its layers are mounted (open) from then on
-	received []int32 // peer requests received per second
+	// answering counts the requests it has accepted and not finished:
+	// what Config.MaxServing bounds.
+	answering int
+	envs      []*env
+	start     float64
+	started   bool    // its layers are mounted (open) from then on
+	received  []int32 // peer requests received per second
 	// prefetch of the shared ready set
 	readyLeft int
 	queue     []int32
@@ -327,5 +333,5 @@ func (s *sim) fetch(n *node, f *flight) {
 		s.registryFetch(n, f)
 		return
 	}
-	s.peerRequest(n, o, f)
+	s.peerRequest(n, o, f, false)
 }

@@ -14,10 +14,12 @@ type Stats struct {
 	// Hedges: reads that asked the registry because the owner had not
 	// accepted within HedgeAfter. Timeouts: requests given up after
 	// Timeout. Refused: requests a dead daemon's kernel refused. Unknown:
-	// 404s from owners without the layer open.
-	Hedges, Timeouts, Refused, Unknown int64
-	BadMarks                           int64
-	FailedNodes                        int
+	// 404s from owners without the layer open. Busy: requests an owner
+	// refused because it answered MaxServing already. Failovers:
+	// requests to a stripe's next owner after the first failed.
+	Hedges, Timeouts, Refused, Unknown, Busy, Failovers int64
+	BadMarks                                            int64
+	FailedNodes                                         int
 	// MaxFanIn is the most requests one owner received for one piece;
 	// PeakOwnerTransfers the most answers one owner sent at once.
 	MaxFanIn           int32

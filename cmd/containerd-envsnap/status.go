@@ -66,8 +66,8 @@ var statusCommand = &cli.Command{
 				units.BytesSize(float64(us.Size)), units.BytesSize(float64(us.MaxBytes)), us.Entries, us.Hits, us.Builds, us.Failed, us.Evicted)
 		}
 		if ps := st.Peers; ps != nil {
-			fmt.Printf("peers: %d members, %d bad now; fetched %s from peers, served %s to peers (%d requests, %d refused); %d requests to owners, hit ratio %.2f, %d hedges, %d bad marks\n",
-				ps.Members, ps.BadPeers, units.BytesSize(float64(ps.FetchedBytes)), units.BytesSize(float64(ps.ServedBytes)), ps.Served, ps.Refused,
+			fmt.Printf("peers: %d members, %d bad now; fetched %s from peers, served %s to peers (%d requests, %d refused, %d busy); %d requests to owners, hit ratio %.2f, %d hedges, %d bad marks\n",
+				ps.Members, ps.BadPeers, units.BytesSize(float64(ps.FetchedBytes)), units.BytesSize(float64(ps.ServedBytes)), ps.Served, ps.Refused, ps.Busy,
 				ps.Requests, ps.HitRatio, ps.Hedges, ps.BadMarks)
 		}
 		return nil

@@ -167,6 +167,10 @@ type PeerConfig struct {
 	HedgeAfter Duration `toml:"hedge_after"`
 	Timeout    Duration `toml:"timeout"`
 	BadFor     Duration `toml:"bad_for"`
+	// MaxServing bounds the peers' requests this node answers at once
+	// (0: peer.DefaultMaxServing); past it they are refused at once and
+	// read from the registry.
+	MaxServing int `toml:"max_serving"`
 }
 
 // Defaults of the peer tier the daemon adds to peer's own.
@@ -216,6 +220,9 @@ func (p *PeerConfig) validate() error {
 	}
 	if p.Refresh < 0 || p.HedgeAfter < 0 || p.Timeout < 0 || p.BadFor < 0 {
 		return fmt.Errorf("peers: durations must not be negative")
+	}
+	if p.MaxServing < 0 {
+		return fmt.Errorf("peers.max_serving %d: must not be negative", p.MaxServing)
 	}
 	return nil
 }

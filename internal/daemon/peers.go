@@ -91,7 +91,7 @@ func (d *daemon) startPeerClient(ctx context.Context, cfg PeerConfig, reg promet
 
 // servePeers serves src to the other members on cfg.Listen until ctx ends.
 func (d *daemon) servePeers(ctx context.Context, cfg PeerConfig, src peer.Source, errc chan<- error) error {
-	srv, err := peer.NewServer(src, d.peers.auth, d.peers.metrics)
+	srv, err := peer.NewServer(src, d.peers.auth, d.peers.metrics, peer.WithMaxServing(cfg.MaxServing))
 	if err != nil {
 		return err
 	}

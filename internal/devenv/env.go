@@ -75,6 +75,8 @@ type options struct {
 	imports      []string
 	dirPrefix    string
 	registryNet  RegistryNetwork
+	registryIP   string
+	netns        string
 	envlet       *EnvletConfig
 	noLabels     bool
 	proxyName    string
@@ -156,6 +158,23 @@ func WithProxyName(name string) Option {
 // ProxyName is the snapshotter name containerd knows the envsnap daemon by.
 func (e *Env) ProxyName() string { return e.opts.proxyName }
 
+// WithNetNS runs containerd, the envsnap daemon and the arbiter (and so
+// the shims and containers they start) in the network namespace at path
+// (e.g. /run/netns/NAME), without a mount namespace of their own: their
+// mounts stay visible to each other and to the caller, who still reaches
+// them over their unix sockets. The namespace must reach the registry
+// (WithRegistryListenIP).
+func WithNetNS(path string) Option {
+	return func(o *options) { o.netns = path }
+}
+
+// WithRegistryListenIP serves the registry's counting proxy (Registry.Host)
+// on ip instead of 127.0.0.1, e.g. a bridge address that daemons in other
+// network namespaces reach.
+func WithRegistryListenIP(ip string) Option {
+	return func(o *options) { o.registryIP = ip }
+}
+
 // WithDirPrefix names the temporary directory (default "envsnap-e2e-").
 func WithDirPrefix(prefix string) Option {
 	return func(o *options) { o.dirPrefix = prefix }
@@ -185,7 +204,7 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 	if err := CheckMachine(); err != nil {
 		return nil, err
 	}
-	e := &Env{Logf: func(string, ...any) {}, opts: options{dirPrefix: "envsnap-e2e-", proxyName: "envsnap"}}
+	e := &Env{Logf: func(string, ...any) {}, opts: options{dirPrefix: "envsnap-e2e-", proxyName: "envsnap", registryIP: "127.0.0.1"}}
 	for _, o := range opts {
 		o(&e.opts)
 	}
@@ -342,7 +361,14 @@ func (e *Env) Processes() []*Process {
 
 // StartProcess starts a daemon that Close stops.
 func (e *Env) StartProcess(name string, env []string, bin string, args ...string) (*Process, error) {
-	p, err := StartProcess(e.Dir, name, env, bin, args...)
+	cmd := exec.Command(bin, args...)
+	if e.opts.netns != "" {
+		// nsenter enters the network namespace only (ip netns exec would
+		// also give the daemon a mount namespace, hiding its mounts from
+		// containerd) and execs bin: the PID stays the daemon's.
+		cmd = exec.Command("nsenter", append([]string{"--net=" + e.opts.netns, "--", bin}, args...)...)
+	}
+	p, err := StartCommand(e.Dir, name, env, cmd)
 	if err != nil {
 		return nil, err
 	}

@@ -22,7 +22,8 @@ import (
 // reverse proxy. Clients use Host (the proxy), so the harness can count what
 // the registry serves and tests can inject faults.
 type Registry struct {
-	// Host is "127.0.0.1:PORT", the address clients use.
+	// Host is "127.0.0.1:PORT" (another address with
+	// WithRegistryListenIP), the address clients use.
 	Host string
 	// StorageDir is the registry's filesystem storage root; tests that
 	// corrupt blobs edit files below it.
@@ -61,7 +62,7 @@ func WithRegistryNetwork(n RegistryNetwork) Option {
 }
 
 func (e *Env) startRegistry() (*Registry, error) {
-	r, err := StartRegistryOn(e.Dir, e.opts.registryNet)
+	r, err := startRegistry(e.Dir, e.opts.registryNet, e.opts.registryIP)
 	if err != nil {
 		return nil, err
 	}
@@ -78,7 +79,12 @@ func (e *Env) startRegistry() (*Registry, error) {
 func StartRegistry(dir string) (*Registry, error) { return StartRegistryOn(dir, nil) }
 
 // StartRegistryOn is StartRegistry behind network n (nil: plain loopback).
-func StartRegistryOn(dir string, n RegistryNetwork) (_ *Registry, retErr error) {
+func StartRegistryOn(dir string, n RegistryNetwork) (*Registry, error) {
+	return startRegistry(dir, n, "127.0.0.1")
+}
+
+// startRegistry is StartRegistryOn with the counting proxy on ip.
+func startRegistry(dir string, n RegistryNetwork, ip string) (_ *Registry, retErr error) {
 	bin, err := Tool("registry")
 	if err != nil {
 		return nil, err
@@ -135,7 +141,7 @@ http:
 		r.backend, r.front = front, closer
 	}
 
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 	if err != nil {
 		return nil, err
 	}

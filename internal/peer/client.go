@@ -309,8 +309,8 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 }
 
 // peerFailed records why a peer's answer was not used, and marks it bad
-// (reporting true) unless the reason was ours (we gave up) or it simply
-// lacks the layer.
+// (reporting true) unless the reason was ours (we gave up), it simply
+// lacks the layer, or it is busy.
 func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 	var se *statusError
 	switch {
@@ -320,6 +320,10 @@ func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 		c.metrics.outcome(outcomeCorrupt)
 	case errors.As(err, &se) && se.code == http.StatusNotFound:
 		c.metrics.outcome(outcomeUnknown)
+		return false
+	case errors.As(err, &se) && se.code == http.StatusServiceUnavailable:
+		// Busy, not broken: its next request may be answered.
+		c.metrics.outcome(outcomeBusy)
 		return false
 	case errors.Is(err, context.DeadlineExceeded):
 		c.metrics.outcome(outcomeTimeout)

@@ -11,7 +11,8 @@ const (
 	outcomeUnknown = "unknown" // the owner does not have the layer open
 	outcomeTimeout = "timeout" // no answer within the peer timeout
 	outcomeCorrupt = "corrupt" // a frame did not match its digest
-	outcomeError   = "error"   // refused, reset, 5xx
+	outcomeBusy    = "busy"    // the owner was answering as many requests as it may (503)
+	outcomeError   = "error"   // refused, reset, other 5xx
 )
 
 // Metrics count the peer tier's traffic for Prometheus (it is a
@@ -20,6 +21,7 @@ type Metrics struct {
 	servedBytes  atomic.Int64
 	served       atomic.Int64
 	refusedReqs  atomic.Int64
+	busyReqs     atomic.Int64
 	fetchedBytes atomic.Int64
 	requests     atomic.Int64
 	hedges       atomic.Int64
@@ -31,7 +33,7 @@ type Metrics struct {
 	bad func() int
 }
 
-var outcomesArr = [5]string{outcomeHit, outcomeUnknown, outcomeTimeout, outcomeCorrupt, outcomeError}
+var outcomesArr = [6]string{outcomeHit, outcomeUnknown, outcomeTimeout, outcomeCorrupt, outcomeBusy, outcomeError}
 
 // NewMetrics returns empty counters.
 func NewMetrics() *Metrics { return &Metrics{} }
@@ -53,6 +55,12 @@ func (m *Metrics) servedFrames(n int64) {
 func (m *Metrics) refused() {
 	if m != nil {
 		m.refusedReqs.Add(1)
+	}
+}
+
+func (m *Metrics) busy() {
+	if m != nil {
+		m.busyReqs.Add(1)
 	}
 }
 
@@ -100,6 +108,7 @@ type Stats struct {
 	ServedBytes  int64            `json:"served_bytes"`
 	Served       int64            `json:"served_requests"`
 	Refused      int64            `json:"refused_requests"`
+	Busy         int64            `json:"busy_requests"`
 	Requests     int64            `json:"requests"`
 	Outcomes     map[string]int64 `json:"outcomes"`
 	Hedges       int64            `json:"hedges"`
@@ -117,6 +126,7 @@ func (m *Metrics) Stats(members int) Stats {
 		ServedBytes:  m.servedBytes.Load(),
 		Served:       m.served.Load(),
 		Refused:      m.refusedReqs.Load(),
+		Busy:         m.busyReqs.Load(),
 		Requests:     m.requests.Load(),
 		Hedges:       m.hedges.Load(),
 		BadMarks:     m.badMarks.Load(),
@@ -139,8 +149,9 @@ var (
 	descServed   = prometheus.NewDesc("envsnap_peer_served_bytes_total", "Compressed frame bytes served to peers.", nil, nil)
 	descServedN  = prometheus.NewDesc("envsnap_peer_served_requests_total", "Frame requests of peers served.", nil, nil)
 	descRefused  = prometheus.NewDesc("envsnap_peer_refused_requests_total", "Requests refused for missing or wrong credentials.", nil, nil)
+	descBusy     = prometheus.NewDesc("envsnap_peer_busy_requests_total", "Requests of peers refused because this node was answering as many as it may.", nil, nil)
 	descRequests = prometheus.NewDesc("envsnap_peer_requests_total", "Frame requests sent to owner peers.", nil, nil)
-	descOutcome  = prometheus.NewDesc("envsnap_peer_request_outcomes_total", "Frame requests to peers by outcome (hit, unknown, timeout, corrupt, error); requests given up because the registry answered first have none.", []string{"outcome"}, nil)
+	descOutcome  = prometheus.NewDesc("envsnap_peer_request_outcomes_total", "Frame requests to peers by outcome (hit, unknown, timeout, corrupt, busy, error); requests given up because the registry answered first have none.", []string{"outcome"}, nil)
 	descHitRatio = prometheus.NewDesc("envsnap_peer_hit_ratio", "Share of frame requests to peers that the owner served completely.", nil, nil)
 	descHedges   = prometheus.NewDesc("envsnap_peer_hedges_total", "Reads that asked the registry because the owner had not answered within the hedge delay.", nil, nil)
 	descBadMarks = prometheus.NewDesc("envsnap_peer_bad_marks_total", "Times a peer was marked bad (failed, timed out or sent wrong bytes).", nil, nil)
@@ -149,7 +160,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descFetched, descServed, descServedN, descRefused, descRequests, descOutcome, descHitRatio, descHedges, descBadMarks, descBad} {
+	for _, d := range []*prometheus.Desc{descFetched, descServed, descServedN, descRefused, descBusy, descRequests, descOutcome, descHitRatio, descHedges, descBadMarks, descBad} {
 		ch <- d
 	}
 }
@@ -164,6 +175,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	counter(descServed, s.ServedBytes)
 	counter(descServedN, s.Served)
 	counter(descRefused, s.Refused)
+	counter(descBusy, s.Busy)
 	counter(descRequests, s.Requests)
 	for _, o := range outcomesArr {
 		counter(descOutcome, s.Outcomes[o], o)

@@ -234,14 +234,14 @@ func writeToken(t *testing.T, tok string) *Token {
 	return k
 }
 
-func startPeer(t *testing.T, src *memSource, auth Auth) *testPeer {
+func startPeer(t *testing.T, src *memSource, auth Auth, opts ...ServerOption) *testPeer {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	m := NewMetrics()
-	srv, err := NewServer(src, auth, m)
+	srv, err := NewServer(src, auth, m, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -387,6 +387,47 @@ func TestHedgeSlowOwner(t *testing.T) {
 	}
 	if s := m.Stats(2); s.Hedges != 1 || reg.Load() != 1 || s.FetchedBytes != 0 {
 		t.Errorf("stats %+v, %d registry reads; want one hedge won by the registry", s, reg.Load())
+	}
+}
+
+// An owner answering as many requests as it may refuses the next at
+// once: that requester reads from the registry without waiting for a
+// hedge or a timeout, and does not mark the owner bad, so its next read
+// is the owner's again.
+func TestBusyOwnerRefusesAtOnce(t *testing.T) {
+	layer, blob, frames := testBlob()
+	tok := writeToken(t, "a-token-of-enough-length")
+	src := &memSource{layer: layer, blob: blob, delay: time.Second}
+	p := startPeer(t, src, Auth{Token: tok}, WithMaxServing(1))
+	// Neither a hedge nor a timeout can happen within the test.
+	o := Options{HedgeAfter: time.Hour, Timeout: time.Hour}
+	first, _ := clientTo(t, p, Auth{Token: tok}, o)
+	second, m := clientTo(t, p, Auth{Token: tok}, o)
+	var reg atomic.Int64
+	done := make(chan error, 1)
+	go func() {
+		_, err := first.Fetch(context.Background(), layer, frames, registryOf(blob, &reg))
+		done <- err
+	}()
+	waitFor(t, func() bool { return src.calls.Load() == 1 }) // the owner is busy with it
+	got, err := second.Fetch(context.Background(), layer, frames, registryOf(blob, &reg))
+	if err != nil || !bytes.Equal(got[2], blob[2000:]) {
+		t.Fatalf("fetch while the owner is busy: %v", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	s := m.Stats(2)
+	if reg.Load() != 1 || s.Outcomes[outcomeBusy] != 1 || s.Hedges != 0 || s.BadMarks != 0 || p.m.Stats(2).Busy != 1 {
+		t.Errorf("%d registry reads, requester %+v, owner busy %d: want one busy refusal read from the registry, no hedge, no bad mark",
+			reg.Load(), s, p.m.Stats(2).Busy)
+	}
+	// Free again, the owner serves the same requester.
+	if _, err := second.Fetch(context.Background(), layer, frames, registryOf(blob, &reg)); err != nil {
+		t.Fatal(err)
+	}
+	if s := m.Stats(2); reg.Load() != 1 || s.Outcomes[outcomeHit] != 1 {
+		t.Errorf("after the busy spell: %d registry reads, %+v", reg.Load(), s)
 	}
 }
 

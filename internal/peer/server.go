@@ -52,6 +52,15 @@ const (
 	// serveTimeout bounds the work one request may cause on the owner
 	// (a registry fetch with its retries).
 	serveTimeout = 30 * time.Second
+	// DefaultMaxServing is how many requests an owner answers at once;
+	// past it a request is refused at once (503) and the requester reads
+	// from the registry instead of waiting. 64 stripes of 4 MiB are 2.1 s
+	// of a 1 Gbit/s uplink, within a requester's DefaultTimeout. Without
+	// a bound, a stripe every node needs at the start of an iteration is
+	// asked of its one owner by all of them, which then sends each
+	// answer at 1/N of its uplink: none completes within the timeout,
+	// and every requester marks a healthy owner bad (docs/scale.md).
+	DefaultMaxServing = 64
 )
 
 type request struct {
@@ -79,15 +88,33 @@ type Server struct {
 	auth    Auth
 	tls     *tls.Config
 	metrics *Metrics
+	// serving holds a token per request being answered.
+	serving chan struct{}
+}
+
+// ServerOption configures a Server.
+type ServerOption func(*Server)
+
+// WithMaxServing bounds the requests answered at once (default
+// DefaultMaxServing); n < 1 keeps the default.
+func WithMaxServing(n int) ServerOption {
+	return func(s *Server) {
+		if n >= 1 {
+			s.serving = make(chan struct{}, n)
+		}
+	}
 }
 
 // NewServer returns a server of src's frames, refusing requests that do not
 // authenticate with auth.
-func NewServer(src Source, auth Auth, m *Metrics) (*Server, error) {
+func NewServer(src Source, auth Auth, m *Metrics, opts ...ServerOption) (*Server, error) {
 	if err := auth.validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{src: src, auth: auth, metrics: m}
+	s := &Server{src: src, auth: auth, metrics: m, serving: make(chan struct{}, DefaultMaxServing)}
+	for _, o := range opts {
+		o(s)
+	}
 	if auth.TLS != nil {
 		var err error
 		if s.tls, _, err = auth.TLS.configs(); err != nil {
@@ -144,6 +171,18 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	req, err := decodeRequest(io.LimitReader(r.Body, maxBody+1))
 	if err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	select {
+	case s.serving <- struct{}{}:
+		defer func() { <-s.serving }()
+	default:
+		// Refused at once, so the requester goes to the registry now
+		// rather than waiting out its timeout on a share of our uplink
+		// too small to finish in time.
+		s.metrics.busy()
+		w.Header().Set("Retry-After", "1")
+		http.Error(w, fmt.Sprintf("busy: answering %d requests", cap(s.serving)), http.StatusServiceUnavailable)
 		return
 	}
 	// The owner's fetch fills its own cache too: a requester that gives

@@ -1,6 +1,7 @@
 // Package peers runs the peer tier end to end: several "nodes" on one
-// machine, each with its own containerd and envsnap daemon (state roots,
-// sockets and peer ports apart), reading lazily from one registry.
+// machine, each a network namespace with its own containerd and envsnap
+// daemon (state roots and sockets apart), the namespaces joined by a
+// bridge, reading lazily from one registry.
 package peers
 
 import (
@@ -21,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,38 +36,55 @@ import (
 
 type node struct {
 	env  *testenv.Env
-	peer string // host:port of its peer server
+	peer string // host:port of its peer server, on its namespace's address
 }
 
-// startNodes starts n nodes whose daemons are peers of each other, all
-// reading from node 0's registry, which runs behind regNet when given.
-// via, when set, gives the address the other nodes reach node j at (a
-// proxy in front of its peer server).
-func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork, via func(j int, addr string) string) []*node {
+// peerPort is where every node's peer server listens: each node has a
+// network namespace of its own, so all use the daemon's default port.
+const peerPort = "9168"
+
+var clusters atomic.Int64
+
+// startNodes starts n nodes whose daemons are peers of each other, each
+// node's containerd and envsnap daemon in a network namespace of its own,
+// the namespaces joined by a bridge. All read from node 0's registry,
+// served on the bridge's address in the root namespace, which runs behind
+// regNet when given. via, when set, gives the address the other nodes
+// reach node j at (a proxy in front of its peer server, listening on the
+// bridge's address).
+func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork, via func(br *netshape.Bridge, j int, addr string) string) []*node {
 	t.Helper()
+	testenv.RequireRoot(t)
+	br, err := netshape.NewBridge(context.Background(), fmt.Sprintf("%speers-%d-%d", netshape.NamePrefix, os.Getpid(), clusters.Add(1)), n)
+	if err != nil {
+		prereq.Missing(t, "network namespaces on a bridge (ip netns, veth, bridge): %v", err)
+	}
+	// Registered before the nodes, so it runs after their daemons stop.
+	t.Cleanup(func() {
+		if err := br.Close(context.Background()); err != nil {
+			t.Error(err)
+		}
+	})
 	dir := t.TempDir()
 	token := filepath.Join(dir, "token")
 	if err := os.WriteFile(token, []byte("e2e-peer-token-0123456789\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	var members []string
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		members = append(members, l.Addr().String())
-		l.Close()
+	for _, bn := range br.Nodes {
+		members = append(members, net.JoinHostPort(bn.Addr.String(), peerPort))
 	}
 	var nodes []*node
 	for i := range n {
 		quoted := make([]string, n)
 		for j, m := range members {
 			if via != nil && j != i {
-				m = via(j, m)
+				m = via(br, j, m)
 			}
 			quoted[j] = strconv.Quote(m)
 		}
+		// No advertise: the daemon finds itself in the list by its
+		// namespace's address, as a DaemonSet pod does.
 		// No background fill: the test counts what reads cost. The hedge
 		// waits longer than the default: on this shared 2-core machine an
 		// owner running 4 daemons' worth of work may take longer than
@@ -74,20 +93,22 @@ func startNodes(t *testing.T, n int, regNet devenv.RegistryNetwork, via func(j i
 native_lowers = false
 [peers]
 enabled = true
-listen = %q
-advertise = %q
+listen = ":%s"
 members = [%s]
 token_file = %q
 hedge_after = "2s"
 bad_for = "1m"
-`, members[i], members[i], strings.Join(quoted, ", "), token)
+`, peerPort, strings.Join(quoted, ", "), token)
 		p := filepath.Join(dir, fmt.Sprintf("node%d.toml", i))
 		if err := os.WriteFile(p, []byte(cfg), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		opts := []testenv.Option{testenv.WithEnvsnap("--config", p)}
-		if i == 0 && regNet != nil {
-			opts = append(opts, devenv.WithRegistryNetwork(regNet))
+		opts := []testenv.Option{testenv.WithEnvsnap("--config", p), devenv.WithNetNS(br.Nodes[i].Path())}
+		if i == 0 {
+			opts = append(opts, devenv.WithRegistryListenIP(br.HostAddr.String()))
+			if regNet != nil {
+				opts = append(opts, devenv.WithRegistryNetwork(regNet))
+			}
 		}
 		env := testenv.New(t, opts...)
 		nodes = append(nodes, &node{env: env, peer: members[i]})
@@ -95,6 +116,7 @@ bad_for = "1m"
 	for _, nd := range nodes[1:] {
 		testenv.WriteHostsDir(t, nd.env.HostsDir, nodes[0].env.Registry.Host)
 	}
+	t.Logf("%d nodes in network namespaces on bridge %s (%s): peers %s; registry at %s", n, br.Name, br.Prefix, strings.Join(members, " "), nodes[0].env.Registry.Host)
 	return nodes
 }
 
@@ -344,7 +366,7 @@ func TestPeersOwnerKilledMidRead(t *testing.T) {
 
 // corruptingProxy forwards to a peer server and flips one byte in every
 // frame response: a peer (or a path to it) that sends wrong bytes.
-func corruptingProxy(t *testing.T, target string) string {
+func corruptingProxy(t *testing.T, ip, target string) string {
 	t.Helper()
 	u, _ := url.Parse("http://" + target)
 	rp := httputil.NewSingleHostReverseProxy(u)
@@ -363,7 +385,12 @@ func corruptingProxy(t *testing.T, target string) string {
 		resp.Body = io.NopCloser(bytes.NewReader(b))
 		return nil
 	}
-	srv := httptest.NewServer(rp)
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &httptest.Server{Listener: ln, Config: &http.Server{Handler: rp}}
+	srv.Start()
 	t.Cleanup(srv.Close)
 	return strings.TrimPrefix(srv.URL, "http://")
 }
@@ -374,9 +401,9 @@ func corruptingProxy(t *testing.T, target string) string {
 // environment reads the same files right again).
 func TestPeersCorruptingPeerBypassed(t *testing.T) {
 	proxies := map[int]string{}
-	nodes := startNodes(t, 3, nil, func(j int, addr string) string {
+	nodes := startNodes(t, 3, nil, func(br *netshape.Bridge, j int, addr string) string {
 		if _, ok := proxies[j]; !ok {
-			proxies[j] = corruptingProxy(t, addr)
+			proxies[j] = corruptingProxy(t, br.HostAddr.String(), addr)
 		}
 		return proxies[j]
 	})

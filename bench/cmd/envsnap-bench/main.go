@@ -36,7 +36,12 @@ func main() {
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
 	flag.BoolVar(&cfg.NoPrefetch, "no-prefetch", false, "do not record footprints and attach prefetch lists to the shared groups before the runs")
 	flag.BoolVar(&cfg.SettleWarm, "settle-warm", false, "before an envsnap warm run, wait until its layers are fully cached (and their native copies built)")
-	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, committed with the report)")
+	peers := flag.Int("peers", 0, "run only the peer tier's scenario with this many nodes (network namespaces), with and without peers, and replace its section of the markdown report")
+	peerEnvs := flag.Int("peer-envs", 4, "environments each node starts at once in the peer tier's scenario")
+	var slow headline.PeersConfig
+	flag.DurationVar(&slow.SlowHedgeAfter, "peer-slow-hedge-after", 0, "peer tier's scenario: add a mode with peers hedging after this instead of the default")
+	flag.DurationVar(&slow.SlowTimeout, "peer-slow-timeout", 0, "peer tier's scenario: and this peer timeout")
+	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
 	cfg.Systems = strings.Split(systems, ",")
@@ -44,13 +49,14 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, cfg, variant, *out, *doc); err != nil {
+	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
+	if err := run(ctx, cfg, variant, *out, *doc, slow); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -75,12 +81,19 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string) err
 	}
 	if out == "" {
 		out = filepath.Join(root, "docs/benchmarks.json")
+		if peers.Nodes > 0 {
+			out = filepath.Join(root, "docs/benchmarks-peers.json")
+		}
 	}
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
 	}
 	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
 	rel, _ := filepath.Rel(root, out)
+	if peers.Nodes > 0 {
+		peers.Tasks, peers.RTT, peers.Rate, peers.Timeout, peers.NoPrefetch, peers.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
+		return runPeers(ctx, peers, command, out, rel, doc)
+	}
 	write := func(rep *headline.Report) ([]string, error) {
 		rep.Command = command
 		if err := rep.WriteJSON(out); err != nil {
@@ -136,4 +149,28 @@ func redact(args []string, root string) []string {
 		out[i] = prefix + a
 	}
 	return out
+}
+
+// runPeers runs the peer tier's scenario and writes its JSON and its
+// section of the markdown report.
+func runPeers(ctx context.Context, cfg headline.PeersConfig, command, out, rel, doc string) error {
+	rep, err := headline.MeasurePeers(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	rep.Command = command
+	if err := rep.WriteJSON(out); err != nil {
+		return err
+	}
+	if err := rep.WriteMarkdown(doc, rel); err != nil {
+		return err
+	}
+	np := rep.Modes[headline.NoPeers]
+	for _, mode := range rep.Order[1:] {
+		m := rep.Modes[mode]
+		fmt.Printf("%s: registry egress %.2fx no peers; ready p95 %.2fs vs %.2fs; episode p95 %.2fs vs %.2fs\n",
+			mode, float64(m.RegistryBytes)/float64(max(np.RegistryBytes, 1)), m.Ready.P95, np.Ready.P95, m.Episode.P95, np.Episode.P95)
+	}
+	fmt.Printf("wrote %s, %s\n", out, doc)
+	return nil
 }
