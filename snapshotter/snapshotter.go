@@ -54,6 +54,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/evalgroup"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -438,13 +439,25 @@ func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
 // Prepare creates an active snapshot, or, on the remote-snapshot path,
 // commits a lazy snapshot named after the chainID and reports
 // ErrAlreadyExists. The mounts of an active snapshot name the native
-// copies of its lazy layers where they are ready.
+// copies of its lazy layers where they are ready, and, unless it is an
+// unpack's, leave out evaluator layers (holdBackEvaluator).
 func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
 	mounts, err := s.prepare(ctx, key, parent, opts...)
 	if err != nil {
 		return nil, err
 	}
-	return s.nativeMounts(ctx, mounts), nil
+	mounts = s.nativeMounts(ctx, mounts)
+	if unpacking(opts) {
+		return mounts, nil
+	}
+	held, err := s.holdBackEvaluator(ctx, parent, mounts)
+	if err != nil {
+		if rerr := s.Snapshotter.Remove(ctx, key); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("key", key).Warn("remove snapshot whose evaluator layers could not be held back")
+		}
+		return nil, fmt.Errorf("prepare %s: %w", key, err)
+	}
+	return held, nil
 }
 
 // View is overlay's View with native lowers (see Prepare).
@@ -456,13 +469,23 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 	return s.nativeMounts(ctx, mounts), nil
 }
 
-// Mounts is overlay's Mounts with native lowers (see Prepare).
+// Mounts is overlay's Mounts with native lowers and, for an active
+// snapshot that is not an unpack's, without evaluator layers (see
+// Prepare).
 func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
 	mounts, err := s.Snapshotter.Mounts(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	return s.nativeMounts(ctx, mounts), nil
+	mounts = s.nativeMounts(ctx, mounts)
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if info.Kind != snapshots.KindActive || info.Labels[snapshots.LabelSnapshotRef] != "" {
+		return mounts, nil
+	}
+	return s.holdBackEvaluator(ctx, info.Parent, mounts)
 }
 
 func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
@@ -856,6 +879,14 @@ func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpath
 			for k, v := range lazyLabels(cur.Labels) {
 				info.Labels[k] = v
 			}
+		}
+		// The evaluator marking is the only record that a layer must stay
+		// out of containers: no label update drops it.
+		if v, ok := cur.Labels[evalgroup.LayerLabel]; ok {
+			if info.Labels == nil {
+				info.Labels = make(map[string]string)
+			}
+			info.Labels[evalgroup.LayerLabel] = v
 		}
 	}
 	return s.Snapshotter.Update(ctx, info, fieldpaths...)
