@@ -16,12 +16,15 @@ import (
 	"github.com/containerd/containerd/api/types"
 	"github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/evalgroup"
 )
 
 // Evaluator isolation (docs/plans.md, "Evaluator-only groups"): the
-// layers of a plan's evaluator group are taken out of the container's
-// root file system and mounted, read-only, only when the first evaluator
-// process is executed.
+// layers of a plan's evaluator group are kept out of the container's
+// root file system (by the envsnap snapshotter, or here for an annotated
+// spec) and mounted, read-only, only when the first evaluator process is
+// executed.
 const (
 	// AnnEvaluatorLayers names the evaluator's layers by position in the
 	// image, counted from the lowest layer (0): "5" or "5-6".
@@ -78,38 +81,23 @@ func splitLowers(lowers []string, lo, hi int) (held, rest []string, err error) {
 	return held, rest, nil
 }
 
-// holdBackEvaluator removes the evaluator's layers (spec annotations)
-// from the overlay in rootfs, and adds to the spec the mount at which they
-// appear at evaluation time. It returns nil when the spec names no
-// evaluator. It fails, rather than run the container with the answers in
-// view, when the rootfs is not an overlay with those layers.
+// holdBackEvaluator sets up the evaluator of a container, if it has one,
+// and adds to the spec the mount at which it appears at evaluation time.
+// The envsnap snapshotter has already left the evaluator's layers out of
+// rootfs and recorded them (internal/evalgroup); with another
+// snapshotter the spec annotations name them, and they are removed here
+// from the overlay in rootfs. It returns nil when there is no evaluator.
+// It fails, rather than run the container with the answers in view,
+// when the annotated layers cannot be taken out.
 func holdBackEvaluator(s *specs.Spec, rootfs []*types.Mount, bundle string) (*evaluator, error) {
-	v, ok := s.Annotations[AnnEvaluatorLayers]
-	if !ok {
-		return nil, nil
-	}
-	lo, hi, err := parseLayerRange(v)
+	held, dir, err := recordedEvaluator(rootfs)
 	if err != nil {
 		return nil, err
 	}
-	dir := DefaultEvaluatorDir
-	if d, ok := s.Annotations[AnnEvaluatorDir]; ok {
-		dir = filepath.Clean(d)
-		if !filepath.IsAbs(dir) || dir == "/" {
-			return nil, fmt.Errorf("annotation %s=%q: want an absolute directory below /", AnnEvaluatorDir, d)
+	if held == nil {
+		if held, dir, err = annotatedEvaluator(s, rootfs); held == nil || err != nil {
+			return nil, err
 		}
-	}
-	if len(rootfs) != 1 || rootfs[0].Type != "overlay" {
-		return nil, fmt.Errorf("evaluator layers %s: the root file system is not one overlay mount", v)
-	}
-	m := rootfs[0]
-	i := slices.IndexFunc(m.Options, func(o string) bool { return strings.HasPrefix(o, "lowerdir=") })
-	if i < 0 {
-		return nil, fmt.Errorf("evaluator layers %s: the rootfs overlay has no lowerdir", v)
-	}
-	held, rest, err := splitLowers(strings.Split(strings.TrimPrefix(m.Options[i], "lowerdir="), ":"), lo, hi)
-	if err != nil {
-		return nil, fmt.Errorf("evaluator layers %s: %w", v, err)
 	}
 	e := &evaluator{
 		lowers: held,
@@ -117,7 +105,6 @@ func holdBackEvaluator(s *specs.Spec, rootfs []*types.Mount, bundle string) (*ev
 		stage:  filepath.Join(bundle, "evaluator"),
 		layers: filepath.Join(bundle, "evaluator-layers"),
 	}
-	m.Options[i] = "lowerdir=" + strings.Join(rest, ":")
 	if err := e.prepareStage(); err != nil {
 		return nil, err
 	}
@@ -125,6 +112,56 @@ func holdBackEvaluator(s *specs.Spec, rootfs []*types.Mount, bundle string) (*ev
 	// container; nothing the container mounts goes back.
 	s.Mounts = append(s.Mounts, specs.Mount{Destination: dir, Type: "bind", Source: e.stage, Options: []string{"rbind", "ro", "rslave"}})
 	return e, nil
+}
+
+// recordedEvaluator returns the layers the snapshotter held back from
+// rootfs, topmost first, and their directory; nil when it held none.
+// The spec's annotations, if any, are ignored: their positions count
+// layers the rootfs no longer has.
+func recordedEvaluator(rootfs []*types.Mount) ([]string, string, error) {
+	upper := upperDir(rootfs)
+	if upper == "" {
+		return nil, "", nil
+	}
+	r, ok, err := evalgroup.Read(upper)
+	if err != nil || !ok {
+		return nil, "", err
+	}
+	return r.Lowers, r.Dir, nil
+}
+
+// annotatedEvaluator takes the layers the spec annotations name out of
+// the overlay in rootfs and returns them, topmost first, with their
+// directory; nil when the spec names none.
+func annotatedEvaluator(s *specs.Spec, rootfs []*types.Mount) ([]string, string, error) {
+	v, ok := s.Annotations[AnnEvaluatorLayers]
+	if !ok {
+		return nil, "", nil
+	}
+	lo, hi, err := parseLayerRange(v)
+	if err != nil {
+		return nil, "", err
+	}
+	dir := DefaultEvaluatorDir
+	if d, ok := s.Annotations[AnnEvaluatorDir]; ok {
+		if dir, err = evalgroup.CheckDir(d); err != nil {
+			return nil, "", fmt.Errorf("annotation %s: %w", AnnEvaluatorDir, err)
+		}
+	}
+	if len(rootfs) != 1 || rootfs[0].Type != "overlay" {
+		return nil, "", fmt.Errorf("evaluator layers %s: the root file system is not one overlay mount", v)
+	}
+	m := rootfs[0]
+	i := slices.IndexFunc(m.Options, func(o string) bool { return strings.HasPrefix(o, "lowerdir=") })
+	if i < 0 {
+		return nil, "", fmt.Errorf("evaluator layers %s: the rootfs overlay has no lowerdir", v)
+	}
+	held, rest, err := splitLowers(strings.Split(strings.TrimPrefix(m.Options[i], "lowerdir="), ":"), lo, hi)
+	if err != nil {
+		return nil, "", fmt.Errorf("evaluator layers %s: %w", v, err)
+	}
+	m.Options[i] = "lowerdir=" + strings.Join(rest, ":")
+	return held, dir, nil
 }
 
 // prepareStage makes the stage an empty shared mount point.
@@ -165,7 +202,13 @@ func (e *evaluator) mount() error {
 	}
 	var err error
 	if len(e.lowers) == 1 {
-		err = unix.Mount(e.lowers[0], e.layers, "", unix.MS_BIND|unix.MS_RDONLY, "")
+		err = unix.Mount(e.lowers[0], e.layers, "", unix.MS_BIND, "")
+		if err == nil {
+			// A bind's read-only flag needs a remount.
+			if err = unix.Mount("", e.layers, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
+				_ = unix.Unmount(e.layers, unix.MNT_DETACH)
+			}
+		}
 	} else {
 		// Only lower layers: overlay mounts it read-only.
 		err = unix.Mount("overlay", e.layers, "overlay", unix.MS_RDONLY, "lowerdir="+strings.Join(e.lowers, ":"))
@@ -173,14 +216,14 @@ func (e *evaluator) mount() error {
 	if err != nil {
 		return fmt.Errorf("mount evaluator layers: %w", err)
 	}
+	// The bind onto the stage must be read-only when it is made: the
+	// container's copy of it is made then, by propagation, and a later
+	// remount of the stage would not reach it. A bind of a read-only
+	// mount is read-only.
 	src := filepath.Join(e.layers, e.dir)
 	if err := unix.Mount(src, e.stage, "", unix.MS_BIND, ""); err != nil {
 		_ = unix.Unmount(e.layers, unix.MNT_DETACH)
 		return fmt.Errorf("mount evaluator directory %s: %w", e.dir, err)
-	}
-	// A bind's read-only flag needs a remount.
-	if err := unix.Mount("", e.stage, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
-		return fmt.Errorf("mount evaluator directory %s read-only: %w", e.dir, err)
 	}
 	e.mounted = true
 	return nil

@@ -3,9 +3,48 @@
 package shim
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/containerd/containerd/api/types"
+	"github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/envsnap/envsnap/internal/evalgroup"
 )
+
+// TestSnapshotterRecordWins: when the snapshotter held the evaluator
+// back (its record beside the upper directory), the shim mounts the
+// recorded layers and leaves the rootfs alone, whatever the spec's
+// annotations say: their positions count layers the rootfs no longer has.
+func TestSnapshotterRecordWins(t *testing.T) {
+	snap := t.TempDir()
+	upper := filepath.Join(snap, "fs")
+	if err := os.Mkdir(upper, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := evalgroup.Write(upper, evalgroup.Record{Dir: "/opt/evaluator", Lowers: []string{"/l/eval"}}); err != nil {
+		t.Fatal(err)
+	}
+	opts := []string{"workdir=" + filepath.Join(snap, "work"), "upperdir=" + upper, "lowerdir=/l/task:/l/base"}
+	rootfs := []*types.Mount{{Type: "overlay", Source: "overlay", Options: slices.Clone(opts)}}
+	s := &specs.Spec{Annotations: map[string]string{AnnEvaluatorLayers: "0", AnnEvaluatorDir: "/elsewhere"}}
+	e, err := holdBackEvaluator(s, rootfs, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.unmount() })
+	if !slices.Equal(rootfs[0].Options, opts) {
+		t.Errorf("rootfs options changed to %v", rootfs[0].Options)
+	}
+	if !slices.Equal(e.lowers, []string{"/l/eval"}) || e.dir != "/opt/evaluator" {
+		t.Errorf("evaluator %v at %s, want the record's", e.lowers, e.dir)
+	}
+	if n := len(s.Mounts); n != 1 || s.Mounts[0].Destination != "/opt/evaluator" {
+		t.Errorf("spec mounts %+v, want the stage at /opt/evaluator", s.Mounts)
+	}
+}
 
 func TestSplitLowers(t *testing.T) {
 	// overlay order: topmost first; positions count from the lowest.

@@ -22,6 +22,7 @@ import (
 	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
@@ -96,6 +97,68 @@ func (g *guard) watchDisk(ctx context.Context, upper string) {
 					Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: u.Size,
 					Message: why,
 				})
+				return
+			}
+		}
+	}
+}
+
+// cappedTick is how often the guard looks at a writable layer with a
+// hard cap: one statfs, whatever the layer holds.
+const cappedTick = 500 * time.Millisecond
+
+// watchWritable watches the writable layer whose upper directory is
+// upper until ctx ends: by statfs when the snapshotter gave it a hard
+// cap (internal/diskcap), else by measuring it (watchDisk) when the guard
+// has caps.
+func (g *guard) watchWritable(ctx context.Context, upper string) {
+	if upper == "" {
+		if g.limits.disk > 0 || g.limits.inodes > 0 {
+			log.G(ctx).Warn("envlet: the rootfs is not an overlay; its writable layer is not measured")
+		}
+		return
+	}
+	hard, ok, err := diskcap.Read(upper)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("envlet: read the writable layer's disk cap; measuring it instead")
+	}
+	switch {
+	case ok:
+		g.watchCapped(ctx, upper, hard)
+	case g.limits.disk > 0 || g.limits.inodes > 0:
+		g.watchDisk(ctx, upper)
+	}
+}
+
+// watchCapped ends the environment once the hard-capped file system of
+// its writable layer is full (the kernel already refuses the writes with
+// ENOSPC) or holds more than the guard's caps.
+func (g *guard) watchCapped(ctx context.Context, upper string, hard diskcap.Limits) {
+	t := time.NewTicker(cappedTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			used, files, full, err := diskcap.Usage(upper)
+			if err != nil {
+				if ctx.Err() != nil || errors.Is(err, os.ErrNotExist) {
+					return
+				}
+				log.G(ctx).WithError(err).Warn("envlet: statfs of the writable layer")
+				continue
+			}
+			f := envlet.Failure{Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: used}
+			f.Message = decideDisk(fs.Usage{Size: used, Inodes: files}, g.limits)
+			if f.Message == "" && full {
+				f.Cap = hard.Bytes
+				f.Message = fmt.Sprintf("the writable layer's file system is full (hard cap %s): %s and %d files in use; writes fail with ENOSPC",
+					envlet.FormatBytes(hard.Bytes), envlet.FormatBytes(used), files)
+			}
+			if f.Message != "" {
+				log.G(ctx).WithField("bytes", used).WithField("inodes", files).Warn("envlet: writable layer at its cap")
+				g.fail(f)
 				return
 			}
 		}

@@ -375,13 +375,7 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 			go e.guard.watchPids(runCtx, dir)
 		}
 	}
-	if l := e.guard.limits; l.disk > 0 || l.inodes > 0 {
-		if e.upper == "" {
-			log.G(runCtx).Warn("envlet: the rootfs is not an overlay; its writable layer is not measured")
-		} else {
-			go e.guard.watchDisk(runCtx, e.upper)
-		}
-	}
+	go e.guard.watchWritable(runCtx, e.upper)
 
 	resp, err := s.TTRPCTaskService.Start(ctx, r)
 	if err != nil {

@@ -54,6 +54,8 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/diskcap"
+	"github.com/envsnap/envsnap/internal/evalgroup"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -143,6 +145,7 @@ type LayerStatus struct {
 
 type config struct {
 	overlayOpts []overlay.Opt
+	writableCap diskcap.Limits
 }
 
 // Opt configures a Snapshotter.
@@ -163,6 +166,9 @@ type Snapshotter struct {
 
 	root string
 	fs   FileSystem
+	// writableDefault is the disk cap of container snapshots whose labels
+	// name none (WithWritableCap).
+	writableDefault diskcap.Limits
 
 	mu     sync.Mutex
 	layers map[digest.Digest]*layer
@@ -225,8 +231,14 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		root:        root,
 		fs:          fsys,
 		layers:      make(map[digest.Digest]*layer),
+
+		writableDefault: c.writableCap,
 	}
 	if err := s.restore(ctx); err != nil {
+		ov.Close()
+		return nil, err
+	}
+	if err := s.restoreCaps(ctx); err != nil {
 		ov.Close()
 		return nil, err
 	}
@@ -441,13 +453,40 @@ func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
 // Prepare creates an active snapshot, or, on the remote-snapshot path,
 // commits a lazy snapshot named after the chainID and reports
 // ErrAlreadyExists. The mounts of an active snapshot name the native
-// copies of its lazy layers where they are ready.
+// copies of its lazy layers where they are ready, and, unless it is an
+// unpack's, leave out evaluator layers (holdBackEvaluator) and have
+// their writable directories on a file system of their disk cap, if any
+// (WithWritableCap).
 func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	if unpacking(opts) {
+		mounts, err := s.prepare(ctx, key, parent, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return s.nativeMounts(ctx, mounts), nil
+	}
+	dcap, opts, err := s.writableCap(opts)
+	if err != nil {
+		return nil, err
+	}
 	mounts, err := s.prepare(ctx, key, parent, opts...)
 	if err != nil {
 		return nil, err
 	}
-	return s.nativeMounts(ctx, mounts), nil
+	if dcap.Bytes > 0 {
+		if err := s.capWritable(ctx, key, mounts, dcap); err != nil {
+			return nil, err
+		}
+	}
+	mounts = s.nativeMounts(ctx, mounts)
+	held, err := s.holdBackEvaluator(ctx, parent, mounts)
+	if err != nil {
+		if rerr := s.remove(ctx, key); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("key", key).Warn("remove snapshot whose evaluator layers could not be held back")
+		}
+		return nil, fmt.Errorf("prepare %s: %w", key, err)
+	}
+	return held, nil
 }
 
 // View is overlay's View with native lowers (see Prepare).
@@ -459,13 +498,33 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 	return s.nativeMounts(ctx, mounts), nil
 }
 
-// Mounts is overlay's Mounts with native lowers (see Prepare).
+// Mounts is overlay's Mounts with native lowers and, for an active
+// snapshot that is not an unpack's, without evaluator layers (see
+// Prepare).
 func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
 	mounts, err := s.Snapshotter.Mounts(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	return s.nativeMounts(ctx, mounts), nil
+	mounts = s.nativeMounts(ctx, mounts)
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if info.Kind != snapshots.KindActive || info.Labels[snapshots.LabelSnapshotRef] != "" {
+		return mounts, nil
+	}
+	if isCapped(info) {
+		// Never hand out the directories the cap's file system covers.
+		upper, err := upperDir(mounts)
+		if err != nil {
+			return nil, err
+		}
+		if mounted, err := diskcap.Mounted(filepath.Dir(upper)); err != nil || !mounted {
+			return nil, fmt.Errorf("snapshot %s: its disk cap's file system is not mounted (%v): %w", key, err, errdefs.ErrFailedPrecondition)
+		}
+	}
+	return s.holdBackEvaluator(ctx, info.Parent, mounts)
 }
 
 func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
@@ -901,13 +960,28 @@ func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpath
 				info.Labels[k] = v
 			}
 		}
+		// The evaluator marking is the only record that a layer must stay
+		// out of containers: no label update drops it.
+		if v, ok := cur.Labels[evalgroup.LayerLabel]; ok {
+			if info.Labels == nil {
+				info.Labels = make(map[string]string)
+			}
+			info.Labels[evalgroup.LayerLabel] = v
+		}
 	}
 	return s.Snapshotter.Update(ctx, info, fieldpaths...)
 }
 
 // Commit is overlay's, without internalLabels: containerd's unpacker
 // passes a layer's annotations to Commit as it does to Prepare.
+// A snapshot with a disk cap cannot be committed: its files live in the
+// cap's file system, which goes with the active snapshot.
 func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
+	if !unpacking(opts) {
+		if info, err := s.Snapshotter.Stat(ctx, key); err == nil && isCapped(info) {
+			return fmt.Errorf("commit %s: it has a disk cap (%s); copy its changes with a diff instead: %w", key, diskcap.LabelBytes, errdefs.ErrFailedPrecondition)
+		}
+	}
 	return s.Snapshotter.Commit(ctx, name, key, append(slices.Clone(opts), dropInternal)...)
 }
 
@@ -924,6 +998,11 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	if err != nil {
 		return err
 	}
+	if isCapped(info) {
+		if err := s.uncapWritable(ctx, key); err != nil {
+			return err
+		}
+	}
 	if err := s.Snapshotter.Remove(ctx, key); err != nil {
 		return err
 	}
@@ -932,6 +1011,16 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 		s.unref(ctx, d)
 	}
 	return nil
+}
+
+// remove removes an active snapshot this Prepare made, with its disk cap.
+func (s *Snapshotter) remove(ctx context.Context, key string) error {
+	if info, err := s.Snapshotter.Stat(ctx, key); err == nil && isCapped(info) {
+		if err := s.uncapWritable(ctx, key); err != nil {
+			return err
+		}
+	}
+	return s.Snapshotter.Remove(ctx, key)
 }
 
 // Cleanup removes disk resources of removed snapshots (overlay's Cleanup).

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pelletier/go-toml/v2"
 
+	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/peer"
 )
 
@@ -110,6 +111,16 @@ type Config struct {
 	// ReadTimeout bounds one FUSE read; a read that cannot be served in
 	// time fails with EIO.
 	ReadTimeout Duration `toml:"read_timeout"`
+	// WritableDiskLimit, when set, gives every container's writable
+	// layer a hard size: its upper and work directories live on an ext4
+	// file system of that size, loop-mounted for the container
+	// (internal/diskcap), and writing past it fails with ENOSPC. A
+	// container's snapshot label containerd.io/snapshot/envsnap.disk-limit
+	// (bytes; 0 for none) overrides it. Off by default: it adds mkfs and a
+	// mount to every container start. WritableInodeLimit caps the files
+	// of such a layer (0: one inode per 16 KiB).
+	WritableDiskLimit  Size  `toml:"writable_disk_limit"`
+	WritableInodeLimit int64 `toml:"writable_inode_limit"`
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
 	// Peers is the cluster tier: nodes fetch frames from each other
@@ -126,6 +137,11 @@ type Config struct {
 	// not the file; empty runs without a keeper (mounts then die with the
 	// daemon).
 	KeeperCommand []string `toml:"-"`
+}
+
+// WritableCap is the disk cap of container snapshots.
+func (c *Config) WritableCap() diskcap.Limits {
+	return diskcap.Limits{Bytes: int64(c.WritableDiskLimit), Inodes: c.WritableInodeLimit}
 }
 
 // PeerConfig configures the peer tier (internal/peer). Exactly one member
@@ -285,6 +301,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Passthrough && (c.PassthroughCacheSize <= 0 || c.PassthroughMinSize < 0) {
 		return fmt.Errorf("passthrough_cache_size must be positive and passthrough_min_size not negative")
+	}
+	if _, err := diskcap.FromLabels(nil, c.WritableCap()); err != nil || c.WritableInodeLimit < 0 {
+		return fmt.Errorf("writable_disk_limit %d, writable_inode_limit %d: want 0 (none) or at least %d bytes, and a non-negative number of files", c.WritableDiskLimit, c.WritableInodeLimit, diskcap.MinBytes)
 	}
 	if c.FillDelay < 0 {
 		return fmt.Errorf("fill_delay must not be negative")

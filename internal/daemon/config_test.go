@@ -38,6 +38,9 @@ log_level = "debug"
 				c.DockerConfig == "/root/.docker" && c.MetricsAddress == "127.0.0.1:9111" && c.CacheDir == "/cache" &&
 				c.CacheSize == 512<<20 && !c.Fill && time.Duration(c.ReadTimeout) == 5*time.Second && c.LogLevel == "debug"
 		}, false},
+		{"writable cap", "writable_disk_limit = \"20GiB\"\nwritable_inode_limit = 2000000", func(c Config) bool {
+			return c.WritableCap().Bytes == 20<<30 && c.WritableCap().Inodes == 2000000
+		}, false},
 		{"unknown field", `cache_sise = "1GiB"`, nil, true},
 		{"bad size", `cache_size = "lots"`, nil, true},
 		{"bad duration", `read_timeout = "soon"`, nil, true},
@@ -61,6 +64,20 @@ log_level = "debug"
 	}
 	if _, err := LoadConfig(filepath.Join(dir, "missing.toml"), true); err == nil {
 		t.Error("missing explicit config accepted")
+	}
+}
+
+func TestWritableCapValidated(t *testing.T) {
+	for _, tc := range []struct {
+		bytes  Size
+		inodes int64
+		ok     bool
+	}{{0, 0, true}, {20 << 30, 0, true}, {1 << 20, 0, false}, {20 << 30, -1, false}} {
+		c := DefaultConfig()
+		c.WritableDiskLimit, c.WritableInodeLimit = tc.bytes, tc.inodes
+		if err := c.Validate(); (err == nil) != tc.ok {
+			t.Errorf("writable_disk_limit %d, writable_inode_limit %d: %v", tc.bytes, tc.inodes, err)
+		}
 	}
 }
 

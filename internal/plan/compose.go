@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"path"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/evalgroup"
 	"github.com/envsnap/envsnap/internal/group"
 	"github.com/envsnap/envsnap/layerfmt"
 )
@@ -36,8 +38,10 @@ const (
 	// LabelEvaluatorLayers and LabelEvaluatorDir (image config labels)
 	// mark the evaluator-only group of the plan: the positions of its
 	// layers counted from the lowest (0), "N-M", and the directory its
-	// files live under. The client passes them to the envlet shim as the
-	// annotations io.envsnap.shim.evaluator-layers and -dir.
+	// files live under. The envsnap snapshotter goes by the layer
+	// annotation evalgroup.LayerLabel instead; with another snapshotter
+	// the client passes these to the envlet shim as the annotations
+	// io.envsnap.shim.evaluator-layers and -dir.
 	LabelEvaluatorLayers = "io.envsnap.evaluator.layers"
 	LabelEvaluatorDir    = "io.envsnap.evaluator.dir"
 )
@@ -313,6 +317,18 @@ func (img *Image) build() error {
 		}
 		for i, l := range g.Manifest.Layers {
 			l.Annotations = layerfmt.WithHints(l.Annotations, src.Locator, l.Digest, l.Size)
+			// The group's manifest is shared by every plan of the
+			// Composer: change a copy.
+			l.Annotations = maps.Clone(l.Annotations)
+			delete(l.Annotations, evalgroup.LayerLabel)
+			if g == evaluator {
+				// The snapshotter keeps the layer out of every container
+				// of the image (internal/evalgroup).
+				if l.Annotations == nil {
+					l.Annotations = map[string]string{}
+				}
+				l.Annotations[evalgroup.LayerLabel] = path.Clean(img.Plan.Evaluator.Dir)
+			}
 			layers = append(layers, l)
 			img.LayerGroup = append(img.LayerGroup, gi)
 			cfg.RootFS.DiffIDs = append(cfg.RootFS.DiffIDs, g.Config.RootFS.DiffIDs[i])

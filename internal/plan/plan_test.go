@@ -5,12 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"math/rand"
 	"os"
 	"path"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -18,6 +20,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/envsnap/envsnap/internal/evalgroup"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -274,7 +277,9 @@ func TestComposeBuildMergesGroups(t *testing.T) {
 		g.Config.Config.WorkingDir = workdir
 		g.Config.Platform = ocispec.Platform{OS: "linux", Architecture: "amd64"}
 		for _, l := range layers {
-			g.Manifest.Layers = append(g.Manifest.Layers, ocispec.Descriptor{Digest: digest.FromString(l), Size: 1})
+			// A group's own layer annotation cannot mark it either.
+			ann := map[string]string{evalgroup.LayerLabel: "/forged"}
+			g.Manifest.Layers = append(g.Manifest.Layers, ocispec.Descriptor{Digest: digest.FromString(l), Size: 1, Annotations: ann})
 			g.Config.RootFS.DiffIDs = append(g.Config.RootFS.DiffIDs, digest.FromString("diff-"+l))
 		}
 		return g
@@ -310,7 +315,9 @@ func TestComposeMarksEvaluatorGroup(t *testing.T) {
 		// A group label trying to move the marking loses.
 		g.Config.Config.Labels = map[string]string{LabelEvaluatorLayers: "0"}
 		for _, l := range layers {
-			g.Manifest.Layers = append(g.Manifest.Layers, ocispec.Descriptor{Digest: digest.FromString(l), Size: 1})
+			// A group's own layer annotation cannot mark it either.
+			ann := map[string]string{evalgroup.LayerLabel: "/forged"}
+			g.Manifest.Layers = append(g.Manifest.Layers, ocispec.Descriptor{Digest: digest.FromString(l), Size: 1, Annotations: ann})
 			g.Config.RootFS.DiffIDs = append(g.Config.RootFS.DiffIDs, digest.FromString("diff-"+l))
 		}
 		return g
@@ -339,6 +346,25 @@ func TestComposeMarksEvaluatorGroup(t *testing.T) {
 		var cfg ocispec.Image
 		if err := json.Unmarshal(img.ConfigBytes, &cfg); err != nil {
 			t.Fatal(err)
+		}
+		// The layer annotations the snapshotter goes by mark the same
+		// layers as the config label, and only those.
+		var marked []string
+		for i, l := range img.Manifest.Layers {
+			if d, ok := l.Annotations[evalgroup.LayerLabel]; ok {
+				marked = append(marked, fmt.Sprintf("%d:%s", i, d))
+			}
+		}
+		var want []string
+		if tc.ev != nil {
+			var lo, hi int
+			fmt.Sscanf(tc.wantLayers, "%d-%d", &lo, &hi)
+			for i := lo; i <= hi; i++ {
+				want = append(want, fmt.Sprintf("%d:%s", i, path.Clean(tc.ev.Dir)))
+			}
+		}
+		if !slices.Equal(marked, want) {
+			t.Errorf("%+v: layer annotations %s mark %v, want %v", tc.ev, evalgroup.LayerLabel, marked, want)
 		}
 		got := cfg.Config.Labels[LabelEvaluatorLayers]
 		if tc.ev == nil {

@@ -1,0 +1,186 @@
+package hostile_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+
+	"github.com/envsnap/envsnap/internal/diskcap"
+	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/tests/testenv"
+)
+
+// ctrIn runs the real ctr against env's containerd.
+func ctrIn(t *testing.T, env *testenv.Env, args ...string) (string, error) {
+	t.Helper()
+	full := append([]string{"--address", env.Address, "--namespace", env.Namespace}, args...)
+	ctx, cancel := context.WithTimeout(env.Context(), 90*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, testenv.Tool(t, "ctr"), full...).CombinedOutput()
+	if ctx.Err() != nil {
+		t.Logf("ctr %s: timed out", strings.Join(args, " "))
+	}
+	return string(out), err
+}
+
+func mustCtr(t *testing.T, env *testenv.Env, args ...string) string {
+	t.Helper()
+	out, err := ctrIn(t, env, args...)
+	if err != nil {
+		t.Fatalf("ctr %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// capLeftovers lists the loop devices backed by a file under root, and
+// the ext4 mounts under it.
+func capLeftovers(t *testing.T, root string) []string {
+	t.Helper()
+	var left []string
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err == nil && strings.HasPrefix(string(bytes.TrimSpace(b)), root) {
+			left = append(left, "loop "+filepath.Base(filepath.Dir(filepath.Dir(f)))+": "+string(bytes.TrimSpace(b)))
+		}
+	}
+	ms, err := mountinfo.GetMounts(mountinfo.PrefixFilter(root))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range ms {
+		if m.FSType == "ext4" {
+			left = append(left, "mount "+m.Mountpoint)
+		}
+	}
+	return left
+}
+
+// deleteContainer deletes a container of ctr run, task first.
+func deleteContainer(t *testing.T, env *testenv.Env, id string) {
+	t.Helper()
+	_, _ = ctrIn(t, env, "task", "kill", "--signal", "SIGKILL", id)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, err := ctrIn(t, env, "task", "delete", id)
+		if err == nil || strings.Contains(out, "not found") || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	mustCtr(t, env, "containers", "delete", id)
+}
+
+// shimPid finds the envlet shim serving container id in env's namespace.
+func shimPid(t *testing.T, env *testenv.Env, id string) int {
+	t.Helper()
+	dirs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, f := range dirs {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(b), "\x00")
+		if len(args) == 0 || filepath.Base(args[0]) != "containerd-shim-envlet-v2" {
+			continue
+		}
+		cmd := strings.Join(args, " ")
+		if strings.Contains(cmd, "-namespace "+env.Namespace+" ") && strings.Contains(cmd, "-id "+id+" ") {
+			pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(f)))
+			return pid
+		}
+	}
+	t.Fatalf("no envlet shim for %s", id)
+	return 0
+}
+
+// TestHardDiskCap runs containers with a hard cap on their writable
+// layer (the snapshot label diskcap.LabelBytes, set with ctr's
+// --snapshotter-label): writing past it fails with ENOSPC inside, the
+// shim ends the environment with DISK_CAP_EXCEEDED, and deleting the
+// container
+// leaves no loop device or mount, also after the shim or the envsnap
+// daemon was killed.
+func TestHardDiskCap(t *testing.T) {
+	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithEnvlet(testenv.EnvletConfig{}))
+	img := env.PushImageLayers(t, "hostile/diskcap:1", nil, testenv.WithLazyLayers())
+	failures := (&episode{env: env}).failures(t)
+	mustCtr(t, env, "images", "pull", "--hosts-dir", env.HostsDir, "--snapshotter", "envsnap", img.Ref)
+	const capBytes = 32 << 20
+	run := func(id string, args ...string) []string {
+		return append([]string{"run", "-d", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2",
+			"--snapshotter-label", fmt.Sprintf("%s=%d", diskcap.LabelBytes, capBytes)}, append([]string{img.Ref, id}, args...)...)
+	}
+	// containerd removes a deleted container's snapshot from the
+	// snapshotter at its next garbage collection, soon after.
+	noLeftovers := func(t *testing.T) {
+		t.Helper()
+		var left []string
+		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			if left = capLeftovers(t, env.EnvsnapRoot); len(left) == 0 {
+				break
+			}
+		}
+		if len(left) > 0 {
+			t.Errorf("left behind: %v", left)
+		}
+		if imgs, _ := filepath.Glob(filepath.Join(env.EnvsnapRoot, "snapshots", "*", "writable.ext4")); len(imgs) > 0 {
+			t.Errorf("image files left: %v", imgs)
+		}
+	}
+
+	t.Run("fill", func(t *testing.T) {
+		const id = "cap-fill"
+		fg := run(id, "/bin/sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=64; echo dd-exit=$?; sleep 60")
+		out, _ := ctrIn(t, env, append(fg[:1], fg[2:]...)...) // in the foreground
+		t.Cleanup(func() { _, _ = ctrIn(t, env, "containers", "delete", id) })
+		if !strings.Contains(out, "No space left on device") || !strings.Contains(out, "dd-exit=1") {
+			t.Errorf("dd of 64 MiB against a 32 MiB cap printed %q, want ENOSPC", out)
+		}
+		f := waitFailure(t, failures, id)
+		if f.Reason != envlet.ReasonDiskCapExceeded || f.Cap != capBytes {
+			t.Errorf("failure %+v, want %s at cap %d", f, envlet.ReasonDiskCapExceeded, capBytes)
+		}
+		t.Logf("%s: %s", f.Reason, f.Message)
+		if left := capLeftovers(t, env.EnvsnapRoot); len(left) != 2 {
+			t.Errorf("while the container exists: %v, want its loop device and mount", left)
+		}
+		deleteContainer(t, env, id)
+		noLeftovers(t)
+	})
+
+	t.Run("shim killed", func(t *testing.T) {
+		const id = "cap-shim"
+		mustCtr(t, env, run(id, "/bin/sleep", "600")...)
+		if err := syscall.Kill(shimPid(t, env, id), syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		deleteContainer(t, env, id)
+		noLeftovers(t)
+	})
+
+	t.Run("daemon killed", func(t *testing.T) {
+		const id = "cap-daemon"
+		mustCtr(t, env, run(id, "/bin/sleep", "600")...)
+		env.Envsnap.Kill()
+		env.StartEnvsnap(t)
+		// The cap holds across the restart, and the layer still works.
+		out, _ := ctrIn(t, env, "task", "exec", "--exec-id", "fill", id, "/bin/sh", "-c",
+			"echo ok > /ok && cat /ok; dd if=/dev/zero of=/fill bs=1M count=64 2>&1; true")
+		if !strings.Contains(out, "ok\n") || !strings.Contains(out, "No space left on device") {
+			t.Errorf("after the daemon restart: %q, want a working layer with its cap", out)
+		}
+		deleteContainer(t, env, id)
+		noLeftovers(t)
+	})
+}
