@@ -215,6 +215,11 @@ check envlet-initial "cpu.max/memory.high not at the initial 0.5 cores/128 MiB: 
 log "initial: cpu.max=$(cat "$D1"/cpu.max) cpu.max.burst=$(cat "$D1"/cpu.max.burst) memory.high=$(cat "$D1"/memory.high) memory.max=$(cat "$D1"/memory.max) memory.oom.group=$(cat "$D1"/memory.oom.group)"
 check lazy-read "the container did not read /msg from the lazy image" \
 	sh -c "[ \"\$(crictl exec $C1 cat /msg)\" = envlet-vm ]"
+# The guest's kernel runs BPF LSM programs (check bpf-lsm above proved what
+# they refuse): the shim attaches its rules to every envlet container.
+journalctl --no-pager -u containerd | grep -E 'lsm: (rules attached|no BPF LSM)' | tail -n 2 | sed 's/^/VMTEST: LOG shim: /'
+check shim-lsm "the shim did not attach its BPF LSM rules to the envlet container $C1" \
+	sh -c "journalctl --no-pager -u containerd | grep 'lsm: rules attached' | grep -q '$C1'"
 
 # watch_file FILE SECONDS SEEN: logs every distinct value of a cgroup
 # file and appends it to SEEN.
