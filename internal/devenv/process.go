@@ -111,6 +111,26 @@ func (p *Process) LogContains(s string) bool {
 	return err == nil && strings.Contains(string(b), s)
 }
 
+// LogLine returns the last line of the process log that contains every
+// one of parts, or "" when none does (or the log cannot be read).
+func (p *Process) LogLine(parts ...string) string {
+	b, err := os.ReadFile(p.LogPath)
+	if err != nil {
+		return ""
+	}
+	found := ""
+	for _, line := range strings.Split(string(b), "\n") {
+		all := true
+		for _, s := range parts {
+			all = all && strings.Contains(line, s)
+		}
+		if all {
+			found = line
+		}
+	}
+	return found
+}
+
 // waitFor polls cond every 50ms until it returns nil or timeout passes.
 func waitFor(timeout time.Duration, what string, cond func() error) error {
 	deadline := time.Now().Add(timeout)

@@ -25,16 +25,7 @@ func (l *Layer) StartFill(ctx context.Context) {
 	if !l.o.fill || !l.fillStarted.CompareAndSwap(false, true) {
 		return
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.closed {
-		return
-	}
-	l.wg.Add(1)
-	go func() {
-		defer l.wg.Done()
-		l.fill(ctx)
-	}()
+	l.goBackground(func() { l.fill(ctx) })
 }
 
 func (l *Layer) fill(parent context.Context) {

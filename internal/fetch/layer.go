@@ -788,6 +788,31 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 	return g.Wait()
 }
 
+// enter registers work on the layer, which Close waits for (the caller
+// ends it with l.wg.Done); it reports false once the layer is closed.
+func (l *Layer) enter() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return false
+	}
+	l.wg.Add(1)
+	return true
+}
+
+// goBackground runs fn in a goroutine that Close waits for; it reports
+// false, and runs nothing, once the layer is closed.
+func (l *Layer) goBackground(fn func()) bool {
+	if !l.enter() {
+		return false
+	}
+	go func() {
+		defer l.wg.Done()
+		fn()
+	}()
+	return true
+}
+
 // Close stops the background fill, waits for fetches in progress and
 // releases the layer's pins in the cache.
 func (l *Layer) Close() error {

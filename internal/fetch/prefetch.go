@@ -23,13 +23,9 @@ import (
 // It returns when every request has finished, or ctx ends; failures are
 // logged, not returned (reads fetch on demand as before).
 func (l *Layer) Prefetch(ctx context.Context, entries []layerfmt.PrefetchEntry) {
-	l.mu.Lock()
-	if l.closed {
-		l.mu.Unlock()
+	if !l.enter() {
 		return
 	}
-	l.wg.Add(1)
-	l.mu.Unlock()
 	defer l.wg.Done()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -72,20 +72,12 @@ func (l *Layer) sequential(j int) {
 	if len(idx) == 0 {
 		return
 	}
-	l.mu.Lock()
-	if l.closed {
-		l.mu.Unlock()
-		return
-	}
-	l.wg.Add(1)
-	l.mu.Unlock()
-	go func() {
-		defer l.wg.Done()
+	l.goBackground(func() {
 		if err := l.fetchSpans(l.ctx, idx, "read", nil); err != nil && l.ctx.Err() == nil {
 			// Readers of these chunks fetch them on demand.
 			log.G(context.Background()).WithError(err).WithField("layer", l.label).Debug("sequential read-ahead failed")
 		}
-	}()
+	})
 }
 
 // windowAfter returns the canonical spans of entry from blob offset from
@@ -176,17 +168,9 @@ func (l *Layer) decodeAhead(j int) {
 	t.mu.Unlock()
 	for k := from; k <= to; k++ {
 		c := l.toc.Chunk(int(s.entry), int(k))
-		l.mu.Lock()
-		if l.closed {
-			l.mu.Unlock()
+		if !l.goBackground(func() { l.readAhead(c) }) {
 			return
 		}
-		l.wg.Add(1)
-		l.mu.Unlock()
-		go func() {
-			defer l.wg.Done()
-			l.readAhead(c)
-		}()
 	}
 }
 

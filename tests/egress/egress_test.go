@@ -200,14 +200,14 @@ resolvers = [%q]
 		t.Logf("%s: envlet_status_egress_denied %v", key, v)
 		var line string
 		waitFor(t, 10*time.Second, "an egress denial of a node address logged for "+key, func() bool {
-			line = logLine(env.Containerd.LogPath, "egress: denied", "env="+key+" ", "kind=node")
+			line = env.Containerd.LogLine("egress: denied", "env="+key+" ", "kind=node")
 			return line != ""
 		}, func(int) string { return env.Containerd.LogTail(40) })
 		t.Logf("%s", line)
 		// The destinations are logged too: the node's kubelet port, tried
 		// before the scans filled the kernel's record.
 		waitFor(t, 10*time.Second, "the node's kubelet port logged as a denied destination for "+key, func() bool {
-			line = logLine(env.Containerd.LogPath, "egress: denied destination", "env="+key+" ", "dst="+nodeAddr(c.n)+" ", "10250")
+			line = env.Containerd.LogLine("egress: denied destination", "env="+key+" ", "dst="+nodeAddr(c.n)+" ", "10250")
 			return line != ""
 		}, func(int) string { return env.Containerd.LogTail(40) })
 		t.Logf("%s", line)
@@ -517,22 +517,4 @@ func metric(t *testing.T, port int, name, key string) float64 {
 		}
 	}
 	return 0
-}
-
-// logLine returns the first line of the log at path that has every part.
-func logLine(path string, parts ...string) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return ""
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		all := true
-		for _, p := range parts {
-			all = all && strings.Contains(line, p)
-		}
-		if all {
-			return line
-		}
-	}
-	return ""
 }

@@ -142,7 +142,7 @@ func mountedInOnPurpose(t *testing.T, ep *episode, n *nodeSide) {
 		"connect /node/arbiter.sock", "connect /node/containerd.sock", "connect /proc/self/root/node/arbiter.sock",
 		"arbiter /node/arbiter.sock", "open /node/secret/answers.txt", "open /node/secret",
 	}
-	if line := logLine(ep.env.Containerd.LogPath, "lsm: no BPF LSM rules", "env="+key+" "); line != "" {
+	if line := ep.env.Containerd.LogLine("lsm: no BPF LSM rules", "env="+key+" "); line != "" {
 		// The fallback: say what got through, and require that it was
 		// reported for this environment.
 		if on, list, err := lsm.Active(); err == nil {
@@ -162,27 +162,10 @@ func mountedInOnPurpose(t *testing.T, ep *episode, n *nodeSide) {
 	var line string
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) && line == "" {
-		line = logLine(ep.env.Containerd.LogPath, "lsm: denied", "env="+key+" ", "kind=connect")
+		line = ep.env.Containerd.LogLine("lsm: denied", "env="+key+" ", "kind=connect")
 		time.Sleep(100 * time.Millisecond)
 	}
 	if line == "" {
 		t.Errorf("no LSM denial logged for %s:\n%s", key, ep.env.Containerd.LogTail(40))
 	}
-}
-
-func logLine(path string, parts ...string) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return ""
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		all := true
-		for _, p := range parts {
-			all = all && strings.Contains(line, p)
-		}
-		if all {
-			return line
-		}
-	}
-	return ""
 }

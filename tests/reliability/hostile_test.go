@@ -228,7 +228,7 @@ func TestHostileLayers(t *testing.T) {
 			if lazy != tc.lazy {
 				t.Fatalf("hostile layer served lazily: %v, want %v\n%s", lazy, tc.lazy, env.Envsnap.LogTail(20))
 			}
-			if line := logLine(t, env, "cannot serve layer lazily", badRes.Digest.String()); !strings.Contains(line, tc.reason) {
+			if line := env.Envsnap.LogLine("cannot serve layer lazily", badRes.Digest.String()); !strings.Contains(line, tc.reason) {
 				t.Errorf("no reason logged for refusing %s:\n%s", badRes.Digest, env.Envsnap.LogTail(15))
 			} else {
 				t.Logf("refused: %s", line[strings.LastIndex(line, badRes.Digest.String()+": ")+len(badRes.Digest.String())+2:])
@@ -295,7 +295,7 @@ func TestHostileLayers(t *testing.T) {
 		if !strings.Contains(out.Stderr, "Input/output error") {
 			t.Errorf("bomb frame read without EIO: exit %d stdout %q stderr %q", out.ExitCode, out.Stdout, out.Stderr)
 		}
-		if line := logLine(t, env, "level=error"); line != "" {
+		if line := env.Envsnap.LogLine("level=error"); line != "" {
 			t.Logf("daemon: %s", line)
 		}
 		for _, line := range strings.Split(strings.TrimSpace(out.Stdout), "\n") {
@@ -356,26 +356,6 @@ func dataTar(t *testing.T, files []testenv.File, hostFile string) []byte {
 		t.Fatal(err)
 	}
 	return buf.Bytes()
-}
-
-// logLine returns the last line of the daemon log containing all of subs.
-func logLine(t *testing.T, env *testenv.Env, subs ...string) string {
-	t.Helper()
-	b, err := os.ReadFile(env.Envsnap.LogPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	found := ""
-	for _, line := range strings.Split(string(b), "\n") {
-		all := true
-		for _, s := range subs {
-			all = all && strings.Contains(line, s)
-		}
-		if all {
-			found = line
-		}
-	}
-	return found
 }
 
 // vmHWM returns a process's peak resident set size in bytes.
