@@ -254,6 +254,7 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 	if exists {
 		// Re-admission (a shim re-registering after an arbiter restart,
 		// or the controller after the shim) only moves the base.
+		base = a.fit(base)
 		l.Base, l.Priority = base, ad.Priority
 		l.Grant = Resources{CPU: math.Max(l.Grant.CPU, base.CPU), Memory: max(l.Grant.Memory, base.Memory)}
 		return nil
@@ -268,6 +269,11 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 		return fmt.Errorf("node %v: %v already promised, overcommit bound %gx cpu %gx memory: %w",
 			a.capacity, promised, a.overcommit.CPU, a.overcommit.Memory, errdefs.ErrResourceExhausted)
 	}
+	// A base larger than the node (the default 8 GiB initial quota on a
+	// smaller node) is held as the whole node once admitted: no lease is
+	// granted more than the node has, whatever a shim asks. The
+	// overcommit bound above still sees what was asked.
+	base = a.fit(base)
 	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Admitted: a.now()}
 	// Restore the reserve from idle burst (best effort), counting the
 	// newcomers at their base: they are about to use some of it.
@@ -279,6 +285,11 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 		a.reclaimMem(over)
 	}
 	return nil
+}
+
+// fit caps r at the node's capacity.
+func (a *NodeArbiter) fit(r Resources) Resources {
+	return Resources{CPU: math.Min(r.CPU, a.capacity.CPU), Memory: min(r.Memory, a.capacity.Memory)}
 }
 
 func cpuFloor(l *Lease) float64 { return math.Max(1.5*l.Used.CPU, l.Base.CPU) }

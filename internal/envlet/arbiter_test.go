@@ -222,3 +222,24 @@ func TestTraceAdmissionReclaim(t *testing.T) {
 			st.Limit, lim, st.Reclaims, st.MemGrows-grows, tr.log)
 	}
 }
+
+// A base larger than the node (found by FuzzServer: a 7-core base on a
+// 4-core node was granted 7 cores) counts as the whole node, also at
+// re-admission and after a report.
+func TestNodeArbiterBaseLargerThanNode(t *testing.T) {
+	ctx := context.Background()
+	node := Resources{CPU: 4, Memory: 4 * GiB}
+	a := NewNodeArbiter(node, DefaultReserve)
+	huge := Resources{CPU: 7, Memory: 8 * GiB}
+	mustAdmit(t, a, "big", huge)
+	if g := a.Granted(); g != node {
+		t.Fatalf("granted %v for a base of %v, want the node %v", g, huge, node)
+	}
+	mustAdmit(t, a, "big", huge)
+	if _, err := a.Report(ctx, "big", huge, Resources{CPU: 1, Memory: GiB}); err != nil {
+		t.Fatal(err)
+	}
+	if g := a.Granted(); g.CPU > node.CPU || g.Memory > node.Memory {
+		t.Fatalf("granted %v after re-admission and a report, more than the node %v", g, node)
+	}
+}
