@@ -178,7 +178,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	// Every system runs its environments under the envlet shim, the
 	// runtime envsnap ships with (Runtime in system).
 	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
-		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}))
+		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
 	if err != nil {
 		return nil, err
 	}

@@ -34,6 +34,7 @@ var serveCommand = &cli.Command{
 		&cli.BoolFlag{Name: "native-lowers", Value: true, Usage: "give new containers a plain directory copy of layers whose chunks are all cached, instead of the FUSE mount"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
 		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},
+		&cli.StringFlag{Name: "lazy-min-size", Value: daemon.DefaultLazyMinSize.String(), Usage: "layers smaller than this are unpacked by containerd instead of served lazily (0: every layer in the envsnap format is lazy)"},
 		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
 		&cli.DurationFlag{Name: "read-timeout", Value: time.Duration(daemon.DefaultReadTimeout), Usage: "fail a FUSE read with EIO after this long"},
 		&cli.StringFlag{Name: "memory-limit", Value: defaultMemoryLimit, Usage: "soft limit of the Go heap (GOMEMLIMIT) beyond the frame cache, unless the environment sets one; 0 disables"},
@@ -109,6 +110,13 @@ func runServe(ctx context.Context, c *cli.Command) error {
 			return fmt.Errorf("--cache-size: %w", err)
 		}
 		cfg.CacheSize = daemon.Size(n)
+	}
+	if c.IsSet("lazy-min-size") {
+		n, err := daemon.ParseSize(c.String("lazy-min-size"))
+		if err != nil {
+			return fmt.Errorf("--lazy-min-size: %w", err)
+		}
+		cfg.LazyMinSize = daemon.Size(n)
 	}
 	if c.IsSet("frame-cache-size") {
 		n, err := daemon.ParseSize(c.String("frame-cache-size"))

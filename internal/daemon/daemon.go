@@ -151,6 +151,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Fill:            cfg.Fill,
 		FillDelay:       time.Duration(cfg.FillDelay),
 		Eager:           cfg.Eager,
+		LazyMinSize:     int64(cfg.LazyMinSize),
 		ReadTimeout:     time.Duration(cfg.ReadTimeout),
 		Registerer:      reg,
 		FetchMetrics:    fetchMetrics,

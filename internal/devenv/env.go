@@ -70,6 +70,7 @@ type options struct {
 	envsnap      bool
 	envsnapArgs  []string
 	envsnapBin   string
+	lazyDefault  bool
 	containerEnv []string
 	extraConfig  string
 	imports      []string
@@ -89,6 +90,14 @@ type Option func(*options)
 // (root, hosts dir and socket are set by the env; args are appended).
 func WithEnvsnap(args ...string) Option {
 	return func(o *options) { o.envsnap = true; o.envsnapArgs = args }
+}
+
+// WithDefaultLazyMinSize keeps the daemon's default lazy_min_size, so
+// layers below it are unpacked by containerd, as on a node. Without it the
+// env's daemon serves every layer in the envsnap format lazily: test
+// images are a few KiB, and tests are about the lazy path.
+func WithDefaultLazyMinSize() Option {
+	return func(o *options) { o.lazyDefault = true }
 }
 
 // WithEnvsnapBinary runs bin instead of `bin/containerd-envsnap` (a
@@ -415,6 +424,11 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		"--hosts-dir", e.HostsDir,
 		"--log-level", "debug",
 	}, e.opts.envsnapArgs...)
+	// A baseline build (WithEnvsnapBinary) may predate the flag; builds
+	// without it serve every layer lazily.
+	if !e.opts.lazyDefault && e.opts.envsnapBin == "" {
+		args = append(args[:1], append([]string{"--lazy-min-size", "0"}, args[1:]...)...)
+	}
 	p, err := e.StartProcess("envsnap", nil, bin, args...)
 	if err != nil {
 		return nil, err

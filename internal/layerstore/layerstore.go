@@ -116,6 +116,18 @@ type Config struct {
 	// layer once all its chunks are in the node cache; the snapshotter
 	// hands it to new containers instead of the FUSE mount (NativeDir).
 	Native *native.Store
+	// LazyMinSize: a new layer whose blob is smaller than this is not
+	// served lazily; Mount declines it (errdefs.ErrNotImplemented) and
+	// containerd downloads and unpacks it as overlayfs would. Fetching a
+	// layer that small costs about the round trip its first lazy read
+	// would pay anyway, while a FUSE lower costs every container that
+	// has it a round trip to this process for the first lookup of every
+	// path: overlayfs looks a name up in each lower above the one that
+	// holds it, so a small layer high in the stack (a task's patch, an
+	// evaluator) stands in front of the whole image. Zero serves every
+	// layer lazily. Layers mounted before (restores, takeovers) are
+	// served as they were.
+	LazyMinSize int64
 	// Sources decides which repositories layer hints may send the store
 	// to (layers named by snapshotter.LabelTOCDigest rather than a
 	// manifest digest). The zero value allows none.
@@ -197,7 +209,8 @@ func (s *Store) Mount(ctx context.Context, mountpoint string, labels map[string]
 	if busy {
 		return fmt.Errorf("mount layer %s at %s: %w", labels[snapshotter.LabelLayerDigest], mountpoint, errdefs.ErrAlreadyExists)
 	}
-	o, err := s.open(ctx, labels, snapshotter.Restoring(ctx))
+	restoring := snapshotter.Restoring(ctx)
+	o, err := s.open(ctx, labels, restoring, !restoring)
 	if err != nil {
 		return err
 	}
@@ -225,7 +238,10 @@ type opened struct {
 // With bounded, a registry round trip may take no longer than one read
 // may: a restore or a takeover holds containers (their requests wait in
 // the kernel) or containerd (the socket is not up yet) meanwhile.
-func (s *Store) open(ctx context.Context, labels map[string]string, bounded bool) (*opened, error) {
+//
+// A fresh open is for a new mount: a layer below Config.LazyMinSize fails
+// it with errdefs.ErrNotImplemented before its TOC is read.
+func (s *Store) open(ctx context.Context, labels map[string]string, bounded, fresh bool) (*opened, error) {
 	ref := labels[snapshotter.LabelImageRef]
 	ldgst, err := digest.Parse(labels[snapshotter.LabelLayerDigest])
 	if err != nil {
@@ -252,6 +268,10 @@ func (s *Store) open(ctx context.Context, labels map[string]string, bounded bool
 	tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
 	if err != nil {
 		return nil, fmt.Errorf("layer %s has no valid %s annotation: %w: %w", ldgst, layerfmt.AnnotationTOCDigest, layerfmt.ErrNotLayer, errdefs.ErrNotImplemented)
+	}
+	if fresh && s.tooSmall(desc) {
+		log.G(ctx).WithField("layer", ldgst).WithField("bytes", desc.Size).Info("layer below lazy_min_size: containerd unpacks it")
+		return nil, fmt.Errorf("layer %s has %d bytes, below lazy_min_size (%d): %w", ldgst, desc.Size, s.cfg.LazyMinSize, errdefs.ErrNotImplemented)
 	}
 
 	blob, toc, err := s.claimTOC(ctx, ldgst)
@@ -553,7 +573,7 @@ func (s *Store) prefetchTOCs(ctx context.Context, ref string, mf *ocispec.Manife
 	}
 	for _, desc := range mf.Layers {
 		tocDigest, err := digest.Parse(desc.Annotations[layerfmt.AnnotationTOCDigest])
-		if err != nil || mountedDigests[desc.Digest] || s.tocs[desc.Digest] != nil {
+		if err != nil || mountedDigests[desc.Digest] || s.tocs[desc.Digest] != nil || s.tooSmall(desc) {
 			continue
 		}
 		f := &tocFetch{done: make(chan struct{}), started: now}
@@ -567,6 +587,12 @@ func (s *Store) prefetchTOCs(ctx context.Context, ref string, mf *ocispec.Manife
 			f.blob, f.toc, f.err = s.readTOC(fctx, ref, desc, tocDigest)
 		}()
 	}
+}
+
+// tooSmall reports whether a new mount of the layer desc is declined for
+// its size (Config.LazyMinSize).
+func (s *Store) tooSmall(desc ocispec.Descriptor) bool {
+	return desc.Size < s.cfg.LazyMinSize
 }
 
 // claimTOC returns (and forgets) the prefetched TOC of layer d: nil, nil,

@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -352,4 +353,48 @@ func TestSharedFramesFetchedOnce(t *testing.T) {
 	if n := r.requestsFor(descs[0].Digest) + r.requestsFor(descs[1].Digest) - before; n != 1 {
 		t.Fatalf("%d blob requests for a frame both layers hold, want 1", n)
 	}
+}
+
+// TestLazyMinSize: a new mount of a layer smaller than LazyMinSize is
+// declined as not ours (containerd unpacks it) without a byte of the blob
+// read, and no TOC of it is prefetched; a larger layer of the same image
+// is served.
+func TestLazyMinSize(t *testing.T) {
+	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	small, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"patch.go": "package main\n"}))
+	big, _ := r.addLazyLayer(t, tarOfB(t, "data.bin", testRandom(64<<10)))
+	if small.Size >= 8<<10 || big.Size < 32<<10 {
+		t.Fatalf("layer sizes %d and %d do not straddle the bound", small.Size, big.Size)
+	}
+	labels := r.addManifest(t, "test/app:1", big, small)
+	s := newTestStore(t)
+	s.cfg.LazyMinSize = 16 << 10
+	ctx := t.Context()
+
+	mp := t.TempDir()
+	if err := s.Mount(ctx, mp, labels[0]); err != nil {
+		t.Fatalf("Mount of the %d-byte layer: %v", big.Size, err)
+	}
+	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	err := s.Mount(ctx, t.TempDir(), labels[1])
+	if !errdefs.IsNotImplemented(err) || !strings.Contains(err.Error(), "lazy_min_size") {
+		t.Fatalf("Mount of the %d-byte layer: %v, want not implemented (below lazy_min_size)", small.Size, err)
+	}
+	s.mu.Lock()
+	_, prefetched := s.tocs[small.Digest]
+	s.mu.Unlock()
+	if n := r.requestsFor(small.Digest); n != 0 || prefetched {
+		t.Errorf("the declined layer's blob got %d requests, TOC prefetch started: %v; want none", n, prefetched)
+	}
+	if len(s.Status()) != 1 {
+		t.Errorf("declined mount left state: %+v", s.Status())
+	}
+}
+
+// testRandom returns n incompressible bytes, the same every run.
+func testRandom(n int) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{7}).Read(b)
+	return b
 }

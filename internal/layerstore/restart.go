@@ -143,7 +143,7 @@ func (s *Store) takeOver(ctx context.Context, e fdstore.Entry) error {
 	}
 	// The metadata normally comes from the node cache (metadata.go); a
 	// registry round trip here is bounded by the read timeout.
-	o, err := s.open(ctx, meta.Labels, true)
+	o, err := s.open(ctx, meta.Labels, true, false)
 	if err != nil {
 		s.abandon(ctx, e)
 		return err

@@ -36,24 +36,25 @@ type (
 )
 
 var (
-	WithEnvsnap           = devenv.WithEnvsnap
-	WithEnvsnapBinary     = devenv.WithEnvsnapBinary
-	WithEnvlet            = devenv.WithEnvlet
-	WithContainerdEnv     = devenv.WithContainerdEnv
-	WithConfig            = devenv.WithConfig
-	WithImports           = devenv.WithImports
-	WithoutSnapshotLabels = devenv.WithoutSnapshotLabels
-	WithProxyName         = devenv.WithProxyName
-	WithEntrypoint        = devenv.WithEntrypoint
-	WithCmd               = devenv.WithCmd
-	WithImageEnv          = devenv.WithImageEnv
-	WithoutBusybox        = devenv.WithoutBusybox
-	WithLazyLayers        = devenv.WithLazyLayers
-	RandomFile            = devenv.RandomFile
-	LayerTar              = devenv.LayerTar
-	GzipLayer             = devenv.GzipLayer
-	BusyboxFiles          = devenv.BusyboxFiles
-	MountsBelow           = devenv.MountsBelow
+	WithEnvsnap            = devenv.WithEnvsnap
+	WithEnvsnapBinary      = devenv.WithEnvsnapBinary
+	WithDefaultLazyMinSize = devenv.WithDefaultLazyMinSize
+	WithEnvlet             = devenv.WithEnvlet
+	WithContainerdEnv      = devenv.WithContainerdEnv
+	WithConfig             = devenv.WithConfig
+	WithImports            = devenv.WithImports
+	WithoutSnapshotLabels  = devenv.WithoutSnapshotLabels
+	WithProxyName          = devenv.WithProxyName
+	WithEntrypoint         = devenv.WithEntrypoint
+	WithCmd                = devenv.WithCmd
+	WithImageEnv           = devenv.WithImageEnv
+	WithoutBusybox         = devenv.WithoutBusybox
+	WithLazyLayers         = devenv.WithLazyLayers
+	RandomFile             = devenv.RandomFile
+	LayerTar               = devenv.LayerTar
+	GzipLayer              = devenv.GzipLayer
+	BusyboxFiles           = devenv.BusyboxFiles
+	MountsBelow            = devenv.MountsBelow
 )
 
 // Env is one isolated stack for a test.

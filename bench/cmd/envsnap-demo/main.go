@@ -94,7 +94,7 @@ func run(ctx context.Context, tasksPath string, n int, rtt time.Duration, rate i
 	// (native lowers once a layer is complete), as in an iteration.
 	// "fetched when ready" is what the first one needed before it could
 	// answer.
-	env, err := devenv.Start(ctx, devenv.WithEnvsnap(), devenv.WithDirPrefix("envsnap-demo-"), devenv.WithRegistryNetwork(regNet),
+	env, err := devenv.Start(ctx, devenv.WithEnvsnap(), devenv.WithDefaultLazyMinSize(), devenv.WithDirPrefix("envsnap-demo-"), devenv.WithRegistryNetwork(regNet),
 		devenv.WithEnvlet(devenv.EnvletConfig{Policy: map[string]string{"initial-cpu": "0.25", "initial-memory": "256Mi"}}))
 	if err != nil {
 		return err
