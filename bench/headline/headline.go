@@ -281,7 +281,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 				// Without fill a layer is never fully present: nothing
 				// to wait for.
 				if phase == "warm" && cfg.SettleWarm && (sys == Envsnap || sys == EnvsnapEager) {
-					if took, err := b.settle(3 * time.Minute); err != nil {
+					if took, err := b.settle(ctx, 3*time.Minute); err != nil {
 						cfg.logf("%-15s settle %s: %v; measuring anyway", sys, e.name, err)
 					} else {
 						cfg.logf("%-15s settle %s: layers fully present %.1fs after the cold run", sys, e.name, took.Seconds())
@@ -428,11 +428,12 @@ func (b *bench) checkCold() error {
 }
 
 // settle waits until every layer the daemon serves is fully cached and,
-// when the daemon builds native copies, each has one.
-func (b *bench) settle(timeout time.Duration) (time.Duration, error) {
+// when the daemon builds native copies, each has one. An interrupted
+// benchmark (ctx) stops waiting at once.
+func (b *bench) settle(ctx context.Context, timeout time.Duration) (time.Duration, error) {
 	start := time.Now()
 	for {
-		st, err := daemon.GetStatus(context.Background(), b.env.SnapshotterSocket)
+		st, err := daemon.GetStatus(ctx, b.env.SnapshotterSocket)
 		if err != nil {
 			return 0, fmt.Errorf("wait for the node to settle: %w", err)
 		}
@@ -449,7 +450,11 @@ func (b *bench) settle(timeout time.Duration) (time.Duration, error) {
 		if time.Since(start) > timeout {
 			return 0, fmt.Errorf("layers not fully present after %s: %+v", timeout, st)
 		}
-		time.Sleep(200 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return 0, fmt.Errorf("wait for the node to settle: %w", ctx.Err())
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 }
 
