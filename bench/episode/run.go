@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -38,6 +39,9 @@ type Result struct {
 	ImageBytes         int64  `json:"image_bytes"`
 	Error              string `json:"error,omitempty"`
 	Output             string `json:"-"`
+	// Steps are the seconds each step of the episode script took, as
+	// it printed them ("episode step=NAME rc=N seconds=S").
+	Steps map[string]float64 `json:"steps,omitempty"`
 	// Container is the container's ID in the env's namespace.
 	Container string `json:"container"`
 }
@@ -80,7 +84,10 @@ func (r *readyClock) at() time.Time {
 	return r.ready
 }
 
-var rewardRE = regexp.MustCompile(`reward=(\d)`)
+var (
+	rewardRE = regexp.MustCompile(`reward=(\d)`)
+	stepRE   = regexp.MustCompile(`(?m)^episode step=(\S+) rc=\d+ seconds=([0-9.]+)$`)
+)
 
 // Run pulls ref with sys and runs t's episode in it. Ready and Episode are
 // measured from the start of the pull: the whole cost of starting an
@@ -116,10 +123,31 @@ func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, t
 	if m := rewardRE.FindAllStringSubmatch(out.Stdout, -1); len(m) > 0 {
 		res.Reward = int(m[len(m)-1][1][0] - '0')
 	}
+	res.Steps = parseSteps(out.Stdout)
 	if res.Ready == 0 {
 		res.Error = "environment never became ready: " + lastLines(res.Output, 5)
 	}
 	return res
+}
+
+// StepOrder is the order in which the episode script
+// (bench/workload/evaluator/episode.sh) runs its steps, the total last.
+var StepOrder = []string{"harness-version", "git-status", "git-log", "list-files", "grep-funcs", "read-files",
+	"test-before", "apply-fix", "test-after", "git-diff", "total-before-eval"}
+
+// parseSteps returns the step times the episode script printed; nil when
+// it printed none.
+func parseSteps(stdout string) map[string]float64 {
+	var steps map[string]float64
+	for _, m := range stepRE.FindAllStringSubmatch(stdout, -1) {
+		if v, err := strconv.ParseFloat(m[2], 64); err == nil {
+			if steps == nil {
+				steps = map[string]float64{}
+			}
+			steps[m[1]] = v
+		}
+	}
+	return steps
 }
 
 func lastLines(s string, n int) string {

@@ -1,8 +1,12 @@
 package episode
 
 import (
+	"maps"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -34,5 +38,33 @@ func TestLoadWorkloadRelativePaths(t *testing.T) {
 		if got != want {
 			t.Errorf("got %q, want %q", got, want)
 		}
+	}
+}
+
+func TestParseSteps(t *testing.T) {
+	out := "2.1.100 (Claude Code)\nepisode step=harness-version rc=0 seconds=64.314\nok  \tgithub.com/x\t(cached)\n" +
+		"episode step=test-before rc=1 seconds=3.5\nepisode step=bogus rc=0 seconds=\n"
+	want := map[string]float64{"harness-version": 64.314, "test-before": 3.5}
+	if got := parseSteps(out); !maps.Equal(got, want) {
+		t.Fatalf("parseSteps = %v, want %v", got, want)
+	}
+	if parseSteps("no steps here\n") != nil {
+		t.Fatal("steps parsed from output without any")
+	}
+}
+
+// TestStepOrderMatchesScript: StepOrder names the episode script's steps
+// in its order.
+func TestStepOrderMatchesScript(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join("..", "workload", "evaluator", "episode.sh"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, m := range regexp.MustCompile(`(?m)^step (\S+) `).FindAllStringSubmatch(string(b), -1) {
+		got = append(got, m[1])
+	}
+	if want := StepOrder[:len(StepOrder)-1]; !slices.Equal(got, want) || !strings.Contains(string(b), "step=total-before-eval") {
+		t.Fatalf("episode.sh runs steps %v (and total-before-eval: %v), StepOrder says %v", got, strings.Contains(string(b), "step=total-before-eval"), StepOrder)
 	}
 }

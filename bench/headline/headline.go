@@ -576,6 +576,10 @@ func (b *bench) readBytes() int64 {
 	return int64(total)
 }
 
+// stepPrefix marks the summaries of episode steps (Run.Steps) among a
+// group's measures.
+const stepPrefix = "step:"
+
 func (rep *Report) summarize() {
 	groups := map[string][]Run{}
 	for _, r := range rep.Runs {
@@ -601,6 +605,15 @@ func (rep *Report) summarize() {
 		rep.Summary[key] = map[string]Summary{
 			"ready_s": summarize(seconds(ready)), "episode_s": summarize(seconds(ep)),
 			"registry_bytes": summarize(bytes), "read_bytes": summarize(read),
+		}
+		steps := map[string][]float64{}
+		for _, r := range rs {
+			for name, v := range r.Steps {
+				steps[name] = append(steps[name], v)
+			}
+		}
+		for name, vs := range steps {
+			rep.Summary[key][stepPrefix+name] = summarize(vs)
 		}
 	}
 	med := func(key, m string) float64 { return rep.Summary[key][m].Median }

@@ -13,6 +13,8 @@ import (
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/envsnap/envsnap/bench/episode"
 )
 
 // WriteJSON writes the raw report.
@@ -205,6 +207,7 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 			s["ready_s"].Median, s["ready_s"].P95, s["ready_s"].Max, s["episode_s"].Median, s["episode_s"].P95, s["episode_s"].Max,
 			s["registry_bytes"].Median/(1<<20), s["read_bytes"].Median/(1<<20))
 	}
+	writeSteps(&b, rep, keys)
 	var img int64
 	for _, v := range rep.Images {
 		img = v
@@ -245,6 +248,39 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 		}
 	}
 	return os.WriteFile(path, []byte(b.String()), 0o644)
+}
+
+// writeSteps writes the median time of each episode step per system and
+// phase, in the order the episode runs them: where an episode's time goes.
+func writeSteps(b *strings.Builder, rep *Report, keys []string) {
+	var order []string
+	seen := map[string]bool{}
+	for _, name := range episode.StepOrder {
+		for _, k := range keys {
+			if _, ok := rep.Summary[k][stepPrefix+name]; ok && !seen[name] {
+				order, seen[name] = append(order, name), true
+			}
+		}
+	}
+	if len(order) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "\nEpisode steps, median seconds (the times the episode script printed; ready is not included):\n\n| system / phase |")
+	for _, name := range order {
+		fmt.Fprintf(b, " %s |", name)
+	}
+	fmt.Fprintf(b, "\n|---|%s\n", strings.Repeat("---|", len(order)))
+	for _, k := range keys {
+		fmt.Fprintf(b, "| %s |", k)
+		for _, name := range order {
+			if s, ok := rep.Summary[k][stepPrefix+name]; ok {
+				fmt.Fprintf(b, " %.2f |", s.Median)
+			} else {
+				fmt.Fprintf(b, " |")
+			}
+		}
+		fmt.Fprintf(b, "\n")
+	}
 }
 
 // KeptMarker starts the part of docs/benchmarks.md that WriteMarkdown

@@ -96,3 +96,29 @@ func TestReportRatios(t *testing.T) {
 		t.Errorf("agent release missing:\n%s", got)
 	}
 }
+
+// TestReportSteps: the episode steps table has the median of each step per
+// system and phase, in the script's order, and a blank for a step a group
+// has no time for.
+func TestReportSteps(t *testing.T) {
+	rep := &Report{Summary: map[string]map[string]Summary{}}
+	for _, r := range []Run{
+		{Result: episode.Result{System: Overlayfs, Phase: "cold", Ready: time.Second, Episode: 5 * time.Second, Steps: map[string]float64{"test-before": 2, "git-status": 0.5}}},
+		{Result: episode.Result{System: Envsnap, Phase: "cold", Ready: time.Second, Episode: 5 * time.Second, Steps: map[string]float64{"test-before": 3}}},
+		{Result: episode.Result{System: Envsnap, Phase: "cold", Ready: time.Second, Episode: 5 * time.Second, Steps: map[string]float64{"test-before": 5}}},
+		{Result: episode.Result{System: Envsnap, Phase: "cold", Ready: time.Second, Episode: 5 * time.Second, Steps: map[string]float64{"test-before": 4}}},
+	} {
+		rep.Runs = append(rep.Runs, r)
+	}
+	rep.summarize()
+	path := filepath.Join(t.TempDir(), "benchmarks.md")
+	if err := rep.WriteMarkdown(path, "benchmarks.json", nil); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(path)
+	for _, want := range []string{"| system / phase | git-status | test-before |", "| envsnap/cold | | 4.00 |", "| overlayfs/cold | 0.50 | 2.00 |"} {
+		if !strings.Contains(string(got), want) {
+			t.Errorf("steps table lacks %q:\n%s", want, got)
+		}
+	}
+}
