@@ -278,6 +278,7 @@ type convWriter struct {
 	pipeDone chan struct{}
 	stopped  bool
 	bufs     sync.Pool
+	outs     sync.Pool // compressed frames, once written
 	errMu    sync.Mutex
 	err      error
 
@@ -408,7 +409,11 @@ func (w *convWriter) startPipeline(workers int) {
 	for range workers {
 		go func() {
 			for job := range jobs {
-				job.out = w.enc.EncodeAll(job.data, make([]byte, 0, len(job.data)/2))
+				// Room for the worst case up front: EncodeAll appends
+				// block by block, and an incompressible frame grown from
+				// a smaller buffer cost more in copies than in
+				// compression.
+				job.out = w.enc.EncodeAll(job.data, w.getOut(len(job.data)))
 				job.sum = sha256.Sum256(job.out)
 				close(job.done)
 			}
@@ -426,6 +431,7 @@ func (w *convWriter) startPipeline(workers int) {
 				w.frames = append(w.frames, frameRec{off: off, csize: uint32(len(job.out)), size: uint32(len(job.data)), sum: job.sum})
 			}
 			w.putBuf(job.data)
+			w.outs.Put(&job.out)
 		}
 	}()
 }
@@ -461,6 +467,16 @@ func (w *convWriter) getBuf() []byte {
 		return (*b)[:0]
 	}
 	return make([]byte, 0, w.chunkCap+tarBlock)
+}
+
+// getOut returns an empty buffer that holds the compressed form of n
+// bytes without growing.
+func (w *convWriter) getOut(n int) []byte {
+	need := w.enc.MaxEncodedSize(n)
+	if b, ok := w.outs.Get().(*[]byte); ok && cap(*b) >= need {
+		return (*b)[:0]
+	}
+	return make([]byte, 0, w.enc.MaxEncodedSize(max(n, w.chunkCap+tarBlock)))
 }
 
 func (w *convWriter) putBuf(b []byte) {
