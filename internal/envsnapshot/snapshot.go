@@ -56,9 +56,9 @@ const (
 // Defaults of Options.
 const (
 	DefaultSnapshotter = "envsnap"
-	// DefaultMaxDiffSize caps a diff's file data. A diff is staged on tmpfs
-	// while the container is frozen, so the cap also bounds the memory a
-	// snapshot takes.
+	// DefaultMaxDiffSize caps a diff's file data. A running container's
+	// diff is read into memory before it is encoded, so the cap also
+	// bounds the memory a snapshot takes.
 	DefaultMaxDiffSize = 2 << 30
 )
 
@@ -75,10 +75,6 @@ type Options struct {
 	// MaxDepth bounds the snapshot layers above the original image
 	// (DefaultMaxDepth); see Decide.
 	MaxDepth int
-	// StagingDir receives the frozen container's upper directory copy
-	// (default /dev/shm when it is a tmpfs with room for it, else the
-	// temporary directory).
-	StagingDir string
 	// TempDir holds the encoded layer when it is squashed (it is
 	// streamed to the registry otherwise).
 	TempDir string
@@ -105,13 +101,13 @@ type Result struct {
 	Diff   DiffStats
 	// Frozen is how long the container's cgroup was frozen (freeze to
 	// thaw); 0 for a container that was not running. Copy is the part of
-	// it spent copying the writable layer; the rest is freezing and
-	// thawing.
+	// it spent reading the writable layer into memory; the rest is
+	// freezing and thawing.
 	Frozen, Copy time.Duration
-	// Precopy is how long the writable layer was copied before the
-	// freeze, while the container ran. FilesCopied counts the regular
-	// files copied while frozen, FilesReused those kept from the
-	// pre-copy instead.
+	// Precopy is how long the writable layer's files were read into
+	// memory before the freeze, while the container ran. FilesCopied
+	// counts the regular files read while frozen, FilesReused those kept
+	// from the pre-copy instead.
 	Precopy                  time.Duration
 	FilesCopied, FilesReused int
 	// Freezer says how the container was frozen: "cgroup DIR" (directly)
@@ -194,10 +190,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	res := &Result{Ref: target}
-	size, err := measure(src.upper, o.MaxDiffSize)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", id, err)
-	}
 	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-snapshot-")
 	if err != nil {
 		return nil, err
@@ -208,12 +200,11 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			os.RemoveAll(tmp)
 		}
 	}()
-	dir, cleanup, err := capture(ctx, src, size, o, res)
+	tree, err := readUpper(ctx, src, o, res)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	defer cleanup()
-	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which copying %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
+	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which reading %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 
 	parentDiffs := len(src.manifest.Layers) - src.base
 	layout := Decide(parentDiffs, o.MaxDepth)
@@ -254,11 +245,16 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		sink = up
 	}
 	t := time.Now()
-	diff, err := encodeLayer(ctx, diffPath, sink, func(w io.Writer) error {
-		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
-		res.Diff = st
-		return err
-	})
+	var entries []*upperEntry
+	if tree != nil {
+		entries = tree.entries
+	} else {
+		entries, err = scanUpper(ctx, src.upper) // read in place
+	}
+	var diff *blob
+	if err == nil {
+		diff, res.Diff, err = encodeDiff(ctx, diffPath, sink, entries, o.MaxDiffSize)
+	}
 	if err != nil {
 		if up != nil {
 			up.Abort()
@@ -271,14 +267,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	res.Encode = time.Since(t)
-	// Removing the staged copy (thousands of files, the diff's size in
-	// memory) overlaps the end of the push.
-	cleaned := make(chan struct{})
-	go func() {
-		defer close(cleaned)
-		cleanup()
-	}()
-	defer func() { <-cleaned }()
 
 	top := diff
 	if layout.Squash > 0 && !layout.Background {
@@ -552,91 +540,77 @@ func writableDir(mounts []mount.Mount) (string, error) {
 	return "", fmt.Errorf("%s mount: no upper directory to read: %w", m.Type, errdefs.ErrNotImplemented)
 }
 
-// capture returns a directory holding a consistent copy of the container's
-// writable layer and records the freeze in res. The upper directory of a
-// running task is first pre-copied to a staging directory while the task
-// runs; then its cgroup is frozen, the copy is brought up to date in
-// place (files that changed, or may have, since the pre-copy are copied
-// again; the rest stay), and the cgroup is thawed, also when
-// anything failed. A container without a running task is read in place.
-// cleanup removes the copy and may be called more than once.
-func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
-	noop := func() {}
+// readUpper reads the container's writable layer into memory,
+// consistently, and records the freeze in res. The upper directory of a
+// running task is first pre-copied while the task runs; then its cgroup
+// is frozen, the files that changed, or may have, since the pre-copy are
+// read again along with everything that is not a regular file, and the
+// cgroup is thawed, also when anything failed. A container without a
+// running task is read in place as the diff is written: it returns nil.
+func readUpper(ctx context.Context, src *source, o Options, res *Result) (*captured, error) {
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
-		return src.upper, noop, nil
+		return nil, nil
 	}
 	if err != nil {
-		return "", noop, fmt.Errorf("task: %w", err)
+		return nil, fmt.Errorf("task: %w", err)
 	}
 	status, err := task.Status(ctx)
 	if err != nil {
-		return "", noop, fmt.Errorf("task status: %w", err)
+		return nil, fmt.Errorf("task status: %w", err)
 	}
 	if status.Status != client.Running && status.Status != client.Paused {
 		// Created (never started) or stopped: nothing writes.
-		return src.upper, noop, nil
+		return nil, nil
 	}
-	// The pre-copy is brought up to date in place: one diff's worth.
-	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
-	if err != nil {
-		return "", noop, err
-	}
-	cleanup = func() { os.RemoveAll(staging) }
-	dst := filepath.Join(staging, "upper")
-	copyUpper := func(pre *staged, dirty *mapped) error {
+	read := func(pre *precopied, dirty *mapped) (*captured, error) {
 		t := time.Now()
-		st, err := stage(src.upper, dst, pre, dirty)
+		tree, err := capture(src.upper, pre, dirty, o.MaxDiffSize)
 		res.Copy = time.Since(t)
-		if st != nil {
-			res.FilesCopied, res.FilesReused = st.Copied, st.Reused
-			dst = st.dir
+		if tree != nil {
+			res.FilesCopied, res.FilesReused = tree.Copied, tree.Reused
 		}
-		return err
+		return tree, err
 	}
 	if status.Status == client.Paused {
 		// Frozen by someone else, who also decides when it thaws.
-		if err := copyUpper(nil, nil); err != nil {
-			cleanup()
-			return "", noop, err
-		}
-		return dst, cleanup, nil
+		return read(nil, nil)
 	}
 	t := time.Now()
-	pre, err := precopy(src.upper, filepath.Join(staging, "pre"))
+	pre, err := precopy(src.upper, o.MaxDiffSize)
 	res.Precopy = time.Since(t)
+	if errors.Is(err, ErrDiffTooLarge) {
+		return nil, err
+	}
 	if err != nil {
-		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; copying all of it while frozen")
+		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; reading all of it while frozen")
 		pre = nil
 	}
 	t0 := time.Now()
 	fz, err := freeze(ctx, task, res)
 	if err != nil {
-		cleanup()
-		return "", noop, err
+		return nil, err
 	}
-	serr := func() error {
+	tree, serr := func() (*captured, error) {
 		pids, err := fz.pids()
 		if err != nil {
-			return fmt.Errorf("processes of the frozen task: %w", err)
+			return nil, fmt.Errorf("processes of the frozen task: %w", err)
 		}
 		dirty, err := mappedShared(pids)
 		if err != nil {
-			return fmt.Errorf("shared mappings of the frozen task: %w", err)
+			return nil, fmt.Errorf("shared mappings of the frozen task: %w", err)
 		}
-		return copyUpper(pre, dirty)
+		return read(pre, dirty)
 	}()
 	rerr := fz.thaw()
 	res.Frozen = time.Since(t0)
 	if rerr != nil {
-		cleanup()
-		return "", noop, rerr
+		return nil, rerr
 	}
 	if serr != nil {
-		cleanup()
-		return "", noop, serr
+		return nil, serr
 	}
-	return dst, cleanup, nil
+	return tree, nil
 }
 
 // frozen is a task frozen by freeze.
@@ -733,6 +707,48 @@ func encodeLayer(ctx context.Context, path string, sink io.Writer, write func(io
 		diffID: wr.DiffID,
 		toc:    wr.TOCDigest,
 	}, nil
+}
+
+// encodeDiff encodes entries as an envsnap layer, written to the file at
+// path (none when path is empty) and to sink (if set) as it is produced.
+func encodeDiff(ctx context.Context, path string, sink io.Writer, entries []*upperEntry, maxData int64) (*blob, DiffStats, error) {
+	var outs []io.Writer
+	var f *os.File
+	if path != "" {
+		var err error
+		if f, err = os.Create(path); err != nil {
+			return nil, DiffStats{}, err
+		}
+		defer f.Close()
+		outs = append(outs, f)
+	}
+	if sink != nil {
+		outs = append(outs, sink)
+	}
+	x, err := layerfmt.NewWriter(io.MultiWriter(outs...))
+	if err != nil {
+		return nil, DiffStats{}, fmt.Errorf("encode layer: %w", err)
+	}
+	defer x.Abort()
+	st, err := writeDiff(ctx, x, entries, maxData)
+	if err != nil {
+		return nil, st, err
+	}
+	wr, err := x.Close()
+	if err != nil {
+		return nil, st, fmt.Errorf("encode layer: %w", err)
+	}
+	if f != nil {
+		if err := f.Close(); err != nil {
+			return nil, st, err
+		}
+	}
+	return &blob{
+		path:   path,
+		desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: wr.Digest, Size: wr.Size, Annotations: wr.Annotations()},
+		diffID: wr.DiffID,
+		toc:    wr.TOCDigest,
+	}, st, nil
 }
 
 // squashLayers merges the parent's snapshot layers (read from the
