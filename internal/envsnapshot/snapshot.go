@@ -19,6 +19,8 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/containerd/platforms"
@@ -200,12 +202,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			os.RemoveAll(tmp)
 		}
 	}()
-	tree, err := readUpper(ctx, src, o, res)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", id, err)
-	}
-	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which reading %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
-
 	parentDiffs := len(src.manifest.Layers) - src.base
 	layout := Decide(parentDiffs, o.MaxDepth)
 	first := layout
@@ -224,8 +220,10 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: push %s: %w", id, target, err)
 	}
-	// The base layers are linked while the diff is encoded: both only
-	// add blobs, which nothing refers to before the manifest.
+	// The base layers are linked and the diff layer's upload session is
+	// opened while the writable layer is read: both only add blobs (or
+	// an upload session the registry expires), which nothing refers to
+	// before the manifest.
 	var links errgroup.Group
 	links.Go(func() error {
 		n, err := linkLayers(ctx, pusher, src.manifest.Layers[:src.base+first.Keep], src.imageRef, target)
@@ -236,12 +234,29 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
 	}
 	var up *blobUpload
-	var sink io.Writer
-	if stream {
-		if up, err = startUpload(ctx, o.Hosts, target, o.UploadChunk); err != nil {
-			_ = links.Wait()
-			return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, err))
+	var upErr error
+	started := make(chan struct{})
+	go func() {
+		defer close(started)
+		if stream {
+			up, upErr = startUpload(ctx, o.Hosts, target, o.UploadChunk)
 		}
+	}()
+	tree, err := readUpper(ctx, src, o, res)
+	<-started
+	if err != nil || upErr != nil {
+		if up != nil {
+			up.Abort()
+		}
+		_ = links.Wait()
+		if err != nil {
+			return nil, fmt.Errorf("snapshot %s: %w", id, err)
+		}
+		return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, upErr))
+	}
+	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which reading %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
+	var sink io.Writer
+	if up != nil {
 		sink = up
 	}
 	t := time.Now()
@@ -434,36 +449,57 @@ func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*s
 		return nil, fmt.Errorf("container %s has no snapshot or no image: %w", id, errdefs.ErrFailedPrecondition)
 	}
 	src := &source{id: id, imageRef: info.Image, container: ctr}
-	mounts, err := c.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: mounts of snapshot %s: %w", id, info.SnapshotKey, err)
-	}
-	if src.upper, err = writableDir(mounts); err != nil {
-		return nil, fmt.Errorf("container %s: %w", id, err)
-	}
-	img, err := c.ImageService().Get(ctx, info.Image)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
-	}
-	cs := c.ContentStore()
-	if src.desc, err = manifestDesc(ctx, cs, img.Target, o.Platform); err != nil {
-		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
-	}
-	if err := readJSON(ctx, cs, src.desc, &src.manifest); err != nil {
-		return nil, fmt.Errorf("container %s: manifest of %s: %w", id, info.Image, err)
-	}
-	if err := readJSON(ctx, cs, src.manifest.Config, &src.config); err != nil {
-		return nil, fmt.Errorf("container %s: config of %s: %w", id, info.Image, err)
-	}
-	if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
-		return nil, fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
+	// The look-ups below are independent round trips to containerd.
+	var g errgroup.Group
+	g.Go(func() error {
+		mounts, err := c.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
+		if err != nil {
+			return fmt.Errorf("container %s: mounts of snapshot %s: %w", id, info.SnapshotKey, err)
+		}
+		if src.upper, err = writableDir(mounts); err != nil {
+			return fmt.Errorf("container %s: %w", id, err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		img, err := c.ImageService().Get(ctx, info.Image)
+		if err != nil {
+			return fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+		}
+		cs := c.ContentStore()
+		if src.desc, err = manifestDesc(ctx, cs, img.Target, o.Platform); err != nil {
+			return fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+		}
+		if err := readJSON(ctx, cs, src.desc, &src.manifest); err != nil {
+			return fmt.Errorf("container %s: manifest of %s: %w", id, info.Image, err)
+		}
+		if err := readJSON(ctx, cs, src.manifest.Config, &src.config); err != nil {
+			return fmt.Errorf("container %s: config of %s: %w", id, info.Image, err)
+		}
+		if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
+			return fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
+		}
+		return nil
+	})
+	var sinfo snapshots.Info
+	g.Go(func() (err error) {
+		if sinfo, err = c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey); err != nil {
+			return fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
+		}
+		return nil
+	})
+	var spec *oci.Spec
+	g.Go(func() (err error) {
+		if spec, err = ctr.Spec(ctx); err != nil {
+			return fmt.Errorf("container %s: spec: %w", id, err)
+		}
+		return nil
+	})
+	if err := g.Wait(); err != nil {
+		return nil, err
 	}
 	// The diff is only meaningful on the layers the container runs on:
 	// if the image name now points at other content, say so.
-	sinfo, err := c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
-	}
 	if chain := identity.ChainID(src.config.RootFS.DiffIDs).String(); sinfo.Parent != chain {
 		return nil, fmt.Errorf("container %s runs on snapshot %s, but image %s now has layers %s (the name was moved since the container was created): %w",
 			id, sinfo.Parent, info.Image, chain, errdefs.ErrFailedPrecondition)
@@ -475,10 +511,6 @@ func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*s
 			return nil, fmt.Errorf("container %s: image %s: bad %s annotation %q", id, info.Image, AnnotationBaseLayers, v)
 		}
 		src.base = n
-	}
-	spec, err := ctr.Spec(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: spec: %w", id, err)
 	}
 	src.env, src.cwd = src.config.Config.Env, src.config.Config.WorkingDir
 	if spec.Process != nil {
