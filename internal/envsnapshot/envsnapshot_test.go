@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -552,5 +553,28 @@ func TestUpperTarRefusesLowerState(t *testing.T) {
 		if _, err := capture(upper, nil, nil, 0); err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
 			t.Errorf("%s, read into memory: err %v, want a refusal", attr, err)
 		}
+	}
+}
+
+// TestReadContentShrunk: a file truncated between its lstat and its read
+// is reported as such (the pre-copy then leaves it to the frozen pass),
+// never padded or cut to fit.
+func TestReadContentShrunk(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, bytes.Repeat([]byte("x"), 10000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var sys syscall.Stat_t
+	if err := syscall.Lstat(p, &sys); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := readContent(p, &sys); err != nil || c.bytes() != 10000 {
+		t.Fatalf("read %v, err %v; want 10000 bytes", c, err)
+	}
+	if err := os.Truncate(p, 100); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readContent(p, &sys); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("file shrunk since its stat: err %v, want io.ErrUnexpectedEOF", err)
 	}
 }
