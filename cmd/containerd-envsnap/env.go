@@ -96,6 +96,9 @@ func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
 	fmt.Printf("pre-copied %s while running; frozen %s (%s; reading %s: %d files read frozen, %d taken from the pre-copy), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
 		res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Freezer, res.Copy.Round(time.Microsecond), res.FilesCopied, res.FilesReused, res.Diff.Entries, res.Diff.Whiteouts, res.Diff.Opaque, res.Diff.DataBytes,
 		res.Layer.Size, res.UploadedBytes, res.LayersLinked, res.Depth)
+	if res.EncodedEarly {
+		fmt.Printf(" (the layer was encoded while the pre-copy was read: nothing changed before the freeze)")
+	}
 	if res.Squashed > 0 {
 		fmt.Printf(" (squashed %d earlier snapshot layers)", res.Squashed)
 	}

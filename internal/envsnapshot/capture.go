@@ -2,10 +2,12 @@ package envsnapshot
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	iofs "io/fs"
+	"maps"
 	"os"
 	"path"
 	"path/filepath"
@@ -185,29 +187,55 @@ func tooLarge(maxData int64) error {
 	return fmt.Errorf("%w: over %d bytes of file data: %w", ErrDiffTooLarge, maxData, errdefs.ErrResourceExhausted)
 }
 
-// precopy reads the regular files (with one name) of upper into memory
-// while the container still runs, with their xattrs, recording what
-// lstat said of each before they were read, so that capture, frozen,
-// keeps the unchanged ones instead of reading them again. It reads
-// nothing else: the frozen pass reads directories, links, symlinks and
-// devices, which hold no data. Entries that vanish while it walks are
-// skipped. More than maxData bytes of file data (0: no cap), all names
-// counted, fail with ErrDiffTooLarge before anything is frozen; any other
-// error makes the caller read everything while frozen.
+// precopy reads the regular files of upper into memory while the
+// container still runs, with their xattrs, recording what lstat said of
+// each before they were read, so that capture, frozen, keeps the
+// unchanged ones (with one name) instead of reading them again. Entries
+// that vanish while it walks are skipped. More than maxData bytes of file
+// data (0: no cap), all names counted, fail with ErrDiffTooLarge before
+// anything is frozen; any other error makes the caller read everything
+// while frozen.
 func precopy(upper string, maxData int64) (*precopied, error) {
-	out := &precopied{start: time.Now(), files: map[string]*preFile{}}
-	var mu sync.Mutex
-	var g errgroup.Group
-	g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
+	s, err := startPrecopy(upper, maxData)
+	if err != nil {
+		return nil, err
+	}
+	return s.wait()
+}
+
+// speculation is a pre-copy seen as a whole diff: every entry of the
+// upper directory as the walk found it, in diff order, the data of a
+// regular file arriving when its read finishes (ready). It is the diff
+// of one state of the upper only if nothing changed while it was read,
+// which only the frozen pass can tell (sameDiff); until then it lets the
+// layer be encoded while the files are still being read.
+type speculation struct {
+	upper   string
+	entries []*upperEntry
+	pre     *precopied
+	g       errgroup.Group
+	mu      sync.Mutex
+	// broken: an entry could not be read as walked (gone, truncated,
+	// replaced): the entries are not a diff of any one state.
+	broken bool
+}
+
+// startPrecopy walks upper, queues the reads of its regular files and
+// returns once the walk is done, with the reads running; wait returns
+// the pre-copy when they are done.
+func startPrecopy(upper string, maxData int64) (*speculation, error) {
+	s := &speculation{upper: upper, pre: &precopied{start: time.Now(), files: map[string]*preFile{}}}
+	s.g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
 	var total int64
 	err := filepath.WalkDir(upper, func(p string, d iofs.DirEntry, err error) error {
 		if err != nil {
 			if errors.Is(err, iofs.ErrNotExist) {
+				s.broken = true
 				return nil
 			}
 			return err
 		}
-		if !d.Type().IsRegular() {
+		if p == upper {
 			return nil
 		}
 		rel, err := filepath.Rel(upper, p)
@@ -217,49 +245,130 @@ func precopy(upper string, maxData int64) (*precopied, error) {
 		fi, err := os.Lstat(p)
 		if err != nil {
 			if errors.Is(err, iofs.ErrNotExist) {
+				s.broken = true
 				return nil
 			}
 			return fmt.Errorf("stat %s: %w", rel, err)
 		}
-		st, ok := fi.Sys().(*syscall.Stat_t)
-		if !ok || !fi.Mode().IsRegular() {
+		if !fi.Mode().IsRegular() {
+			e, err := describeEntry(p, rel, fi)
+			if err != nil {
+				// Read again, frozen, where it is an error if it still
+				// is one.
+				s.broken = true
+				return nil
+			}
+			if e != nil {
+				s.entries = append(s.entries, e)
+			}
 			return nil
 		}
+		st := fi.Sys().(*syscall.Stat_t)
 		total += st.Size
 		if maxData > 0 && total > maxData {
 			return tooLarge(maxData)
 		}
-		if st.Nlink != 1 {
-			return nil
-		}
-		g.Go(func() error {
-			f := &preFile{st: *st}
+		e := &upperEntry{rel: rel, fi: fi, ready: make(chan struct{})}
+		s.entries = append(s.entries, e)
+		s.g.Go(func() error {
+			defer close(e.ready)
 			var err error
-			if f.xattrs, _, err = readXattrs(p); err == nil {
-				f.data, err = readContent(p, st)
+			if e.xattrs, _, err = readXattrs(p); err == nil {
+				e.data, err = readContent(p, st)
 			}
 			if errors.Is(err, iofs.ErrNotExist) || errors.Is(err, unix.ELOOP) || errors.Is(err, io.ErrUnexpectedEOF) {
 				// Gone, replaced by a symlink, or truncated while read:
 				// it changed, and is read frozen.
+				e.readErr = errStale
+				s.mu.Lock()
+				s.broken = true
+				s.mu.Unlock()
 				return nil
 			}
 			if err != nil {
+				e.readErr = err
 				return fmt.Errorf("%s: %w", filepath.ToSlash(rel), err)
 			}
-			mu.Lock()
-			out.files[rel] = f
-			mu.Unlock()
+			if st.Nlink == 1 {
+				s.mu.Lock()
+				s.pre.files[rel] = &preFile{st: *st, xattrs: e.xattrs, data: e.data}
+				s.mu.Unlock()
+			}
 			return nil
 		})
 		return nil
 	})
-	if werr := g.Wait(); err == nil {
-		err = werr
-	}
 	if err != nil {
+		_ = s.g.Wait()
 		return nil, fmt.Errorf("pre-copy upper %s: %w", upper, err)
 	}
-	return out, nil
+	sortEntries(s.entries)
+	return s, nil
+}
+
+// errStale marks an entry a speculation could not read as walked.
+var errStale = errors.New("changed while the pre-copy read it")
+
+// wait waits for the pre-copy's reads.
+func (s *speculation) wait() (*precopied, error) {
+	if err := s.g.Wait(); err != nil {
+		return nil, fmt.Errorf("pre-copy upper %s: %w", s.upper, err)
+	}
+	return s.pre, nil
+}
+
+// holds reports whether the speculation's entries, once read, are
+// exactly the diff of the frozen state read as frozen, so that the layer
+// encoded from them is the layer of frozen. Only the fields a diff
+// writes are compared; a regular file's data is compared by identity
+// (frozen kept the pre-copy's, which the ctime rule vouches for) or, if
+// read again, byte for byte.
+func (s *speculation) holds(frozen *captured) bool {
+	if _, err := s.wait(); err != nil || s.broken || len(s.entries) != len(frozen.entries) {
+		return false
+	}
+	for i, a := range s.entries {
+		if !sameEntry(a, frozen.entries[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+func sameEntry(a, b *upperEntry) bool {
+	if a.rel != b.rel || a.link != b.link || a.opaque != b.opaque || !maps.Equal(a.xattrs, b.xattrs) {
+		return false
+	}
+	x, y := a.fi.Sys().(*syscall.Stat_t), b.fi.Sys().(*syscall.Stat_t)
+	if a.fi.Mode() != b.fi.Mode() || !a.fi.ModTime().Equal(b.fi.ModTime()) || x.Size != y.Size ||
+		x.Uid != y.Uid || x.Gid != y.Gid || x.Rdev != y.Rdev {
+		return false
+	}
+	if !a.fi.Mode().IsRegular() {
+		return true
+	}
+	// Hard links are written as links to the first name of their inode.
+	if (x.Nlink > 1) != (y.Nlink > 1) || x.Nlink > 1 && (x.Dev != y.Dev || x.Ino != y.Ino) {
+		return false
+	}
+	if a.data == b.data {
+		return a.data != nil
+	}
+	if a.data == nil || b.data == nil || a.data.size != b.data.size {
+		return false
+	}
+	return bytes.Equal(a.data.flat(), b.data.flat())
+}
+
+// flat is c's bytes, holes included; only for comparing files read
+// twice (hard links, files a pre-copy could not vouch for).
+func (c *fileData) flat() []byte {
+	if len(c.ext) == 1 && c.ext[0].off == 0 && int64(len(c.ext[0].b)) == c.size {
+		return c.ext[0].b
+	}
+	var b bytes.Buffer
+	_ = c.writeTo(&b, c.size)
+	return b.Bytes()
 }
 
 // captured is an upper directory read into memory: its entries, in the

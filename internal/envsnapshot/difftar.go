@@ -91,6 +91,10 @@ type upperEntry struct {
 	// capture), else read from path as the diff is written.
 	data *fileData
 	path string
+	// ready, when set, is closed once data (or readErr) is in place: the
+	// entry's read may still be running (see speculation).
+	ready   chan struct{}
+	readErr error
 }
 
 // scanUpper lists dir's entries in lexical order with what a diff needs
@@ -176,6 +180,12 @@ func writeDiff(ctx context.Context, tw tarSink, entries []*upperEntry, maxData i
 			return st, err
 		}
 		name := filepath.ToSlash(e.rel)
+		if e.ready != nil {
+			<-e.ready
+			if e.readErr != nil {
+				return st, fmt.Errorf("read %s: %w", name, e.readErr)
+			}
+		}
 		fi := e.fi
 		sys, ok := fi.Sys().(*syscall.Stat_t)
 		if !ok {

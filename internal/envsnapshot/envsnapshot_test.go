@@ -578,3 +578,96 @@ func TestReadContentShrunk(t *testing.T) {
 		t.Errorf("file shrunk since its stat: err %v, want io.ErrUnexpectedEOF", err)
 	}
 }
+
+// TestSpeculation: the layer encoded from a pre-copy while it is read is
+// kept only when the frozen read gives the same diff: never after a file
+// changed since its pre-copy (same size and mtime, only ctime moved), a
+// file was added, or a directory's xattrs changed.
+func TestSpeculation(t *testing.T) {
+	requireRoot(t)
+	upper := t.TempDir()
+	write := func(name, data string) {
+		t.Helper()
+		p := filepath.Join(upper, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("a/one", "one")
+	write("a/two", strings.Repeat("two", 1000))
+	write("b/three", "three")
+	if err := os.Link(filepath.Join(upper, "a/one"), filepath.Join(upper, "b/one-link")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("../a/two", filepath.Join(upper, "b/sym")); err != nil {
+		t.Fatal(err)
+	}
+	layer := func(entries []*upperEntry) *blob {
+		t.Helper()
+		b, _, err := encodeDiff(context.Background(), "", io.Discard, entries, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	// round pre-copies (as if long after the files were written), lets
+	// change run, reads frozen, and reports whether the speculation held;
+	// the layer it would push must then be the frozen read's.
+	round := func(change func()) bool {
+		t.Helper()
+		s, err := startPrecopy(upper, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pre, err := s.wait()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pre.start = pre.start.Add(2 * precopySlack)
+		change()
+		frozen, err := capture(upper, pre, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held := s.holds(frozen)
+		spec, want := layer(s.entries), layer(frozen.entries)
+		if held && spec.desc.Digest != want.desc.Digest {
+			t.Fatalf("speculation held, but its layer %s is not the frozen read's %s", spec.desc.Digest, want.desc.Digest)
+		}
+		if !held && spec.desc.Digest == want.desc.Digest {
+			t.Errorf("speculation refused though its layer is the frozen read's")
+		}
+		return held
+	}
+	if !round(func() {}) {
+		t.Error("nothing changed, hard link and symlink included: the speculation did not hold")
+	}
+	p := filepath.Join(upper, "a/two")
+	fi, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if round(func() {
+		if err := os.WriteFile(p, []byte(strings.Repeat("TWO", 1000)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(p, fi.ModTime(), fi.ModTime()); err != nil {
+			t.Fatal(err)
+		}
+	}) {
+		t.Error("a file overwritten after its pre-copy (same size and mtime): the speculation held, with the stale data")
+	}
+	if round(func() { write("b/new", "new") }) {
+		t.Error("a file added after the pre-copy: the speculation held")
+	}
+	if round(func() {
+		if err := unix.Lsetxattr(filepath.Join(upper, "a"), "user.k", []byte("v"), 0); err != nil {
+			t.Fatal(err)
+		}
+	}) {
+		t.Error("a directory's xattr set after the pre-copy: the speculation held")
+	}
+}

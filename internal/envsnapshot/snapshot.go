@@ -128,6 +128,11 @@ type Result struct {
 	// limit: the squash then runs in the background (see Decide); Wait
 	// for it before the process exits.
 	Squash *Squashing
+	// EncodedEarly is set when the layer encoded (and streamed) from the
+	// pre-copy while it was read turned out to be the frozen state's
+	// diff: nothing was encoded after the thaw, and Encode is the wait
+	// for that encode to finish.
+	EncodedEarly bool
 	// Encode is the time spent writing the diff as an envsnap layer,
 	// which is uploaded as it is written (unless it is squashed first or
 	// UploadChunk is negative) while the base layers are linked; Push the
@@ -242,9 +247,45 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			up, upErr = startUpload(ctx, o.Hosts, target, o.UploadChunk)
 		}
 	}()
-	tree, err := readUpper(ctx, src, o, res)
+	// The layer is encoded and streamed from the pre-copy while its
+	// files are still being read, on the bet that the frozen read finds
+	// nothing changed; it is kept only if the frozen read gives exactly
+	// the same diff, else it is dropped with its upload session and the
+	// frozen read is encoded.
+	specCtx, cancelSpec := context.WithCancel(ctx)
+	defer cancelSpec()
+	var (
+		speculating bool
+		specDone    = make(chan struct{})
+		specBlob    *blob
+		specStats   DiffStats
+		specErr     error
+	)
+	speculate := func(s *speculation) {
+		if !stream {
+			return
+		}
+		speculating = true
+		go func() {
+			defer close(specDone)
+			<-started
+			if up == nil {
+				return
+			}
+			specBlob, specStats, specErr = encodeDiff(specCtx, "", up, s.entries, o.MaxDiffSize)
+		}()
+	}
+	dropSpec := func() {
+		if speculating {
+			cancelSpec()
+			<-specDone
+			speculating = false
+		}
+	}
+	tree, spec, err := readUpper(ctx, src, o, res, speculate)
 	<-started
 	if err != nil || upErr != nil {
+		dropSpec()
 		if up != nil {
 			up.Abort()
 		}
@@ -255,20 +296,34 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, upErr))
 	}
 	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which reading %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
-	var sink io.Writer
-	if up != nil {
-		sink = up
-	}
 	t := time.Now()
-	var entries []*upperEntry
-	if tree != nil {
-		entries = tree.entries
-	} else {
-		entries, err = scanUpper(ctx, src.upper) // read in place
-	}
 	var diff *blob
-	if err == nil {
-		diff, res.Diff, err = encodeDiff(ctx, diffPath, sink, entries, o.MaxDiffSize)
+	if speculating && spec.holds(tree) {
+		<-specDone
+		diff, res.Diff, err = specBlob, specStats, specErr
+		res.EncodedEarly = true
+	} else {
+		if speculating {
+			dropSpec()
+			up.Abort()
+			if up, err = startUpload(ctx, o.Hosts, target, o.UploadChunk); err != nil {
+				_ = links.Wait()
+				return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, err))
+			}
+		}
+		var sink io.Writer
+		if up != nil {
+			sink = up
+		}
+		var entries []*upperEntry
+		if tree != nil {
+			entries = tree.entries
+		} else {
+			entries, err = scanUpper(ctx, src.upper) // read in place
+		}
+		if err == nil {
+			diff, res.Diff, err = encodeDiff(ctx, diffPath, sink, entries, o.MaxDiffSize)
+		}
 	}
 	if err != nil {
 		if up != nil {
@@ -579,21 +634,25 @@ func writableDir(mounts []mount.Mount) (string, error) {
 // read again along with everything that is not a regular file, and the
 // cgroup is thawed, also when anything failed. A container without a
 // running task is read in place as the diff is written: it returns nil.
-func readUpper(ctx context.Context, src *source, o Options, res *Result) (*captured, error) {
+//
+// speculate, if set, is handed the pre-copy as soon as its walk is done,
+// its reads still running (see speculation); the speculation is returned
+// with the frozen read, for the caller to check.
+func readUpper(ctx context.Context, src *source, o Options, res *Result, speculate func(*speculation)) (tree *captured, spec *speculation, err error) {
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("task: %w", err)
+		return nil, nil, fmt.Errorf("task: %w", err)
 	}
 	status, err := task.Status(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("task status: %w", err)
+		return nil, nil, fmt.Errorf("task status: %w", err)
 	}
 	if status.Status != client.Running && status.Status != client.Paused {
 		// Created (never started) or stopped: nothing writes.
-		return nil, nil
+		return nil, nil, nil
 	}
 	read := func(pre *precopied, dirty *mapped) (*captured, error) {
 		t := time.Now()
@@ -606,13 +665,21 @@ func readUpper(ctx context.Context, src *source, o Options, res *Result) (*captu
 	}
 	if status.Status == client.Paused {
 		// Frozen by someone else, who also decides when it thaws.
-		return read(nil, nil)
+		tree, err := read(nil, nil)
+		return tree, nil, err
 	}
 	t := time.Now()
-	pre, err := precopy(src.upper, o.MaxDiffSize)
+	spec, err = startPrecopy(src.upper, o.MaxDiffSize)
+	var pre *precopied
+	if err == nil {
+		if speculate != nil {
+			speculate(spec)
+		}
+		pre, err = spec.wait()
+	}
 	res.Precopy = time.Since(t)
 	if errors.Is(err, ErrDiffTooLarge) {
-		return nil, err
+		return nil, spec, err
 	}
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; reading all of it while frozen")
@@ -621,7 +688,7 @@ func readUpper(ctx context.Context, src *source, o Options, res *Result) (*captu
 	t0 := time.Now()
 	fz, err := freeze(ctx, task, res)
 	if err != nil {
-		return nil, err
+		return nil, spec, err
 	}
 	tree, serr := func() (*captured, error) {
 		pids, err := fz.pids()
@@ -637,12 +704,12 @@ func readUpper(ctx context.Context, src *source, o Options, res *Result) (*captu
 	rerr := fz.thaw()
 	res.Frozen = time.Since(t0)
 	if rerr != nil {
-		return nil, rerr
+		return nil, spec, rerr
 	}
 	if serr != nil {
-		return nil, serr
+		return nil, spec, serr
 	}
-	return tree, nil
+	return tree, spec, nil
 }
 
 // frozen is a task frozen by freeze.

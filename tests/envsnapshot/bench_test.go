@@ -80,8 +80,8 @@ func TestBenchSnapshot(t *testing.T) {
 		snapWall, snapFreeze, snapBytes = append(snapWall, res.Duration), append(snapFreeze, res.Frozen), res.UploadedBytes
 		snapCopy = append(snapCopy, res.Copy)
 		snapPre, snapEncode, snapPush = append(snapPre, res.Precopy), append(snapEncode, res.Encode), append(snapPush, res.Push)
-		t.Logf("envsnap round %d: pre-copy %s, frozen %s by %s (reading %s: %d files read frozen, %d from the pre-copy), encode %s, push %s, wall %s, diff %d data bytes -> %d-byte layer, uploaded %d",
-			i, res.Precopy, res.Frozen, res.Freezer, res.Copy, res.FilesCopied, res.FilesReused, res.Encode, res.Push, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
+		t.Logf("envsnap round %d: pre-copy %s, frozen %s by %s (reading %s: %d files read frozen, %d from the pre-copy), encode %s (encoded early: %v), push %s, wall %s, diff %d data bytes -> %d-byte layer, uploaded %d",
+			i, res.Precopy, res.Frozen, res.Freezer, res.Copy, res.FilesCopied, res.FilesReused, res.Encode, res.EncodedEarly, res.Push, res.Duration, res.Diff.DataBytes, res.Layer.Size, res.UploadedBytes)
 
 		// The same snapshot without streaming: the layer is written to a
 		// file, then pushed.
