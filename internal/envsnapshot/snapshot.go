@@ -272,7 +272,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			if up == nil {
 				return
 			}
-			specBlob, specStats, specErr = encodeDiff(specCtx, "", up, s.entries, o.MaxDiffSize)
+			specBlob, specStats, specErr = encodeDiff(specCtx, diffPath, up, s.entries, o.MaxDiffSize)
 		}()
 	}
 	dropSpec := func() {
