@@ -121,6 +121,54 @@ func (r *WriteResult) Annotations() map[string]string {
 // devices and FIFOs (PAX global headers are kept in the tar but not in the
 // TOC).
 func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...WriteOption) (*WriteResult, error) {
+	x, err := NewWriter(dst, opts...)
+	if err != nil {
+		return nil, err
+	}
+	defer x.Abort()
+	tr := tar.NewReader(tarStream)
+	for n := 0; ; n++ {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		hdr, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read tar entry %d: %w", n, err)
+		}
+		if err := x.WriteHeader(hdr); err != nil {
+			return nil, err
+		}
+		if x.left > 0 {
+			if _, err := io.CopyN(x, tr, x.left); err != nil {
+				return nil, fmt.Errorf("copy %q: %w", hdr.Name, err)
+			}
+		}
+	}
+	return x.Close()
+}
+
+// Writer encodes a layer from tar entries handed to it one by one, as
+// Convert does from a tar stream, for a caller that has the entries and
+// would otherwise serialise them only for Convert to parse them again.
+// The same entries give the same blob as Convert of their tar. A Writer
+// is not safe for concurrent use; after an error only Abort is useful.
+type Writer struct {
+	w    *convWriter
+	bw   *bufio.Writer
+	tw   *tar.Writer
+	n    int
+	name string
+	left int64 // data bytes the current entry still expects
+	enc  *zstd.Encoder
+	done bool
+}
+
+// NewWriter starts a layer written to dst. Close finishes it; Abort
+// releases it after a failure.
+func NewWriter(dst io.Writer, opts ...WriteOption) (*Writer, error) {
 	o := writeOptions{chunkSize: DefaultChunkSize, level: DefaultCompressionLevel}
 	for _, opt := range opts {
 		opt(&o)
@@ -129,7 +177,6 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 	if err != nil {
 		return nil, err
 	}
-
 	bw := bufio.NewWriterSize(dst, 256<<10)
 	w := &convWriter{
 		cur:      make([]byte, 0, o.chunkSize+tarBlock),
@@ -143,39 +190,70 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 	w.root = &node{typ: TypeDir, mode: 0o755, implicit: true}
 	w.nodes["."] = w.root
 	w.startPipeline(runtime.GOMAXPROCS(0))
-	defer w.stopPipeline()
-	tw := tar.NewWriter(w)
-	tr := tar.NewReader(tarStream)
-	for n := 0; ; n++ {
-		if err := ctx.Err(); err != nil {
-			return nil, err
-		}
-		hdr, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return nil, fmt.Errorf("read tar entry %d: %w", n, err)
-		}
-		canon, nd, err := w.addHeader(hdr)
-		if err != nil {
-			return nil, fmt.Errorf("tar entry %d %q: %w", n, hdr.Name, err)
-		}
-		w.fileNode = nil
-		if err := tw.WriteHeader(canon); err != nil {
-			return nil, fmt.Errorf("write tar header %q: %w", hdr.Name, err)
-		}
-		if nd != nil && canon.Size > 0 {
-			if err := w.startFile(nd, canon.Size); err != nil {
-				return nil, err
-			}
-			if _, err := io.CopyN(tw, tr, canon.Size); err != nil {
-				return nil, fmt.Errorf("copy %q: %w", hdr.Name, err)
-			}
-			w.fileNode = nil
-		}
+	return &Writer{w: w, bw: bw, tw: tar.NewWriter(w), enc: enc}, nil
+}
+
+// WriteHeader adds an entry (refused as Convert refuses it); a regular
+// file's hdr.Size bytes of data follow with Write before the next entry.
+func (x *Writer) WriteHeader(hdr *tar.Header) error {
+	if x.left > 0 {
+		return fmt.Errorf("tar entry %d %q: %d bytes of %q missing", x.n, hdr.Name, x.left, x.name)
 	}
-	if err := tw.Close(); err != nil {
+	w := x.w
+	canon, nd, err := w.addHeader(hdr)
+	if err != nil {
+		return fmt.Errorf("tar entry %d %q: %w", x.n, hdr.Name, err)
+	}
+	x.n++
+	w.fileNode = nil
+	if err := x.tw.WriteHeader(canon); err != nil {
+		return fmt.Errorf("write tar header %q: %w", hdr.Name, err)
+	}
+	x.name, x.left = hdr.Name, 0
+	if nd != nil && canon.Size > 0 {
+		if err := w.startFile(nd, canon.Size); err != nil {
+			return err
+		}
+		x.left = canon.Size
+	}
+	return nil
+}
+
+// Write adds data of the current regular file.
+func (x *Writer) Write(p []byte) (int, error) {
+	if int64(len(p)) > x.left {
+		return 0, fmt.Errorf("write %q: %d bytes past its end", x.name, int64(len(p))-x.left)
+	}
+	n, err := x.tw.Write(p)
+	x.left -= int64(n)
+	if x.left == 0 {
+		x.w.fileNode = nil
+	}
+	if err != nil {
+		return n, fmt.Errorf("write %q: %w", x.name, err)
+	}
+	return n, nil
+}
+
+// Abort stops the compression pipeline of a Writer that will not be
+// closed; it does nothing after Close.
+func (x *Writer) Abort() {
+	if !x.done {
+		x.done = true
+		_ = x.w.stopPipeline()
+	}
+}
+
+// Close writes the rest of the layer: the last frame, the TOC and the
+// footer.
+func (x *Writer) Close() (*WriteResult, error) {
+	if x.left > 0 {
+		return nil, fmt.Errorf("%d bytes of %q missing", x.left, x.name)
+	}
+	w, enc := x.w, x.enc
+	x.done = true
+	defer w.stopPipeline()
+	if err := x.tw.Close(); err != nil {
 		return nil, fmt.Errorf("finish tar: %w", err)
 	}
 	if err := w.flushFrame(); err != nil {
@@ -211,7 +289,7 @@ func Convert(ctx context.Context, dst io.Writer, tarStream io.Reader, opts ...Wr
 	if err := w.write(footer{tocOffset: tocOff, tocSize: int64(len(toc)), tocDigest: tocDigest}.marshal()); err != nil {
 		return nil, err
 	}
-	if err := bw.Flush(); err != nil {
+	if err := x.bw.Flush(); err != nil {
 		return nil, fmt.Errorf("write layer blob: %w", err)
 	}
 	return &WriteResult{
@@ -278,6 +356,7 @@ type convWriter struct {
 	pipeDone chan struct{}
 	stopped  bool
 	bufs     sync.Pool
+	outs     sync.Pool // compressed frames, once written
 	errMu    sync.Mutex
 	err      error
 
@@ -408,7 +487,11 @@ func (w *convWriter) startPipeline(workers int) {
 	for range workers {
 		go func() {
 			for job := range jobs {
-				job.out = w.enc.EncodeAll(job.data, make([]byte, 0, len(job.data)/2))
+				// Room for the worst case up front: EncodeAll appends
+				// block by block, and an incompressible frame grown from
+				// a smaller buffer cost more in copies than in
+				// compression.
+				job.out = w.enc.EncodeAll(job.data, w.getOut(len(job.data)))
 				job.sum = sha256.Sum256(job.out)
 				close(job.done)
 			}
@@ -426,6 +509,7 @@ func (w *convWriter) startPipeline(workers int) {
 				w.frames = append(w.frames, frameRec{off: off, csize: uint32(len(job.out)), size: uint32(len(job.data)), sum: job.sum})
 			}
 			w.putBuf(job.data)
+			w.outs.Put(&job.out)
 		}
 	}()
 }
@@ -461,6 +545,16 @@ func (w *convWriter) getBuf() []byte {
 		return (*b)[:0]
 	}
 	return make([]byte, 0, w.chunkCap+tarBlock)
+}
+
+// getOut returns an empty buffer that holds the compressed form of n
+// bytes without growing.
+func (w *convWriter) getOut(n int) []byte {
+	need := w.enc.MaxEncodedSize(n)
+	if b, ok := w.outs.Get().(*[]byte); ok && cap(*b) >= need {
+		return (*b)[:0]
+	}
+	return make([]byte, 0, w.enc.MaxEncodedSize(max(n, w.chunkCap+tarBlock)))
 }
 
 func (w *convWriter) putBuf(b []byte) {

@@ -37,7 +37,6 @@ var envCommand = &cli.Command{
 			&cli.StringFlag{Name: "push", Required: true, Usage: "reference to push the snapshot image to"},
 			&cli.StringFlag{Name: "max-diff-size", Value: units.BytesSize(envsnapshot.DefaultMaxDiffSize), Usage: "refuse a diff with more file data than this (e.g. 512MiB; 0: no cap)"},
 			&cli.IntFlag{Name: "max-depth", Value: envsnapshot.DefaultMaxDepth, Usage: "snapshot layers above the original image before they are squashed into one"},
-			&cli.StringFlag{Name: "staging-dir", Usage: "where the frozen container's writable layer is copied (default /dev/shm if tmpfs)"},
 		), registryFlags()...),
 		Action: runEnvSnapshot,
 	}, {
@@ -88,16 +87,18 @@ func runEnvSnapshot(ctx context.Context, c *cli.Command) error {
 		Snapshotter: c.String("snapshotter"),
 		MaxDiffSize: maxSize,
 		MaxDepth:    int(c.Int("max-depth")),
-		StagingDir:  c.String("staging-dir"),
 		Log:         os.Stderr,
 	})
 	if err != nil {
 		return err
 	}
 	fmt.Printf("%s@%s\n", res.Ref, res.Manifest.Digest)
-	fmt.Printf("pre-copied %s while running; frozen %s (%s; copy %s: %d files copied, %d taken from the pre-copy), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
+	fmt.Printf("pre-copied %s while running; frozen %s (%s; reading %s: %d files read frozen, %d taken from the pre-copy), diff %d entries (%d whiteouts, %d opaque dirs), %d data bytes -> layer %d bytes; uploaded %d bytes, %d layers linked; depth %d",
 		res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Freezer, res.Copy.Round(time.Microsecond), res.FilesCopied, res.FilesReused, res.Diff.Entries, res.Diff.Whiteouts, res.Diff.Opaque, res.Diff.DataBytes,
 		res.Layer.Size, res.UploadedBytes, res.LayersLinked, res.Depth)
+	if res.EncodedEarly {
+		fmt.Printf(" (the layer was encoded while the pre-copy was read: nothing changed before the freeze)")
+	}
 	if res.Squashed > 0 {
 		fmt.Printf(" (squashed %d earlier snapshot layers)", res.Squashed)
 	}

@@ -58,37 +58,135 @@ type DiffStats struct {
 // upper alone cannot express: such an upper is refused (both features are
 // off unless the kernel or the mount enables them).
 func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) (DiffStats, error) {
-	var st DiffStats
-	var paths []string
+	entries, err := scanUpper(ctx, dir)
+	if err != nil {
+		return DiffStats{}, err
+	}
+	tw := tar.NewWriter(w)
+	st, err := writeDiff(ctx, tw, entries, maxData)
+	if err != nil {
+		return st, err
+	}
+	if err := tw.Close(); err != nil {
+		return st, fmt.Errorf("finish diff tar: %w", err)
+	}
+	return st, nil
+}
+
+// tarSink receives a diff's entries: a tar.Writer, or a layerfmt.Writer
+// that encodes them as they come, with no tar stream to parse again.
+type tarSink interface {
+	WriteHeader(hdr *tar.Header) error
+	Write(p []byte) (int, error)
+}
+
+// upperEntry is one entry of an upper directory as a diff writes it.
+type upperEntry struct {
+	rel    string
+	fi     fs.FileInfo
+	xattrs map[string]string // without overlay's own
+	opaque bool
+	link   string // a symlink's target
+	// A regular file's data: data when it was read into memory (see
+	// capture), else read from path as the diff is written.
+	data *fileData
+	path string
+	// ready, when set, is closed once data (or readErr) is in place: the
+	// entry's read may still be running (see speculation).
+	ready   chan struct{}
+	readErr error
+}
+
+// scanUpper lists dir's entries in lexical order with what a diff needs
+// of each but the data of regular files.
+func scanUpper(ctx context.Context, dir string) ([]*upperEntry, error) {
+	var entries []*upperEntry
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
-		if p != dir {
-			paths = append(paths, p)
-		}
-		return nil
-	})
-	if err != nil {
-		return st, fmt.Errorf("walk %s: %w", dir, err)
-	}
-	sort.Strings(paths)
-	tw := tar.NewWriter(w)
-	type inode struct{ dev, ino uint64 }
-	links := map[inode]string{}
-	for _, p := range paths {
 		if err := ctx.Err(); err != nil {
-			return st, err
+			return err
+		}
+		if p == dir {
+			return nil
 		}
 		rel, err := filepath.Rel(dir, p)
 		if err != nil {
-			return st, err
+			return err
 		}
-		name := filepath.ToSlash(rel)
 		fi, err := os.Lstat(p)
 		if err != nil {
-			return st, fmt.Errorf("stat %s: %w", name, err)
+			return fmt.Errorf("stat %s: %w", rel, err)
 		}
+		e, err := describeEntry(p, rel, fi)
+		if err != nil || e == nil {
+			return err
+		}
+		e.path = p
+		entries = append(entries, e)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("walk %s: %w", dir, err)
+	}
+	sortEntries(entries)
+	return entries, nil
+}
+
+// describeEntry reads the xattrs and symlink target of the entry at p,
+// stated as fi. It returns nil for what a diff leaves out (sockets).
+func describeEntry(p, rel string, fi fs.FileInfo) (*upperEntry, error) {
+	e := &upperEntry{rel: rel, fi: fi}
+	mode := fi.Mode()
+	switch {
+	case mode&fs.ModeSocket != 0:
+		return nil, nil
+	case isWhiteout(fi):
+		return e, nil
+	}
+	var err error
+	if e.xattrs, e.opaque, err = readXattrs(p); err != nil {
+		return nil, fmt.Errorf("%s: %w", filepath.ToSlash(rel), err)
+	}
+	if mode&fs.ModeSymlink != 0 {
+		if e.link, err = os.Readlink(p); err != nil {
+			return nil, fmt.Errorf("readlink %s: %w", filepath.ToSlash(rel), err)
+		}
+	}
+	return e, nil
+}
+
+// isWhiteout reports whether fi is overlay's whiteout, a character device
+// 0/0.
+func isWhiteout(fi fs.FileInfo) bool {
+	sys, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && fi.Mode()&fs.ModeCharDevice != 0 && sys.Rdev == 0
+}
+
+// sortEntries puts entries in the order a diff lists them.
+func sortEntries(entries []*upperEntry) {
+	sort.Slice(entries, func(i, j int) bool { return entries[i].rel < entries[j].rel })
+}
+
+// writeDiff writes entries (in lexical order) to tw as WriteUpperTar
+// does, and leaves tw open.
+func writeDiff(ctx context.Context, tw tarSink, entries []*upperEntry, maxData int64) (DiffStats, error) {
+	var st DiffStats
+	type inode struct{ dev, ino uint64 }
+	links := map[inode]string{}
+	for _, e := range entries {
+		if err := ctx.Err(); err != nil {
+			return st, err
+		}
+		name := filepath.ToSlash(e.rel)
+		if e.ready != nil {
+			<-e.ready
+			if e.readErr != nil {
+				return st, fmt.Errorf("read %s: %w", name, e.readErr)
+			}
+		}
+		fi := e.fi
 		sys, ok := fi.Sys().(*syscall.Stat_t)
 		if !ok {
 			return st, fmt.Errorf("stat %s: no unix stat", name)
@@ -97,7 +195,7 @@ func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) 
 		if mode&fs.ModeSocket != 0 {
 			continue
 		}
-		if mode&fs.ModeCharDevice != 0 && sys.Rdev == 0 {
+		if isWhiteout(fi) {
 			hdr := whiteoutHeader(path.Join(path.Dir(name), whiteoutPrefix+path.Base(name)))
 			if err := tw.WriteHeader(hdr); err != nil {
 				return st, fmt.Errorf("write whiteout for %s: %w", name, err)
@@ -106,17 +204,7 @@ func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) 
 			st.Whiteouts++
 			continue
 		}
-		xattrs, opaque, err := readXattrs(p)
-		if err != nil {
-			return st, fmt.Errorf("%s: %w", name, err)
-		}
-		var target string
-		if mode&fs.ModeSymlink != 0 {
-			if target, err = os.Readlink(p); err != nil {
-				return st, fmt.Errorf("readlink %s: %w", name, err)
-			}
-		}
-		hdr, err := tarheader.FileInfoHeaderNoLookups(fi, target)
+		hdr, err := tarheader.FileInfoHeaderNoLookups(fi, e.link)
 		if err != nil {
 			return st, fmt.Errorf("tar header for %s: %w", name, err)
 		}
@@ -127,7 +215,7 @@ func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) 
 		hdr.Format = tar.FormatPAX
 		hdr.Uname, hdr.Gname = "", ""
 		hdr.AccessTime, hdr.ChangeTime = time.Time{}, time.Time{}
-		for k, v := range xattrs {
+		for k, v := range e.xattrs {
 			if hdr.PAXRecords == nil {
 				hdr.PAXRecords = map[string]string{}
 			}
@@ -152,20 +240,22 @@ func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) 
 		}
 		st.Entries++
 		if hdr.Typeflag == tar.TypeReg && hdr.Size > 0 {
-			if err := copyFile(tw, p, hdr.Size); err != nil {
+			if e.data != nil {
+				err = e.data.writeTo(tw, hdr.Size)
+			} else {
+				err = copyFile(tw, e.path, hdr.Size)
+			}
+			if err != nil {
 				return st, fmt.Errorf("copy %s: %w", name, err)
 			}
 		}
-		if opaque {
+		if e.opaque {
 			if err := tw.WriteHeader(whiteoutHeader(path.Join(name, whiteoutOpaque))); err != nil {
 				return st, fmt.Errorf("write opaque marker for %s: %w", name, err)
 			}
 			st.Entries++
 			st.Opaque++
 		}
-	}
-	if err := tw.Close(); err != nil {
-		return st, fmt.Errorf("finish diff tar: %w", err)
 	}
 	return st, nil
 }
@@ -180,7 +270,7 @@ func whiteoutHeader(name string) *tar.Header {
 // copyFile copies exactly size bytes of p: a file that changed size since
 // it was stated is an inconsistent source, not something to paper over.
 func copyFile(w io.Writer, p string, size int64) error {
-	f, err := os.Open(p)
+	f, err := openFile(p, unix.O_RDONLY, 0)
 	if err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -248,23 +249,38 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	if diffs := devenv.DiffTrees(want, describe(t, got)); len(diffs) > 0 {
 		t.Fatalf("applied diff differs from the overlay's merged view:\n%s", strings.Join(diffs, "\n"))
 	}
-	// The envsnap encoding keeps it all, and a staged copy reads the same.
+	// The envsnap encoding keeps it all, and the upper read into memory
+	// gives the same bytes.
 	reader(t, diff.Bytes())
-	staged := filepath.Join(t.TempDir(), "staged")
-	if _, err := stage(upper, staged, nil, nil); err != nil {
+	tree, err := capture(upper, nil, nil, 0)
+	if err != nil {
 		t.Fatal(err)
 	}
-	var diff2 bytes.Buffer
-	if _, err := WriteUpperTar(context.Background(), &diff2, staged, 0); err != nil {
+	if !bytes.Equal(diff.Bytes(), diffTar(t, tree.entries)) {
+		t.Error("the upper directory read into memory gives another diff than the upper itself")
+	}
+	// Encoded straight from the entries, the layer is the one Convert
+	// makes of the diff's tar.
+	var layer bytes.Buffer
+	conv, err := layerfmt.Convert(context.Background(), &layer, bytes.NewReader(diff.Bytes()))
+	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(diff.Bytes(), diff2.Bytes()) {
-		t.Error("the staged copy of the upper directory gives another diff than the upper itself")
+	var direct bytes.Buffer
+	enc, _, err := encodeDiff(context.Background(), "", &direct, tree.entries, 0)
+	if err != nil {
+		t.Fatal(err)
 	}
-	var sp unix.Stat_t
-	must(unix.Stat(filepath.Join(staged, "sparse"), &sp))
-	if sp.Size != 8<<20+3 || sp.Blocks*512 > 1<<20 {
-		t.Errorf("staged sparse file: %d bytes in %d blocks; want its holes kept", sp.Size, sp.Blocks)
+	if enc.desc.Digest != conv.Digest || enc.diffID != conv.DiffID || !bytes.Equal(layer.Bytes(), direct.Bytes()) {
+		t.Errorf("layer encoded from the entries: %s (diffID %s), want %s (diffID %s) as Convert of the diff", enc.desc.Digest, enc.diffID, conv.Digest, conv.DiffID)
+	}
+	for _, e := range tree.entries {
+		if e.rel == "sparse" && (e.data == nil || e.data.bytes() > 1<<20) {
+			t.Errorf("sparse file held in memory: %+v; want only its data extents", e.data)
+		}
+	}
+	if _, err := capture(upper, nil, nil, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
+		t.Errorf("reading 8 MiB of sparse file under a 1 MiB cap: err %v, want ErrDiffTooLarge", err)
 	}
 
 	if _, err := WriteUpperTar(context.Background(), &bytes.Buffer{}, upper, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
@@ -293,41 +309,41 @@ func TestPrecopy(t *testing.T) {
 	if err := os.Link(filepath.Join(upper, "keep"), filepath.Join(upper, "keep-link")); err != nil {
 		t.Fatal(err)
 	}
-	work := t.TempDir()
-	full := func(name string) []byte {
+	// want is the diff of the upper as it is now, read in place.
+	want := func() []byte {
 		t.Helper()
-		dst := filepath.Join(work, name)
-		if _, err := stage(upper, dst, nil, nil); err != nil {
-			t.Fatal(err)
-		}
 		var b bytes.Buffer
-		if _, err := WriteUpperTar(context.Background(), &b, dst, 0); err != nil {
+		if _, err := WriteUpperTar(context.Background(), &b, upper, 0); err != nil {
 			t.Fatal(err)
 		}
 		return b.Bytes()
 	}
+	diffOf := func(tree *captured) []byte { return diffTar(t, tree.entries) }
 
 	// Everything was written just now: nothing is older than the pre-copy
 	// by precopySlack, so nothing is reused.
-	pre, err := precopy(upper, filepath.Join(work, "pre-fresh"))
+	pre, err := precopy(upper, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := stage(upper, filepath.Join(work, "fresh"), pre, nil)
+	st, err := capture(upper, pre, nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Reused != 0 {
-		t.Errorf("files written %s before the pre-copy were reused: %+v", precopySlack, st)
+		t.Errorf("files written %s before the pre-copy were reused: reused %d, read %d", precopySlack, st.Reused, st.Copied)
+	}
+	if _, err := precopy(upper, 10); !errors.Is(err, ErrDiffTooLarge) {
+		t.Errorf("pre-copy of more than 10 bytes of file data under a 10-byte cap: err %v, want ErrDiffTooLarge", err)
 	}
 
 	// As if the files had been written long before the pre-copy.
-	pre, err = precopy(upper, filepath.Join(work, "pre"))
+	pre, err = precopy(upper, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, ok := pre.files["keep"]; ok {
-		t.Error("the pre-copy copied the data of a file with two names")
+		t.Error("the pre-copy read the data of a file with two names")
 	}
 	pre.start = pre.start.Add(2 * precopySlack)
 	// Changes while the container ran on: an overwrite in place of the
@@ -367,23 +383,36 @@ func TestPrecopy(t *testing.T) {
 	if err := os.Symlink("keep", filepath.Join(upper, "s")); err != nil {
 		t.Fatal(err)
 	}
-	want := full("want")
-	st, err = stage(upper, filepath.Join(work, "got"), pre, nil)
+	st, err = capture(upper, pre, nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Reused != 1 || st.Copied != 7 {
-		t.Errorf("reused %d and copied %d files, want 1 (d/keep2) and 7", st.Reused, st.Copied)
+		t.Errorf("reused %d and read %d files, want 1 (d/keep2) and 7", st.Reused, st.Copied)
 	}
-	if st.dir != pre.dir {
-		t.Errorf("the update went to %s, not to the pre-copy %s", st.dir, pre.dir)
+	got := diffOf(st)
+	if !bytes.Equal(want(), got) {
+		t.Error("the upper read from a pre-copy brought up to date differs from the upper read in place")
 	}
-	var got bytes.Buffer
-	if _, err := WriteUpperTar(context.Background(), &got, st.dir, 0); err != nil {
-		t.Fatal(err)
+	// The pre-copy's data of a file changed after it must not reach the
+	// diff: the same size and mtime, only the ctime moved.
+	tr := tar.NewReader(bytes.NewReader(got))
+	found := false
+	for {
+		hdr, err := tr.Next()
+		if err != nil {
+			break
+		}
+		if hdr.Name == "inplace" {
+			b, _ := io.ReadAll(tr)
+			if string(b) != "AFTER! inplace" {
+				t.Errorf("inplace in the diff holds %q, the pre-copy's stale data; want the file's data when captured", b)
+			}
+			found = true
+		}
 	}
-	if !bytes.Equal(want, got.Bytes()) {
-		t.Error("the copy brought up to date from a pre-copy differs from a full copy")
+	if !found {
+		t.Error("inplace is missing from the diff")
 	}
 
 	// A file mapped shared and writable is never reused.
@@ -408,17 +437,40 @@ func TestPrecopy(t *testing.T) {
 	if !dirty.inodes[inode{sys.Dev, sys.Ino}] {
 		t.Fatalf("mappedShared misses a shared writable mapping of d/keep2 (%d inodes)", len(dirty.inodes))
 	}
-	pre, err = precopy(upper, filepath.Join(work, "pre2"))
+	pre, err = precopy(upper, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pre.start = pre.start.Add(2 * precopySlack)
-	if st, err = stage(upper, filepath.Join(work, "got2"), pre, dirty); err != nil {
+	if st, err = capture(upper, pre, dirty, 0); err != nil {
 		t.Fatal(err)
 	}
 	if st.Reused != 6 {
 		t.Errorf("reused %d files, want 6 (all single-name files but the mapped d/keep2)", st.Reused)
 	}
+	// A write through the mapping after the pre-copy moves neither mtime
+	// nor ctime once the page is dirty: the diff must still hold it.
+	copy(m, "MAPPED")
+	if st, err = capture(upper, pre, dirty, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(want(), diffOf(st)) {
+		t.Error("a file written through a shared mapping after the pre-copy was captured stale")
+	}
+}
+
+// diffTar is the tar writeDiff makes of entries.
+func diffTar(t *testing.T, entries []*upperEntry) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	tw := tar.NewWriter(&b)
+	if _, err := writeDiff(context.Background(), tw, entries, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.Bytes()
 }
 
 // TestMappedParse: shared writable file mappings are found by inode and,
@@ -498,5 +550,124 @@ func TestUpperTarRefusesLowerState(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
 			t.Errorf("%s: err %v, want a refusal", attr, err)
 		}
+		if _, err := capture(upper, nil, nil, 0); err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
+			t.Errorf("%s, read into memory: err %v, want a refusal", attr, err)
+		}
+	}
+}
+
+// TestReadContentShrunk: a file truncated between its lstat and its read
+// is reported as such (the pre-copy then leaves it to the frozen pass),
+// never padded or cut to fit.
+func TestReadContentShrunk(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, bytes.Repeat([]byte("x"), 10000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var sys syscall.Stat_t
+	if err := syscall.Lstat(p, &sys); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := readContent(p, &sys); err != nil || c.bytes() != 10000 {
+		t.Fatalf("read %v, err %v; want 10000 bytes", c, err)
+	}
+	if err := os.Truncate(p, 100); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := readContent(p, &sys); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("file shrunk since its stat: err %v, want io.ErrUnexpectedEOF", err)
+	}
+}
+
+// TestSpeculation: the layer encoded from a pre-copy while it is read is
+// kept only when the frozen read gives the same diff: never after a file
+// changed since its pre-copy (same size and mtime, only ctime moved), a
+// file was added, or a directory's xattrs changed.
+func TestSpeculation(t *testing.T) {
+	requireRoot(t)
+	upper := t.TempDir()
+	write := func(name, data string) {
+		t.Helper()
+		p := filepath.Join(upper, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("a/one", "one")
+	write("a/two", strings.Repeat("two", 1000))
+	write("b/three", "three")
+	if err := os.Link(filepath.Join(upper, "a/one"), filepath.Join(upper, "b/one-link")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("../a/two", filepath.Join(upper, "b/sym")); err != nil {
+		t.Fatal(err)
+	}
+	layer := func(entries []*upperEntry) *blob {
+		t.Helper()
+		b, _, err := encodeDiff(context.Background(), "", io.Discard, entries, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	// round pre-copies (as if long after the files were written), lets
+	// change run, reads frozen, and reports whether the speculation held;
+	// the layer it would push must then be the frozen read's.
+	round := func(change func()) bool {
+		t.Helper()
+		s, err := startPrecopy(upper, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pre, err := s.wait()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pre.start = pre.start.Add(2 * precopySlack)
+		change()
+		frozen, err := capture(upper, pre, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held := s.holds(frozen)
+		spec, want := layer(s.entries), layer(frozen.entries)
+		if held && spec.desc.Digest != want.desc.Digest {
+			t.Fatalf("speculation held, but its layer %s is not the frozen read's %s", spec.desc.Digest, want.desc.Digest)
+		}
+		if !held && spec.desc.Digest == want.desc.Digest {
+			t.Errorf("speculation refused though its layer is the frozen read's")
+		}
+		return held
+	}
+	if !round(func() {}) {
+		t.Error("nothing changed, hard link and symlink included: the speculation did not hold")
+	}
+	p := filepath.Join(upper, "a/two")
+	fi, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if round(func() {
+		if err := os.WriteFile(p, []byte(strings.Repeat("TWO", 1000)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(p, fi.ModTime(), fi.ModTime()); err != nil {
+			t.Fatal(err)
+		}
+	}) {
+		t.Error("a file overwritten after its pre-copy (same size and mtime): the speculation held, with the stale data")
+	}
+	if round(func() { write("b/new", "new") }) {
+		t.Error("a file added after the pre-copy: the speculation held")
+	}
+	if round(func() {
+		if err := unix.Lsetxattr(filepath.Join(upper, "a"), "user.k", []byte("v"), 0); err != nil {
+			t.Fatal(err)
+		}
+	}) {
+		t.Error("a directory's xattr set after the pre-copy: the speculation held")
 	}
 }

@@ -19,6 +19,8 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/containerd/platforms"
@@ -56,9 +58,9 @@ const (
 // Defaults of Options.
 const (
 	DefaultSnapshotter = "envsnap"
-	// DefaultMaxDiffSize caps a diff's file data. A diff is staged on tmpfs
-	// while the container is frozen, so the cap also bounds the memory a
-	// snapshot takes.
+	// DefaultMaxDiffSize caps a diff's file data. A running container's
+	// diff is read into memory before it is encoded, so the cap also
+	// bounds the memory a snapshot takes.
 	DefaultMaxDiffSize = 2 << 30
 )
 
@@ -75,10 +77,6 @@ type Options struct {
 	// MaxDepth bounds the snapshot layers above the original image
 	// (DefaultMaxDepth); see Decide.
 	MaxDepth int
-	// StagingDir receives the frozen container's upper directory copy
-	// (default /dev/shm when it is a tmpfs with room for it, else the
-	// temporary directory).
-	StagingDir string
 	// TempDir holds the encoded layer when it is squashed (it is
 	// streamed to the registry otherwise).
 	TempDir string
@@ -105,13 +103,13 @@ type Result struct {
 	Diff   DiffStats
 	// Frozen is how long the container's cgroup was frozen (freeze to
 	// thaw); 0 for a container that was not running. Copy is the part of
-	// it spent copying the writable layer; the rest is freezing and
-	// thawing.
+	// it spent reading the writable layer into memory; the rest is
+	// freezing and thawing.
 	Frozen, Copy time.Duration
-	// Precopy is how long the writable layer was copied before the
-	// freeze, while the container ran. FilesCopied counts the regular
-	// files copied while frozen, FilesReused those kept from the
-	// pre-copy instead.
+	// Precopy is how long the writable layer's files were read into
+	// memory before the freeze, while the container ran. FilesCopied
+	// counts the regular files read while frozen, FilesReused those kept
+	// from the pre-copy instead.
 	Precopy                  time.Duration
 	FilesCopied, FilesReused int
 	// Freezer says how the container was frozen: "cgroup DIR" (directly)
@@ -130,6 +128,11 @@ type Result struct {
 	// limit: the squash then runs in the background (see Decide); Wait
 	// for it before the process exits.
 	Squash *Squashing
+	// EncodedEarly is set when the layer encoded (and streamed) from the
+	// pre-copy while it was read turned out to be the frozen state's
+	// diff: nothing was encoded after the thaw, and Encode is the wait
+	// for that encode to finish.
+	EncodedEarly bool
 	// Encode is the time spent writing the diff as an envsnap layer,
 	// which is uploaded as it is written (unless it is squashed first or
 	// UploadChunk is negative) while the base layers are linked; Push the
@@ -194,10 +197,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	res := &Result{Ref: target}
-	size, err := measure(src.upper, o.MaxDiffSize)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", id, err)
-	}
 	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-snapshot-")
 	if err != nil {
 		return nil, err
@@ -208,13 +207,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			os.RemoveAll(tmp)
 		}
 	}()
-	dir, cleanup, err := capture(ctx, src, size, o, res)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", id, err)
-	}
-	defer cleanup()
-	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which copying %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
-
 	parentDiffs := len(src.manifest.Layers) - src.base
 	layout := Decide(parentDiffs, o.MaxDepth)
 	first := layout
@@ -233,8 +225,10 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: push %s: %w", id, target, err)
 	}
-	// The base layers are linked while the diff is encoded: both only
-	// add blobs, which nothing refers to before the manifest.
+	// The base layers are linked and the diff layer's upload session is
+	// opened while the writable layer is read: both only add blobs (or
+	// an upload session the registry expires), which nothing refers to
+	// before the manifest.
 	var links errgroup.Group
 	links.Go(func() error {
 		n, err := linkLayers(ctx, pusher, src.manifest.Layers[:src.base+first.Keep], src.imageRef, target)
@@ -245,20 +239,92 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return fmt.Errorf("snapshot %s: %w (the manifest was not pushed: %s is unchanged)", id, err, target)
 	}
 	var up *blobUpload
-	var sink io.Writer
-	if stream {
-		if up, err = startUpload(ctx, o.Hosts, target, o.UploadChunk); err != nil {
-			_ = links.Wait()
-			return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, err))
+	var upErr error
+	started := make(chan struct{})
+	go func() {
+		defer close(started)
+		if stream {
+			up, upErr = startUpload(ctx, o.Hosts, target, o.UploadChunk)
 		}
-		sink = up
+	}()
+	// The layer is encoded and streamed from the pre-copy while its
+	// files are still being read, on the bet that the frozen read finds
+	// nothing changed; it is kept only if the frozen read gives exactly
+	// the same diff, else it is dropped with its upload session and the
+	// frozen read is encoded.
+	specCtx, cancelSpec := context.WithCancel(ctx)
+	defer cancelSpec()
+	var (
+		speculating bool
+		specDone    = make(chan struct{})
+		specBlob    *blob
+		specStats   DiffStats
+		specErr     error
+	)
+	speculate := func(s *speculation) {
+		if !stream {
+			return
+		}
+		speculating = true
+		go func() {
+			defer close(specDone)
+			<-started
+			if up == nil {
+				return
+			}
+			specBlob, specStats, specErr = encodeDiff(specCtx, diffPath, up, s.entries, o.MaxDiffSize)
+		}()
 	}
+	dropSpec := func() {
+		if speculating {
+			cancelSpec()
+			<-specDone
+			speculating = false
+		}
+	}
+	tree, spec, err := readUpper(ctx, src, o, res, speculate)
+	<-started
+	if err != nil || upErr != nil {
+		dropSpec()
+		if up != nil {
+			up.Abort()
+		}
+		_ = links.Wait()
+		if err != nil {
+			return nil, fmt.Errorf("snapshot %s: %w", id, err)
+		}
+		return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, upErr))
+	}
+	fmt.Fprintf(o.Log, "captured %s (pre-copy %s; frozen %s, of which reading %s)\n", id, res.Precopy.Round(time.Millisecond), res.Frozen.Round(time.Microsecond), res.Copy.Round(time.Microsecond))
 	t := time.Now()
-	diff, err := encodeLayer(ctx, diffPath, sink, func(w io.Writer) error {
-		st, err := WriteUpperTar(ctx, w, dir, o.MaxDiffSize)
-		res.Diff = st
-		return err
-	})
+	var diff *blob
+	if speculating && spec.holds(tree) {
+		<-specDone
+		diff, res.Diff, err = specBlob, specStats, specErr
+		res.EncodedEarly = true
+	} else {
+		if speculating {
+			dropSpec()
+			up.Abort()
+			if up, err = startUpload(ctx, o.Hosts, target, o.UploadChunk); err != nil {
+				_ = links.Wait()
+				return nil, pushFailed(fmt.Errorf("push %s: diff layer: %w", target, err))
+			}
+		}
+		var sink io.Writer
+		if up != nil {
+			sink = up
+		}
+		var entries []*upperEntry
+		if tree != nil {
+			entries = tree.entries
+		} else {
+			entries, err = scanUpper(ctx, src.upper) // read in place
+		}
+		if err == nil {
+			diff, res.Diff, err = encodeDiff(ctx, diffPath, sink, entries, o.MaxDiffSize)
+		}
+	}
 	if err != nil {
 		if up != nil {
 			up.Abort()
@@ -271,14 +337,6 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
 	res.Encode = time.Since(t)
-	// Removing the staged copy (thousands of files, the diff's size in
-	// memory) overlaps the end of the push.
-	cleaned := make(chan struct{})
-	go func() {
-		defer close(cleaned)
-		cleanup()
-	}()
-	defer func() { <-cleaned }()
 
 	top := diff
 	if layout.Squash > 0 && !layout.Background {
@@ -446,36 +504,57 @@ func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*s
 		return nil, fmt.Errorf("container %s has no snapshot or no image: %w", id, errdefs.ErrFailedPrecondition)
 	}
 	src := &source{id: id, imageRef: info.Image, container: ctr}
-	mounts, err := c.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: mounts of snapshot %s: %w", id, info.SnapshotKey, err)
-	}
-	if src.upper, err = writableDir(mounts); err != nil {
-		return nil, fmt.Errorf("container %s: %w", id, err)
-	}
-	img, err := c.ImageService().Get(ctx, info.Image)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
-	}
-	cs := c.ContentStore()
-	if src.desc, err = manifestDesc(ctx, cs, img.Target, o.Platform); err != nil {
-		return nil, fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
-	}
-	if err := readJSON(ctx, cs, src.desc, &src.manifest); err != nil {
-		return nil, fmt.Errorf("container %s: manifest of %s: %w", id, info.Image, err)
-	}
-	if err := readJSON(ctx, cs, src.manifest.Config, &src.config); err != nil {
-		return nil, fmt.Errorf("container %s: config of %s: %w", id, info.Image, err)
-	}
-	if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
-		return nil, fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
+	// The look-ups below are independent round trips to containerd.
+	var g errgroup.Group
+	g.Go(func() error {
+		mounts, err := c.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
+		if err != nil {
+			return fmt.Errorf("container %s: mounts of snapshot %s: %w", id, info.SnapshotKey, err)
+		}
+		if src.upper, err = writableDir(mounts); err != nil {
+			return fmt.Errorf("container %s: %w", id, err)
+		}
+		return nil
+	})
+	g.Go(func() error {
+		img, err := c.ImageService().Get(ctx, info.Image)
+		if err != nil {
+			return fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+		}
+		cs := c.ContentStore()
+		if src.desc, err = manifestDesc(ctx, cs, img.Target, o.Platform); err != nil {
+			return fmt.Errorf("container %s: image %s: %w", id, info.Image, err)
+		}
+		if err := readJSON(ctx, cs, src.desc, &src.manifest); err != nil {
+			return fmt.Errorf("container %s: manifest of %s: %w", id, info.Image, err)
+		}
+		if err := readJSON(ctx, cs, src.manifest.Config, &src.config); err != nil {
+			return fmt.Errorf("container %s: config of %s: %w", id, info.Image, err)
+		}
+		if len(src.config.RootFS.DiffIDs) != len(src.manifest.Layers) {
+			return fmt.Errorf("container %s: image %s lists %d diff ids for %d layers", id, info.Image, len(src.config.RootFS.DiffIDs), len(src.manifest.Layers))
+		}
+		return nil
+	})
+	var sinfo snapshots.Info
+	g.Go(func() (err error) {
+		if sinfo, err = c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey); err != nil {
+			return fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
+		}
+		return nil
+	})
+	var spec *oci.Spec
+	g.Go(func() (err error) {
+		if spec, err = ctr.Spec(ctx); err != nil {
+			return fmt.Errorf("container %s: spec: %w", id, err)
+		}
+		return nil
+	})
+	if err := g.Wait(); err != nil {
+		return nil, err
 	}
 	// The diff is only meaningful on the layers the container runs on:
 	// if the image name now points at other content, say so.
-	sinfo, err := c.SnapshotService(info.Snapshotter).Stat(ctx, info.SnapshotKey)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: snapshot %s: %w", id, info.SnapshotKey, err)
-	}
 	if chain := identity.ChainID(src.config.RootFS.DiffIDs).String(); sinfo.Parent != chain {
 		return nil, fmt.Errorf("container %s runs on snapshot %s, but image %s now has layers %s (the name was moved since the container was created): %w",
 			id, sinfo.Parent, info.Image, chain, errdefs.ErrFailedPrecondition)
@@ -487,10 +566,6 @@ func loadSource(ctx context.Context, c *client.Client, id string, o Options) (*s
 			return nil, fmt.Errorf("container %s: image %s: bad %s annotation %q", id, info.Image, AnnotationBaseLayers, v)
 		}
 		src.base = n
-	}
-	spec, err := ctr.Spec(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("container %s: spec: %w", id, err)
 	}
 	src.env, src.cwd = src.config.Config.Env, src.config.Config.WorkingDir
 	if spec.Process != nil {
@@ -552,91 +627,89 @@ func writableDir(mounts []mount.Mount) (string, error) {
 	return "", fmt.Errorf("%s mount: no upper directory to read: %w", m.Type, errdefs.ErrNotImplemented)
 }
 
-// capture returns a directory holding a consistent copy of the container's
-// writable layer and records the freeze in res. The upper directory of a
-// running task is first pre-copied to a staging directory while the task
-// runs; then its cgroup is frozen, the copy is brought up to date in
-// place (files that changed, or may have, since the pre-copy are copied
-// again; the rest stay), and the cgroup is thawed, also when
-// anything failed. A container without a running task is read in place.
-// cleanup removes the copy and may be called more than once.
-func capture(ctx context.Context, src *source, size int64, o Options, res *Result) (dir string, cleanup func(), err error) {
-	noop := func() {}
+// readUpper reads the container's writable layer into memory,
+// consistently, and records the freeze in res. The upper directory of a
+// running task is first pre-copied while the task runs; then its cgroup
+// is frozen, the files that changed, or may have, since the pre-copy are
+// read again along with everything that is not a regular file, and the
+// cgroup is thawed, also when anything failed. A container without a
+// running task is read in place as the diff is written: it returns nil.
+//
+// speculate, if set, is handed the pre-copy as soon as its walk is done,
+// its reads still running (see speculation); the speculation is returned
+// with the frozen read, for the caller to check.
+func readUpper(ctx context.Context, src *source, o Options, res *Result, speculate func(*speculation)) (tree *captured, spec *speculation, err error) {
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
-		return src.upper, noop, nil
+		return nil, nil, nil
 	}
 	if err != nil {
-		return "", noop, fmt.Errorf("task: %w", err)
+		return nil, nil, fmt.Errorf("task: %w", err)
 	}
 	status, err := task.Status(ctx)
 	if err != nil {
-		return "", noop, fmt.Errorf("task status: %w", err)
+		return nil, nil, fmt.Errorf("task status: %w", err)
 	}
 	if status.Status != client.Running && status.Status != client.Paused {
 		// Created (never started) or stopped: nothing writes.
-		return src.upper, noop, nil
+		return nil, nil, nil
 	}
-	// The pre-copy is brought up to date in place: one diff's worth.
-	staging, err := os.MkdirTemp(stagingRoot(o.StagingDir, size), "envsnap-stage-")
-	if err != nil {
-		return "", noop, err
-	}
-	cleanup = func() { os.RemoveAll(staging) }
-	dst := filepath.Join(staging, "upper")
-	copyUpper := func(pre *staged, dirty *mapped) error {
+	read := func(pre *precopied, dirty *mapped) (*captured, error) {
 		t := time.Now()
-		st, err := stage(src.upper, dst, pre, dirty)
+		tree, err := capture(src.upper, pre, dirty, o.MaxDiffSize)
 		res.Copy = time.Since(t)
-		if st != nil {
-			res.FilesCopied, res.FilesReused = st.Copied, st.Reused
-			dst = st.dir
+		if tree != nil {
+			res.FilesCopied, res.FilesReused = tree.Copied, tree.Reused
 		}
-		return err
+		return tree, err
 	}
 	if status.Status == client.Paused {
 		// Frozen by someone else, who also decides when it thaws.
-		if err := copyUpper(nil, nil); err != nil {
-			cleanup()
-			return "", noop, err
-		}
-		return dst, cleanup, nil
+		tree, err := read(nil, nil)
+		return tree, nil, err
 	}
 	t := time.Now()
-	pre, err := precopy(src.upper, filepath.Join(staging, "pre"))
+	spec, err = startPrecopy(src.upper, o.MaxDiffSize)
+	var pre *precopied
+	if err == nil {
+		if speculate != nil {
+			speculate(spec)
+		}
+		pre, err = spec.wait()
+	}
 	res.Precopy = time.Since(t)
+	if errors.Is(err, ErrDiffTooLarge) {
+		return nil, spec, err
+	}
 	if err != nil {
-		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; copying all of it while frozen")
+		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; reading all of it while frozen")
 		pre = nil
 	}
 	t0 := time.Now()
 	fz, err := freeze(ctx, task, res)
 	if err != nil {
-		cleanup()
-		return "", noop, err
+		return nil, spec, err
 	}
-	serr := func() error {
+	tree, serr := func() (*captured, error) {
 		pids, err := fz.pids()
 		if err != nil {
-			return fmt.Errorf("processes of the frozen task: %w", err)
+			return nil, fmt.Errorf("processes of the frozen task: %w", err)
 		}
 		dirty, err := mappedShared(pids)
 		if err != nil {
-			return fmt.Errorf("shared mappings of the frozen task: %w", err)
+			return nil, fmt.Errorf("shared mappings of the frozen task: %w", err)
 		}
-		return copyUpper(pre, dirty)
+		return read(pre, dirty)
 	}()
 	rerr := fz.thaw()
 	res.Frozen = time.Since(t0)
 	if rerr != nil {
-		cleanup()
-		return "", noop, rerr
+		return nil, spec, rerr
 	}
 	if serr != nil {
-		cleanup()
-		return "", noop, serr
+		return nil, spec, serr
 	}
-	return dst, cleanup, nil
+	return tree, spec, nil
 }
 
 // frozen is a task frozen by freeze.
@@ -733,6 +806,48 @@ func encodeLayer(ctx context.Context, path string, sink io.Writer, write func(io
 		diffID: wr.DiffID,
 		toc:    wr.TOCDigest,
 	}, nil
+}
+
+// encodeDiff encodes entries as an envsnap layer, written to the file at
+// path (none when path is empty) and to sink (if set) as it is produced.
+func encodeDiff(ctx context.Context, path string, sink io.Writer, entries []*upperEntry, maxData int64) (*blob, DiffStats, error) {
+	var outs []io.Writer
+	var f *os.File
+	if path != "" {
+		var err error
+		if f, err = os.Create(path); err != nil {
+			return nil, DiffStats{}, err
+		}
+		defer f.Close()
+		outs = append(outs, f)
+	}
+	if sink != nil {
+		outs = append(outs, sink)
+	}
+	x, err := layerfmt.NewWriter(io.MultiWriter(outs...))
+	if err != nil {
+		return nil, DiffStats{}, fmt.Errorf("encode layer: %w", err)
+	}
+	defer x.Abort()
+	st, err := writeDiff(ctx, x, entries, maxData)
+	if err != nil {
+		return nil, st, err
+	}
+	wr, err := x.Close()
+	if err != nil {
+		return nil, st, fmt.Errorf("encode layer: %w", err)
+	}
+	if f != nil {
+		if err := f.Close(); err != nil {
+			return nil, st, err
+		}
+	}
+	return &blob{
+		path:   path,
+		desc:   ocispec.Descriptor{MediaType: layerfmt.MediaTypeLayer, Digest: wr.Digest, Size: wr.Size, Annotations: wr.Annotations()},
+		diffID: wr.DiffID,
+		toc:    wr.TOCDigest,
+	}, st, nil
 }
 
 // squashLayers merges the parent's snapshot layers (read from the

@@ -67,6 +67,33 @@ func (r *rig) mustCLI(t *testing.T, args ...string) string {
 	return out
 }
 
+// upper is the writable directory of container id's snapshot.
+func (r *rig) upper(t *testing.T, id string) string {
+	t.Helper()
+	ctx := r.env.Context()
+	c, err := r.env.Client.LoadContainer(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := c.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mounts, err := r.env.Client.SnapshotService(info.Snapshotter).Mounts(ctx, info.SnapshotKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range mounts {
+		for _, o := range m.Options {
+			if v, ok := strings.CutPrefix(o, "upperdir="); ok {
+				return v
+			}
+		}
+	}
+	t.Fatalf("no upperdir in the mounts of %s: %+v", id, mounts)
+	return ""
+}
+
 // rootfs is where the shim mounted a running container's root filesystem.
 func (r *rig) rootfs(id string) string {
 	return filepath.Join(r.env.Dir, "state", "io.containerd.runtime.v2.task", r.env.Namespace, id, "rootfs")
@@ -457,24 +484,29 @@ func TestSnapshotBadInput(t *testing.T) {
 		t.Errorf("%s exists after a refused snapshot", target)
 	}
 
-	// The staging directory fills up (a 1 MiB tmpfs for a 2 MiB diff):
-	// the pre-copy fails, so does the copy made while frozen; the
-	// container is thawed all the same.
-	small := t.TempDir()
-	if err := unix.Mount("tmpfs", small, "tmpfs", 0, "size=1m"); err != nil {
+	// A read that fails while the container is frozen: a directory of
+	// the upper marked as moved by overlayfs' redirect_dir (directories
+	// are read frozen) is refused; the container is thawed all the same.
+	if err := os.Mkdir(filepath.Join(r.rootfs("big"), "moved"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = unix.Unmount(small, unix.MNT_DETACH) })
-	out, err = r.cli("env", "snapshot", "--staging-dir", small, "--push", target, "big")
-	t.Logf("staging full: %s", out)
-	if err == nil || !strings.Contains(out, "no space left on device") {
-		t.Errorf("staging full: err %v, output:\n%s", err, out)
+	moved := filepath.Join(r.upper(t, "big"), "moved")
+	if err := unix.Lsetxattr(moved, "trusted.overlay.redirect", []byte("/old"), 0); err != nil {
+		t.Fatal(err)
+	}
+	out, err = r.cli("env", "snapshot", "--push", target, "big")
+	t.Logf("read failing while frozen: %s", out)
+	if err == nil || !strings.Contains(out, "redirect_dir or metacopy") {
+		t.Errorf("read failing while frozen: err %v, output:\n%s", err, out)
 	}
 	if st, err := task.Status(ctx); err != nil || st.Status != client.Running {
-		t.Errorf("after a copy that failed while frozen the task is %v (%v), want running", st.Status, err)
+		t.Errorf("after a read that failed while frozen the task is %v (%v), want running", st.Status, err)
 	}
 	if r.exists(target) {
-		t.Errorf("%s exists after a failed copy", target)
+		t.Errorf("%s exists after a failed read", target)
+	}
+	if err := unix.Lremovexattr(moved, "trusted.overlay.redirect"); err != nil {
+		t.Fatal(err)
 	}
 
 	// Every blob upload fails: the snapshot fails, no manifest appears,
