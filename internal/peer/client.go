@@ -35,10 +35,16 @@ const (
 	// the request and before it fetches anything, or its answer) before
 	// the registry is asked too. The wait itself follows how long that
 	// owner's first sign of life took recently (hedgeDelay), as TCP's
-	// retransmission timeout follows its round trips; this is its floor,
-	// like TCP's 200 ms minimum: a LAN round trip plus the owner's
-	// scheduling on an idle node.
-	DefaultHedgeAfter = 200 * time.Millisecond
+	// retransmission timeout follows its round trips; this is its floor.
+	// A dead owner refuses at once and needs no hedge, and a hung one is
+	// marked bad by the request left running (probe), so the floor is
+	// paid only by reads that meet a hung owner within Timeout; a floor
+	// too low is paid by the registry, a stripe each time a loaded node's
+	// first sign of life crosses it before the estimate has caught up
+	// (31 hedges in the 4-node benchmark with a 200 ms floor, 0 with
+	// 2 s). One second is TCP's initial retransmission timeout (RFC
+	// 6298), where TCP knows nothing of the round trip either.
+	DefaultHedgeAfter = time.Second
 	// DefaultTimeout is how long a request to a peer may go without
 	// progress: no sign of life before the answer, no byte of it after.
 	// An owner reports progress every DefaultProgressEvery while it
