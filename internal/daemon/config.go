@@ -194,7 +194,9 @@ type PeerConfig struct {
 	TLSKey        string `toml:"tls_key"`
 	TLSCA         string `toml:"tls_ca"`
 	TLSServerName string `toml:"tls_server_name"`
-	// HedgeAfter, Timeout and BadFor: see peer.Options.
+	// HedgeAfter (the least hedge delay), Timeout (the longest a
+	// request to a peer may go without progress) and BadFor: see
+	// peer.Options.
 	HedgeAfter Duration `toml:"hedge_after"`
 	Timeout    Duration `toml:"timeout"`
 	BadFor     Duration `toml:"bad_for"`
@@ -251,6 +253,12 @@ func (p *PeerConfig) validate() error {
 	}
 	if p.Refresh < 0 || p.HedgeAfter < 0 || p.Timeout < 0 || p.BadFor < 0 {
 		return fmt.Errorf("peers: durations must not be negative")
+	}
+	if p.Timeout != 0 && time.Duration(p.Timeout) < 2*peer.DefaultProgressEvery {
+		// Owners report progress every DefaultProgressEvery while they
+		// fetch: a shorter timeout would give up on every owner that
+		// has to fetch what it was asked for.
+		return fmt.Errorf("peers.timeout %s: must be at least %s (owners report progress every %s)", time.Duration(p.Timeout), 2*peer.DefaultProgressEvery, peer.DefaultProgressEvery)
 	}
 	if p.MaxServing < 0 {
 		return fmt.Errorf("peers.max_serving %d: must not be negative", p.MaxServing)

@@ -158,6 +158,8 @@ func TestPeerConfig(t *testing.T) {
 		{"two member sources", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\nmembers_file = \"/m\"\n", true},
 		{"bad member", "[peers]\nenabled = true\ntoken_file = \"/t\"\nmembers = [\"10.0.0.1\"]\n", true},
 		{"negative hedge", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\nhedge_after = \"-1s\"\n", true},
+		{"timeout shorter than owners' progress reports", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\ntimeout = \"500ms\"\n", true},
+		{"timeout of a second", "[peers]\nenabled = true\ntoken_file = \"/t\"\ndns = \"a\"\ntimeout = \"1s\"\n", false},
 		{"unknown key", "[peers]\nenable = true\n", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -106,14 +106,13 @@ func newPeerCluster(t *testing.T, n int, peers bool, sources func(i int, s peer.
 				Self: members[i], BadFor: time.Minute,
 				// These tests count registry bytes; on this shared
 				// machine an owner can take longer than the default
-				// hedge delay to accept, and a hedge sends a stripe
-				// twice. Hedging has its own tests in internal/peer.
+				// hedge delay to show life, and a hedge sends a
+				// stripe twice. Hedging has its own tests in
+				// internal/peer. The timeout is the default: it counts
+				// time without progress, and an owner fetching from
+				// the registry reports progress, however long the
+				// fetch takes under the race detector.
 				HedgeAfter: 2 * time.Second,
-				// Likewise the whole answer, which includes the owner's
-				// registry fetch: under the race detector it can pass
-				// the default 5 s, and a timed-out stripe is fetched
-				// again elsewhere.
-				Timeout: 30 * time.Second,
 			}, nd.metrics)
 			if err != nil {
 				t.Fatal(err)

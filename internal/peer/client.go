@@ -9,6 +9,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
+	"net/textproto"
 	"strconv"
 	"sync"
 	"time"
@@ -19,24 +21,49 @@ import (
 )
 
 // Defaults of a Client, all in one place.
+//
+// Every deadline follows the owner's progress rather than the clock
+// alone: on a loaded node an owner can be slow (starved of CPU, or
+// waiting on a registry link it shares with every other node) and still
+// be alive and working, and giving up on it then costs twice: the
+// registry sends the stripe to this node as well as to the owner, and an
+// owner marked bad hands its stripes to the next one, which fetches them
+// from the registry once more (docs/fetching.md, "Peer tier").
 const (
-	// DefaultHedgeAfter is how long a read waits for the owner to accept
-	// the request (answer headers, sent before it fetches anything)
-	// before the registry is asked too: a LAN round trip plus the
-	// owner's scheduling. Timing the whole answer instead would hedge
-	// whenever the owner waits on the registry for the frames (a round
-	// trip of 20 ms on the link we are measured on, more under load), and
-	// the registry would send those frames twice.
-	DefaultHedgeAfter = 200 * time.Millisecond
-	// DefaultTimeout bounds one request to a peer, body included; past
-	// it the peer is marked bad and the registry serves the read.
+	// DefaultHedgeAfter is the least a read waits for the owner's first
+	// sign of life (its "102 Processing", sent as soon as it has checked
+	// the request and before it fetches anything, or its answer) before
+	// the registry is asked too. The wait itself follows how long that
+	// owner's first sign of life took recently (hedgeDelay), as TCP's
+	// retransmission timeout follows its round trips; this is its floor.
+	// A dead owner refuses at once and needs no hedge, and a hung one is
+	// marked bad by the request left running (probe), so the floor is
+	// paid only by reads that meet a hung owner within Timeout; a floor
+	// too low is paid by the registry, a stripe each time a loaded node's
+	// first sign of life crosses it before the estimate has caught up
+	// (31 hedges in the 4-node benchmark with a 200 ms floor, 0 with
+	// 2 s). One second is TCP's initial retransmission timeout (RFC
+	// 6298), where TCP knows nothing of the round trip either.
+	DefaultHedgeAfter = time.Second
+	// DefaultTimeout is how long a request to a peer may go without
+	// progress: no sign of life before the answer, no byte of it after.
+	// An owner reports progress every DefaultProgressEvery while it
+	// fetches the frames from the registry, so a request lasts as long
+	// as the owner keeps working on it (its serveTimeout at most), and a
+	// stall, not a slow answer, is what times out. Past it the peer is
+	// marked bad and the next owner or the registry serves the read.
 	DefaultTimeout = 5 * time.Second
-	// DefaultBadFor is how long a peer that failed, timed out or sent a
+	// DefaultBadFor is how long a peer that failed, stalled or sent a
 	// wrong byte is skipped (its stripes go to the next member). A peer
 	// that restarted is used again after it.
 	DefaultBadFor = 30 * time.Second
 	// DefaultPort is the peer server's port when only a host is given.
 	DefaultPort = 9168
+	// initialHedge is the hedge delay for an owner that has not shown a
+	// sign of life yet (RFC 6298's initial timeout): the first requests
+	// of a cold start meet owners at their busiest, and a hedge sends the
+	// stripe twice.
+	initialHedge = time.Second
 )
 
 // Options configure a Client.
@@ -46,7 +73,8 @@ type Options struct {
 	// addresses and whose port is Port is this node (LocalAddress).
 	Self string
 	Port int
-	// HedgeAfter, Timeout and BadFor default to DefaultHedgeAfter,
+	// HedgeAfter (the least hedge delay), Timeout (the longest a request
+	// may go without progress) and BadFor default to DefaultHedgeAfter,
 	// DefaultTimeout and DefaultBadFor when zero.
 	HedgeAfter time.Duration
 	Timeout    time.Duration
@@ -64,6 +92,7 @@ type Client struct {
 
 	mu      sync.Mutex
 	bad     map[string]time.Time // peer -> until
+	life    map[string]*lifeTime // peer -> how long it takes to show life
 	selfFor []string             // member list selfAddr was computed for
 	self    string
 }
@@ -109,6 +138,7 @@ func NewClient(members Members, auth Auth, o Options, m *Metrics) (*Client, erro
 		scheme:  scheme,
 		metrics: m,
 		bad:     map[string]time.Time{},
+		life:    map[string]*lifeTime{},
 	}, nil
 }
 
@@ -238,66 +268,127 @@ func (c *Client) Fetch(ctx context.Context, layer digest.Digest, frames []Frame,
 }
 
 type answer struct {
-	data  [][]byte
-	err   error
-	fromP bool
+	data [][]byte
+	err  error
 }
 
-// hedged asks owner for frames and, if it has not answered after
-// HedgeAfter, the registry too; the first good answer wins. When the owner
-// fails (and is marked bad), failover serves instead.
+// lifeTime estimates how long an owner takes to show a first sign of life,
+// as TCP estimates round trips (RFC 6298): a smoothed mean and a smoothed
+// mean deviation.
+type lifeTime struct{ mean, dev time.Duration }
+
+// observe records that peer showed a first sign of life d after a request
+// was sent.
+func (c *Client) observe(peer string, d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	l, ok := c.life[peer]
+	if !ok {
+		c.life[peer] = &lifeTime{mean: d, dev: d / 2}
+		return
+	}
+	diff := l.mean - d
+	if diff < 0 {
+		diff = -diff
+	}
+	l.dev = (3*l.dev + diff) / 4
+	l.mean = (7*l.mean + d) / 8
+}
+
+// hedgeDelay is how long a read waits for peer's first sign of life before
+// it asks the registry too: past what that peer's first signs of life
+// took lately (twice the mean, or the mean and four deviations, whichever
+// is longer: starvation delays come in bursts), never less than
+// HedgeAfter, and at most half of Timeout, so that the registry is asked
+// well before a silent owner is given up.
+func (c *Client) hedgeDelay(peer string) time.Duration {
+	d := initialHedge
+	c.mu.Lock()
+	if l, ok := c.life[peer]; ok {
+		d = max(2*l.mean, l.mean+4*l.dev)
+	}
+	c.mu.Unlock()
+	return min(max(d, c.o.HedgeAfter), max(c.o.HedgeAfter, c.o.Timeout/2))
+}
+
+// hedged asks owner for frames and, if the owner has shown no sign of life
+// after hedgeDelay, the registry too; the first good answer wins. When the
+// owner fails (and is marked bad), failover serves instead.
 func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, frames []Frame, registry, failover Registry) ([][]byte, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel() // the loser stops
-	ch := make(chan answer, 2)
-	pctx, pcancel := context.WithTimeout(ctx, c.o.Timeout)
-	defer pcancel()
-	accepted := make(chan struct{})
+	rctx, rcancel := context.WithCancel(ctx)
+	defer rcancel() // a registry read that lost stops
+	// The owner's request may outlive the read (see probe), so it does
+	// not end with ctx; every return below but that one cancels it.
+	pctx, pcancel := context.WithCancel(context.WithoutCancel(ctx))
+	alive := make(chan struct{})
+	pch := make(chan answer, 1)
 	go func() {
-		data, err := c.get(pctx, owner, layer, frames, func() { close(accepted) })
-		ch <- answer{data, err, true}
+		data, err := c.get(pctx, owner, layer, frames, func() { close(alive) })
+		pch <- answer{data, err}
 	}()
-	regStarted := false
+	probing := false
+	defer func() {
+		if probing {
+			go c.probe(context.WithoutCancel(ctx), owner, alive, pch, pcancel)
+		} else {
+			pcancel()
+		}
+	}()
+	rch := make(chan answer, 1)
+	regStarted, regPending, peerPending := false, false, true
 	startRegistry := func(r Registry) {
-		regStarted = true
+		regStarted, regPending = true, true
 		go func() {
-			data, err := r(ctx, frames)
-			ch <- answer{data, err, false}
+			data, err := r(rctx, frames)
+			rch <- answer{data, err}
 		}()
 	}
-	hedge := time.NewTimer(c.o.HedgeAfter)
+	hedge := time.NewTimer(c.hedgeDelay(owner))
 	defer hedge.Stop()
-	pending := 1
+	waitAlive := alive
 	var regErr error
-	for pending > 0 || !regStarted {
+	for peerPending || regPending {
 		select {
-		case <-accepted:
-			// The owner is alive and serving: no hedge, it has Timeout.
+		case <-waitAlive:
+			// The owner is alive and working: no hedge; from now on
+			// only a stall (Timeout without progress) gives it up.
 			hedge.Stop()
-			accepted = nil
+			waitAlive = nil
 		case <-hedge.C:
+			if waitAlive != nil {
+				select {
+				case <-waitAlive:
+					// Both were ready: a starved requester must not
+					// hedge an owner that answered in time.
+					waitAlive = nil
+					continue
+				default:
+				}
+			}
 			if !regStarted {
 				c.metrics.hedge()
 				startRegistry(registry)
-				pending++
 			}
-		case a := <-ch:
-			pending--
-			if a.fromP {
-				if a.err == nil {
-					return a.data, nil
-				}
-				fallback := registry
-				if c.peerFailed(ctx, owner, a.err) {
-					fallback = failover
-				}
-				if !regStarted {
-					startRegistry(fallback)
-					pending++
-				}
-				continue
-			}
+		case a := <-pch:
+			peerPending = false
 			if a.err == nil {
+				return a.data, nil
+			}
+			fallback := registry
+			if c.peerFailed(ctx, owner, a.err) {
+				fallback = failover
+			}
+			if !regStarted {
+				startRegistry(fallback)
+			}
+		case a := <-rch:
+			regPending = false
+			if a.err == nil {
+				select {
+				case <-alive:
+				default:
+					probing = peerPending
+				}
 				return a.data, nil
 			}
 			regErr = a.err
@@ -308,9 +399,28 @@ func (c *Client) hedged(ctx context.Context, owner string, layer digest.Digest, 
 	return nil, regErr
 }
 
+// probe follows a request whose read the registry served before the owner
+// showed any sign of life. An owner that shows one later was slow, not
+// gone: its answer is not needed any more, and it is not held against it.
+// One that stays silent until the request stalls (Timeout) is hung: it is
+// marked bad, so that later reads do not each wait a hedge delay for it,
+// as they would if the request ended with the read.
+func (c *Client) probe(ctx context.Context, owner string, alive <-chan struct{}, pch <-chan answer, cancel context.CancelFunc) {
+	defer cancel()
+	select {
+	case <-alive:
+	case a := <-pch:
+		if a.err != nil {
+			c.peerFailed(ctx, owner, a.err)
+		}
+	}
+}
+
 // peerFailed records why a peer's answer was not used, and marks it bad
 // (reporting true) unless the reason was ours (we gave up), it simply
-// lacks the layer, or it is busy.
+// lacks the layer, it is busy, or its own registry fetch failed: only a
+// peer that is unreachable, cuts its answer short, stalls or sends wrong
+// bytes is skipped.
 func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 	var se *statusError
 	switch {
@@ -325,7 +435,12 @@ func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 		// Busy, not broken: its next request may be answered.
 		c.metrics.outcome(outcomeBusy)
 		return false
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.As(err, &se) && se.code == http.StatusBadGateway:
+		// Alive, and it tried: the registry failed it (this node's
+		// read now tries the registry itself, with its own retries).
+		c.metrics.outcome(outcomeUpstream)
+		return false
+	case errors.Is(err, errStalled):
 		c.metrics.outcome(outcomeTimeout)
 	default:
 		c.metrics.outcome(outcomeError)
@@ -337,6 +452,10 @@ func (c *Client) peerFailed(ctx context.Context, peer string, err error) bool {
 // ErrCorrupt is a peer's frame whose bytes do not match its digest.
 var ErrCorrupt = errors.New("peer sent bytes that do not match their digest")
 
+// errStalled is a request to a peer cut because the peer made no progress
+// for Timeout.
+var errStalled = errors.New("no progress")
+
 type statusError struct {
 	peer string
 	code int
@@ -347,15 +466,56 @@ func (e *statusError) Error() string {
 	return fmt.Sprintf("peer %s: status %d: %s", e.peer, e.code, e.body)
 }
 
-// get asks peer for frames of layer and verifies every one.
-// accepted is called once the owner has answered that it will serve.
-func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, frames []Frame, accepted func()) ([][]byte, error) {
+// progressReader reports every read that returns bytes.
+type progressReader struct {
+	r        io.Reader
+	progress func()
+}
+
+func (p *progressReader) Read(b []byte) (int, error) {
+	n, err := p.r.Read(b)
+	if n > 0 {
+		p.progress()
+	}
+	return n, err
+}
+
+// get asks peer for frames of layer and verifies every one. alive is
+// called at the owner's first sign of life: an interim response (the
+// owner checked the request and is fetching) or its answer. The request
+// is cut when the owner makes no progress, interim responses and answer
+// bytes alike, for Timeout.
+func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, frames []Frame, alive func()) ([][]byte, error) {
 	c.metrics.request()
 	body, err := json.Marshal(request{Layer: layer, Frames: frames})
 	if err != nil {
 		return nil, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.scheme+"://"+peer+FramesPath, bytes.NewReader(body))
+	ctx, stall := context.WithCancelCause(ctx)
+	defer stall(nil)
+	watchdog := time.AfterFunc(c.o.Timeout, func() { stall(errStalled) })
+	defer watchdog.Stop()
+	progress := func() { watchdog.Reset(c.o.Timeout) }
+	sent := time.Now()
+	var once sync.Once
+	life := func() {
+		progress()
+		once.Do(func() {
+			c.observe(peer, time.Since(sent))
+			alive()
+		})
+	}
+	failed := func(what string, err error) error {
+		if context.Cause(ctx) == errStalled {
+			return fmt.Errorf("peer %s: %s: %w for %s", peer, what, errStalled, c.o.Timeout)
+		}
+		return fmt.Errorf("peer %s: %s: %w", peer, what, err)
+	}
+	trace := &httptrace.ClientTrace{Got1xxResponse: func(int, textproto.MIMEHeader) error {
+		life()
+		return nil
+	}}
+	req, err := http.NewRequestWithContext(httptrace.WithClientTrace(ctx, trace), http.MethodPost, c.scheme+"://"+peer+FramesPath, bytes.NewReader(body))
 	if err != nil {
 		return nil, fmt.Errorf("peer %s: build request: %w", peer, err)
 	}
@@ -367,9 +527,10 @@ func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, fram
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("peer %s: %w", peer, err)
+		return nil, failed("request", err)
 	}
 	defer resp.Body.Close()
+	life()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
 		return nil, &statusError{peer: peer, code: resp.StatusCode, body: string(bytes.TrimSpace(b))}
@@ -381,12 +542,12 @@ func (c *Client) get(ctx context.Context, peer string, layer digest.Digest, fram
 	if resp.ContentLength != total {
 		return nil, fmt.Errorf("peer %s: %d bytes announced for %d bytes of frames: %w", peer, resp.ContentLength, total, ErrCorrupt)
 	}
-	accepted()
+	r := &progressReader{r: resp.Body, progress: progress}
 	out := make([][]byte, len(frames))
 	for i, f := range frames {
 		b := make([]byte, f.Size)
-		if _, err := io.ReadFull(resp.Body, b); err != nil {
-			return nil, fmt.Errorf("peer %s: read frame %s: %w", peer, f.Digest, err)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return nil, failed("read frame "+f.Digest.String(), err)
 		}
 		if got := f.Digest.Algorithm().FromBytes(b); got != f.Digest {
 			return nil, fmt.Errorf("peer %s: frame at %d of %s has digest %s, want %s: %w", peer, f.Offset, layer, got, f.Digest, ErrCorrupt)

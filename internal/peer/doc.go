@@ -29,8 +29,17 @@
 //
 // # Failure
 //
-// A peer that does not answer within the hedge delay is raced by the
-// registry (the first complete answer wins); one that fails or times out
-// is marked bad for a while and skipped, so ownership moves to the next
-// member until it answers again. No read fails because a peer did.
+// Deadlines follow the owner's progress. An owner answers "102 Processing"
+// as soon as it has checked a request and again every DefaultProgressEvery
+// while it fetches the frames, and sends its status only with the bytes.
+// A read asks the registry too (a hedge; the first complete answer wins)
+// when the owner has shown no sign of life within a delay that follows how
+// long that owner's first signs of life took lately, never less than the
+// configured hedge delay. A request is given up when it makes no progress
+// (no sign of life before the answer, no byte of it after) for the peer
+// timeout, however long it has run. An owner that is refused, cut short,
+// stalls or sends a wrong byte is marked bad for a while and skipped, so
+// ownership moves to the next member until it answers again; one that is
+// busy (503), lacks the layer (404) or whose own registry fetch failed
+// (502) is not. No read fails because a peer did.
 package peer

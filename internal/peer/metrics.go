@@ -9,10 +9,13 @@ import (
 const (
 	outcomeHit     = "hit"     // the owner served every frame asked for
 	outcomeUnknown = "unknown" // the owner does not have the layer open
-	outcomeTimeout = "timeout" // no answer within the peer timeout
+	outcomeTimeout = "timeout" // no progress (sign of life, answer bytes) for the peer timeout
 	outcomeCorrupt = "corrupt" // a frame did not match its digest
 	outcomeBusy    = "busy"    // the owner was answering as many requests as it may (503)
-	outcomeError   = "error"   // refused, reset, other 5xx
+	// outcomeUpstream: the owner's own registry fetch failed (502); the
+	// owner is alive and not at fault.
+	outcomeUpstream = "upstream"
+	outcomeError    = "error" // refused, reset, cut short, other 5xx
 )
 
 // Metrics count the peer tier's traffic for Prometheus (it is a
@@ -33,7 +36,7 @@ type Metrics struct {
 	bad func() int
 }
 
-var outcomesArr = [6]string{outcomeHit, outcomeUnknown, outcomeTimeout, outcomeCorrupt, outcomeBusy, outcomeError}
+var outcomesArr = [7]string{outcomeHit, outcomeUnknown, outcomeTimeout, outcomeCorrupt, outcomeBusy, outcomeUpstream, outcomeError}
 
 // NewMetrics returns empty counters.
 func NewMetrics() *Metrics { return &Metrics{} }
@@ -151,10 +154,10 @@ var (
 	descRefused  = prometheus.NewDesc("envsnap_peer_refused_requests_total", "Requests refused for missing or wrong credentials.", nil, nil)
 	descBusy     = prometheus.NewDesc("envsnap_peer_busy_requests_total", "Requests of peers refused because this node was answering as many as it may.", nil, nil)
 	descRequests = prometheus.NewDesc("envsnap_peer_requests_total", "Frame requests sent to owner peers.", nil, nil)
-	descOutcome  = prometheus.NewDesc("envsnap_peer_request_outcomes_total", "Frame requests to peers by outcome (hit, unknown, timeout, corrupt, busy, error); requests given up because the registry answered first have none.", []string{"outcome"}, nil)
+	descOutcome  = prometheus.NewDesc("envsnap_peer_request_outcomes_total", "Frame requests to peers by outcome (hit, unknown, timeout, corrupt, busy, upstream, error); requests given up because the registry answered first have none.", []string{"outcome"}, nil)
 	descHitRatio = prometheus.NewDesc("envsnap_peer_hit_ratio", "Share of frame requests to peers that the owner served completely.", nil, nil)
 	descHedges   = prometheus.NewDesc("envsnap_peer_hedges_total", "Reads that asked the registry because the owner had not answered within the hedge delay.", nil, nil)
-	descBadMarks = prometheus.NewDesc("envsnap_peer_bad_marks_total", "Times a peer was marked bad (failed, timed out or sent wrong bytes).", nil, nil)
+	descBadMarks = prometheus.NewDesc("envsnap_peer_bad_marks_total", "Times a peer was marked bad (failed, made no progress for the peer timeout, or sent wrong bytes).", nil, nil)
 	descBad      = prometheus.NewDesc("envsnap_peer_bad_peers", "Peers skipped now.", nil, nil)
 )
 

@@ -182,13 +182,16 @@ func TestLocalAddress(t *testing.T) {
 }
 
 // memSource serves frames of one layer from memory, after an optional
-// delay before accepting.
+// delay before accepting (delay) and another while getting the frames
+// (fetching, as an owner's registry fetch), or failing to (fetchErr).
 type memSource struct {
-	layer   digest.Digest
-	blob    []byte
-	delay   time.Duration
-	corrupt atomic.Bool
-	calls   atomic.Int64
+	layer    digest.Digest
+	blob     []byte
+	delay    time.Duration
+	fetching time.Duration
+	fetchErr error
+	corrupt  atomic.Bool
+	calls    atomic.Int64
 }
 
 func (s *memSource) Frames(ctx context.Context, layer digest.Digest, frames []Frame) (func() ([][]byte, error), error) {
@@ -198,6 +201,10 @@ func (s *memSource) Frames(ctx context.Context, layer digest.Digest, frames []Fr
 		return nil, fmt.Errorf("layer %s: %w", layer, errdefs.ErrNotFound)
 	}
 	return func() ([][]byte, error) {
+		time.Sleep(s.fetching)
+		if s.fetchErr != nil {
+			return nil, s.fetchErr
+		}
 		out := make([][]byte, len(frames))
 		for i, f := range frames {
 			b := append([]byte(nil), s.blob[f.Offset:f.Offset+f.Size]...)

@@ -35,8 +35,10 @@ type Source interface {
 	// from another peer). The check fails with an error wrapping
 	// errdefs.ErrNotFound when the node has no open layer with that
 	// digest or a frame is not one of the layer's. The split lets the
-	// server answer at once that it will serve: the requester then knows
-	// the owner is alive and does not hedge while it fetches.
+	// server tell the requester at once that it will serve, and keep
+	// telling it while get runs: the requester then knows the owner is
+	// alive and working, and neither hedges nor gives up while it
+	// fetches.
 	Frames(ctx context.Context, layer digest.Digest, frames []Frame) (get func() ([][]byte, error), err error)
 }
 
@@ -61,6 +63,15 @@ const (
 	// answer at 1/N of its uplink: none completes within the timeout,
 	// and every requester marks a healthy owner bad (docs/scale.md).
 	DefaultMaxServing = 64
+	// DefaultProgressEvery is how often an owner tells a requester that
+	// it is still fetching the frames asked for (an interim "102
+	// Processing" response), from when it has checked the request until
+	// it answers: the requester's timeout (DefaultTimeout) counts time
+	// without progress, and a fetch from a registry behind a busy link
+	// can take longer than it. Many times within that timeout, so that
+	// an owner whose scheduling is delayed by a loaded node still reports
+	// in time.
+	DefaultProgressEvery = 500 * time.Millisecond
 )
 
 type request struct {
@@ -90,6 +101,7 @@ type Server struct {
 	metrics *Metrics
 	// serving holds a token per request being answered.
 	serving chan struct{}
+	every   time.Duration // between interim responses
 }
 
 // ServerOption configures a Server.
@@ -105,13 +117,23 @@ func WithMaxServing(n int) ServerOption {
 	}
 }
 
+// WithProgressEvery sets how often an owner reports that it is still
+// fetching (default DefaultProgressEvery); d <= 0 keeps the default.
+func WithProgressEvery(d time.Duration) ServerOption {
+	return func(s *Server) {
+		if d > 0 {
+			s.every = d
+		}
+	}
+}
+
 // NewServer returns a server of src's frames, refusing requests that do not
 // authenticate with auth.
 func NewServer(src Source, auth Auth, m *Metrics, opts ...ServerOption) (*Server, error) {
 	if err := auth.validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{src: src, auth: auth, metrics: m, serving: make(chan struct{}, DefaultMaxServing)}
+	s := &Server{src: src, auth: auth, metrics: m, serving: make(chan struct{}, DefaultMaxServing), every: DefaultProgressEvery}
 	for _, o := range opts {
 		o(s)
 	}
@@ -204,33 +226,71 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), code)
 		return
 	}
+	// The frames may have to come from the registry first. Until they
+	// are here the requester hears "102 Processing" every s.every: it
+	// shows the owner alive and working, so the requester neither hedges
+	// nor gives up on a fetch that is slow but progressing. The final
+	// status waits for the bytes, so a failed fetch is a 502 (the
+	// requester reads from the registry and does not hold it against this
+	// node) rather than an answer cut short.
+	stop := s.processing(r.Context(), ctx, w)
+	data, err := get()
+	stop()
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("layer", req.Layer).Warn("serve frames to a peer")
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
 	var n int64
-	for _, f := range req.Frames {
+	for i, f := range req.Frames {
+		if len(data) != len(req.Frames) || int64(len(data[i])) != f.Size {
+			log.G(ctx).WithField("layer", req.Layer).Error("source returned a frame of the wrong size")
+			http.Error(w, "internal error", http.StatusInternalServerError)
+			return
+		}
 		n += f.Size
 	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Content-Length", strconv.FormatInt(n, 10))
 	w.WriteHeader(http.StatusOK)
-	if fl, ok := w.(http.Flusher); ok {
-		fl.Flush()
-	}
-	data, err := get()
-	if err != nil {
-		// Too late for a status: cutting the connection short tells the
-		// requester, which then reads from the registry.
-		log.G(ctx).WithError(err).WithField("layer", req.Layer).Warn("serve frames to a peer")
-		panic(http.ErrAbortHandler)
-	}
-	for i, b := range data {
-		if int64(len(b)) != req.Frames[i].Size {
-			log.G(ctx).WithField("layer", req.Layer).Error("source returned a frame of the wrong size")
-			panic(http.ErrAbortHandler)
-		}
+	for _, b := range data {
 		if _, err := w.Write(b); err != nil {
 			return
 		}
 	}
 	s.metrics.servedFrames(n)
+}
+
+// processing sends "102 Processing" to the requester now and every s.every
+// until stop is called, the requester is gone, or the owner's work is
+// over its time (serve ends): past that, silence lets the requester's
+// timeout cut a fetch that hangs.
+func (s *Server) processing(requester, serve context.Context, w http.ResponseWriter) (stop func()) {
+	w.WriteHeader(http.StatusProcessing)
+	done, exited := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(exited)
+		t := time.NewTicker(s.every)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				// The handler does not touch w until stop has
+				// returned, after this goroutine has.
+				w.WriteHeader(http.StatusProcessing)
+			case <-done:
+				return
+			case <-requester.Done():
+				return
+			case <-serve.Done():
+				return
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		<-exited
+	}
 }
 
 // decodeRequest parses and bounds a frame request.
