@@ -8,9 +8,10 @@
 // 4 MiB stripes over the member list, one registry fetch per piece on the
 // owner (node-wide single flight), owners that answer 404 for layers they
 // do not have open, hedging to the registry when an owner has not
-// accepted within HedgeAfter, a per-request Timeout after which the owner
-// is marked bad for BadFor by that requester alone and the stripe's next
-// owner is asked (once), owners that refuse at once past MaxServing
+// accepted within HedgeAfter, a Timeout counted from the owner's last sign
+// of life (an owner that accepted and is alive keeps sending) after which
+// the owner is marked bad for BadFor by that requester alone and the
+// stripe's next owner is asked (once), owners that refuse at once past MaxServing
 // requests in progress, and liveness learnt from failed requests only. What it leaves out is listed in
 // docs/scale.md.
 //
@@ -131,6 +132,12 @@ type Config struct {
 	// requester reads from the registry. 0: no bound.
 	MaxServing int
 
+	// WholeAnswerTimeout makes Timeout bound the whole answer, as
+	// internal/peer did before its deadlines followed progress: an answer
+	// slow because its owner's uplink is shared times out, and a healthy
+	// owner is marked bad.
+	WholeAnswerTimeout bool
+
 	// Design alternatives internal/peer does not implement, to measure
 	// what changing it would buy. AnyLayer: an owner serves (fetching
 	// from the registry) layers it does not have open, instead of 404.
@@ -189,10 +196,10 @@ func DefaultConfig() Config {
 		PrefetchInflight:  6,       // fetch.PrefetchPolicy.Inflight
 		LocalReady:        631_506_712 * time.Nanosecond,
 		Peers:             true,
-		HedgeAfter:        200 * time.Millisecond, // peer.DefaultHedgeAfter
-		Timeout:           5 * time.Second,        // peer.DefaultTimeout
-		BadFor:            30 * time.Second,       // peer.DefaultBadFor
-		MaxServing:        64,                     // peer.DefaultMaxServing
+		HedgeAfter:        time.Second,      // peer.DefaultHedgeAfter: the floor of the adaptive delay, which the model's instant accepts never raise
+		Timeout:           5 * time.Second,  // peer.DefaultTimeout
+		BadFor:            30 * time.Second, // peer.DefaultBadFor
+		MaxServing:        64,               // peer.DefaultMaxServing
 		FailFraction:      0,
 		FailAt:            time.Second,
 		FailMode:          FailSilent,

@@ -56,7 +56,7 @@ func (s *sim) complete(n *node, f *flight) {
 
 // peerRequest is peer.Client.hedged: ask the owner; if it has not
 // accepted after HedgeAfter, ask the registry too; give up on it after
-// Timeout. failover marks the request to the next owner that follows a
+// Timeout without progress (WholeAnswerTimeout: after Timeout). failover marks the request to the next owner that follows a
 // failed one.
 func (s *sim) peerRequest(n *node, o int32, f *flight, failover bool) {
 	r := &request{from: n.id, to: o, f: f, failover: failover}
@@ -70,13 +70,29 @@ func (s *sim) peerRequest(n *node, o int32, f *flight, failover bool) {
 		s.st.Hedges++
 		s.registryFetch(n, f)
 	})
-	s.after(s.cfg.Timeout.Seconds(), func() {
+	timeout := s.cfg.Timeout.Seconds()
+	var check func()
+	check = func() {
 		if r.closed {
 			return
 		}
+		if o := s.nodes[r.to]; !s.cfg.WholeAnswerTimeout && r.accepted {
+			// peer.Client counts time without progress: an owner that
+			// accepted sends interim responses while it fetches and
+			// bytes while it answers, until it dies.
+			if !o.dead {
+				s.after(timeout, check)
+				return
+			}
+			if wait := o.diedAt + timeout - s.now; wait > 0 {
+				s.after(wait, check)
+				return
+			}
+		}
 		s.st.Timeouts++
 		s.giveUp(r, true)
-	})
+	}
+	s.after(timeout, check)
 }
 
 // giveUp abandons r: the owner stops sending, the requester marks it bad
@@ -201,7 +217,7 @@ func (s *sim) serve(o *node, r *request) {
 // fail kills node o: what it was sending stops; its requesters learn it
 // at once (refused) or at their timeout (silent).
 func (s *sim) fail(o *node) {
-	o.dead = true
+	o.dead, o.diedAt = true, s.now
 	s.st.FailedNodes++
 	half := s.cfg.PeerRTT.Seconds() / 2
 	for _, r := range o.serving {

@@ -32,7 +32,8 @@ func Flags(fs *flag.FlagSet, c *Config) {
 	fs.IntVar(&c.PrefetchInflight, "prefetch-inflight", c.PrefetchInflight, "prefetch requests in flight per node")
 	fs.DurationVar(&c.LocalReady, "local-ready", c.LocalReady, "ready time with every byte cached")
 	fs.DurationVar(&c.HedgeAfter, "hedge-after", c.HedgeAfter, "ask the registry when the owner has not accepted by then")
-	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on an owner after")
+	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on an owner after this long without progress")
+	fs.BoolVar(&c.WholeAnswerTimeout, "whole-answer-timeout", c.WholeAnswerTimeout, "the timeout bounds the whole answer (internal/peer before its deadlines followed progress)")
 	fs.DurationVar(&c.BadFor, "bad-for", c.BadFor, "skip a failed owner for")
 	fs.IntVar(&c.MaxServing, "max-serving", c.MaxServing, "requests an owner answers at once; past it it refuses at once (0: no bound)")
 	fs.BoolVar(&c.AnyLayer, "any-layer", c.AnyLayer, "design alternative: owners serve layers they do not have open")
@@ -108,9 +109,9 @@ func WriteTable(w io.Writer, c Config, rows []Row) {
 	if c.AnyLayer || c.Replicas > 1 {
 		fmt.Fprintf(w, "Design alternatives (not internal/peer): owners serve unopened layers %v, owners per stripe %d.\n\n", c.AnyLayer, max(1, c.Replicas))
 	}
-	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s), nodes starting over %v; registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v, bad for %v, owner answers at most %d at once (0: no bound); failures at %v.\n\n",
+	fmt.Fprintf(w, "%d nodes x %d environments, %d task groups (%d rollouts each, %s), nodes starting over %v; registry %.0f Mbit/s, %v; node NIC %.0f Mbit/s, peer RTT %v; piece %s, stripe %s; hedge %v, timeout %v %s, bad for %v, owner answers at most %d at once (0: no bound); failures at %v.\n\n",
 		c.Nodes, c.EnvsPerNode, (envs+c.Rollouts-1)/c.Rollouts, c.Rollouts, map[bool]string{true: "packed", false: "spread at random"}[c.Pack], c.Stagger,
-		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, c.BadFor, c.MaxServing, c.FailAt)
+		c.RegistryBandwidth*8/1e6, c.RegistryRTT, c.NodeBandwidth*8/1e6, c.PeerRTT, mib(c.PieceSize), mib(c.StripeSize), c.HedgeAfter, c.Timeout, map[bool]string{false: "without progress", true: "for the whole answer"}[c.WholeAnswerTimeout], c.BadFor, c.MaxServing, c.FailAt)
 	if len(rows) > 0 {
 		r := rows[0]
 		fmt.Fprintf(w, "Union of reads %s; sum over nodes of what each reads %s (%.1fx the union).\n\n", gb(r.UnionBytes), gb(r.NodeBytes), float64(r.NodeBytes)/float64(r.UnionBytes))

@@ -46,6 +46,7 @@ type request struct {
 type node struct {
 	id       int32
 	dead     bool
+	diedAt   float64
 	open     map[int32]bool // layers with an environment on this node, open once started
 	flights  map[int32]*flight
 	bad      map[int32]float64 // peer -> until
