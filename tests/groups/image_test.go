@@ -21,8 +21,13 @@ func TestPublishGroupFromOCIArchive(t *testing.T) {
 	}, testenv.WithImageEnv("TOOL_NAME=oci-archive", "PATH=/opt/tool/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
 	env.Pull(t, src.Ref, "overlayfs")
 	archive := filepath.Join(f.dir, "tool.tar")
+	// --local: through the transfer service, ctr 2.4 copies the archive
+	// stream into the file in a goroutine that Transfer does not wait
+	// for (core/transfer/archive ImageExportStream.MarshalAny), so ctr
+	// can exit with the file short of its last blob (seen in CI: "short
+	// read: expected 1147547 bytes but got 1114112").
 	out, err := exec.Command(testenv.Tool(t, "ctr"), "--address", env.Address, "--namespace", env.Namespace,
-		"images", "export", archive, src.Ref).CombinedOutput()
+		"images", "export", "--local", archive, src.Ref).CombinedOutput()
 	if err != nil {
 		t.Fatalf("ctr images export: %v\n%s", err, out)
 	}
