@@ -209,6 +209,13 @@ type flight struct {
 	// (Flights shared node-wide): the frames it caches count in their
 	// layers' progress too. Guarded by Flights.mu.
 	joined []joinedRead
+	// viaPeers: the flight asks the frames' owners, the frames being
+	// at offsets at of blob layer (all fixed when it is registered). An
+	// owner answering a peer does not wait for such a flight when another
+	// member owns the frame's stripe (awaitFrame).
+	viaPeers bool
+	layer    digest.Digest
+	at       map[digest.Digest]int64
 }
 
 // joinedRead is span j of layer l, whose frame is d.
@@ -460,7 +467,7 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 		return f
 	}
 	chunks := l.planLocked(c)
-	f := l.registerLocked(chunks)
+	f := l.registerLocked(chunks, l.o.peers != nil)
 	deadline := time.Now().Add(l.o.readTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -478,12 +485,19 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	return f
 }
 
-// registerLocked needs l.mu and l.flights.mu held.
-func (l *Layer) registerLocked(chunks []layerfmt.Chunk) *flight {
-	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks))}
+// registerLocked needs l.mu and l.flights.mu held. viaPeers says whether
+// the flight will ask the peer tier (fetchFlight).
+func (l *Layer) registerLocked(chunks []layerfmt.Chunk, viaPeers bool) *flight {
+	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks)), viaPeers: viaPeers}
+	if viaPeers {
+		f.layer, f.at = l.blob.Descriptor().Digest, make(map[digest.Digest]int64, len(chunks))
+	}
 	for _, c := range chunks {
 		if _, dup := f.arrivals[c.Digest]; !dup {
 			f.arrivals[c.Digest] = &arrival{done: make(chan struct{})}
+			if viaPeers {
+				f.at[c.Digest] = c.Offset
+			}
 		}
 		l.flights.m[c.Digest] = f
 	}
@@ -762,7 +776,7 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 	var flights []*flight
 	if !l.closed {
 		for _, chunks := range runs {
-			flights = append(flights, l.registerLocked(chunks))
+			flights = append(flights, l.registerLocked(chunks, l.o.peers != nil && !servingPeer(ctx)))
 		}
 	}
 	l.flights.mu.Unlock()

@@ -174,6 +174,22 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 		l.flights.mu.Lock()
 		f := l.flights.m[d]
 		l.flights.mu.Unlock()
+		if f != nil && f.viaPeers && servingPeer(ctx) && l.o.peers != nil && !l.o.peers.Owns(f.layer, f.at[d]) {
+			// This node's own read of the frame is asking another
+			// member, possibly the very requester (each failing over
+			// from a bad owner to the other, their views of the
+			// members differing), whose answer may wait on this one:
+			// two owners that keep reporting progress to each other
+			// would wait until the read timeout. A peer's request
+			// goes to the registry, never to another peer. (A stripe
+			// this node owns lands in the cache as soon as the
+			// registry sent it: waiting for that is safe.)
+			b, err := l.registryFrames(ctx, []peer.Frame{{Offset: l.spans[j].off, Size: l.spans[j].csize, Digest: d}}, "peer")
+			if err != nil {
+				return nil, err
+			}
+			return b[0], nil
+		}
 		if f == nil {
 			if attempt > 0 {
 				// Fetched, but the cache could not keep it (full):

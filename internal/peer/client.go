@@ -215,6 +215,15 @@ func (c *Client) Members() []string { return c.members.Members() }
 // below the peers.
 type Registry func(ctx context.Context, frames []Frame) ([][]byte, error)
 
+// Owns reports whether this node reads the stripe of layer holding offset
+// from the registry itself, as Fetch would now: it owns the stripe among
+// the live members, or no other member is live.
+func (c *Client) Owns(layer digest.Digest, offset int64) bool {
+	live, self := c.live()
+	owner := Owner(StripeKey(layer, offset), live)
+	return owner == "" || owner == self
+}
+
 // Fetch returns the compressed bytes of frames (sorted by offset) of layer,
 // each verified against its digest: the frames of stripes another member
 // owns from that member, hedged with registry; those this node owns (or
