@@ -377,7 +377,11 @@ func TestLazyMinSize(t *testing.T) {
 		t.Fatalf("Mount of the %d-byte layer: %v", big.Size, err)
 	}
 	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
-	err := s.Mount(ctx, t.TempDir(), labels[1])
+	smallMP := t.TempDir()
+	err := s.Mount(ctx, smallMP, labels[1])
+	if err == nil {
+		s.Unmount(context.Background(), smallMP)
+	}
 	if !errdefs.IsNotImplemented(err) || !strings.Contains(err.Error(), "lazy_min_size") {
 		t.Fatalf("Mount of the %d-byte layer: %v, want not implemented (below lazy_min_size)", small.Size, err)
 	}
