@@ -5,13 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
-	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -24,6 +19,7 @@ import (
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/peer"
+	"github.com/envsnap/envsnap/internal/peer/peertest"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -485,32 +481,6 @@ func mustLookup(t *testing.T, toc *layerfmt.TOC, name string) int {
 	return idx
 }
 
-// corruptingProxy forwards to a peer server and flips one byte of every
-// answer with a body: a path to a peer that sends wrong bytes.
-func corruptingProxy(t *testing.T, target string) string {
-	t.Helper()
-	u, _ := url.Parse("http://" + target)
-	rp := httputil.NewSingleHostReverseProxy(u)
-	rp.ModifyResponse = func(resp *http.Response) error {
-		if resp.StatusCode != http.StatusOK {
-			return nil
-		}
-		b, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			return err
-		}
-		if len(b) > 0 {
-			b[len(b)/2] ^= 0x55
-		}
-		resp.Body = io.NopCloser(bytes.NewReader(b))
-		return nil
-	}
-	srv := httptest.NewServer(rp)
-	t.Cleanup(srv.Close)
-	return strings.TrimPrefix(srv.URL, "http://")
-}
-
 // Every node reaches the others through a proxy that corrupts what they
 // send, as in tests/peers: each node marks the others bad and fails over
 // to the next owner by rendezvous, which its own view of the members
@@ -526,7 +496,7 @@ func TestPeersFailoverCycle(t *testing.T) {
 		pc := newPeerClusterViews(t, 3, true, nil, func(i int, members []string) []string {
 			if proxies == nil {
 				for _, m := range members {
-					proxies = append(proxies, corruptingProxy(t, m))
+					proxies = append(proxies, peertest.CorruptingProxy(t, "127.0.0.1", m))
 				}
 			}
 			view := []string{members[i]}

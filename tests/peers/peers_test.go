@@ -6,7 +6,6 @@ package peers
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -14,9 +13,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -30,6 +26,7 @@ import (
 	"github.com/envsnap/envsnap/internal/daemon"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/peer"
+	"github.com/envsnap/envsnap/internal/peer/peertest"
 	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
@@ -364,37 +361,6 @@ func TestPeersOwnerKilledMidRead(t *testing.T) {
 	}
 }
 
-// corruptingProxy forwards to a peer server and flips one byte in every
-// frame response: a peer (or a path to it) that sends wrong bytes.
-func corruptingProxy(t *testing.T, ip, target string) string {
-	t.Helper()
-	u, _ := url.Parse("http://" + target)
-	rp := httputil.NewSingleHostReverseProxy(u)
-	rp.ModifyResponse = func(resp *http.Response) error {
-		if resp.StatusCode != http.StatusOK {
-			return nil
-		}
-		b, err := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if err != nil {
-			return err
-		}
-		if len(b) > 0 {
-			b[len(b)/2] ^= 0x55
-		}
-		resp.Body = io.NopCloser(bytes.NewReader(b))
-		return nil
-	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &httptest.Server{Listener: ln, Config: &http.Server{Handler: rp}}
-	srv.Start()
-	t.Cleanup(srv.Close)
-	return strings.TrimPrefix(srv.URL, "http://")
-}
-
 // Every node reaches the others through a proxy that corrupts what they
 // send: the requesters detect it, mark the peers bad, and read from the
 // registry; every byte is right, and nothing wrong was cached (a second
@@ -403,7 +369,7 @@ func TestPeersCorruptingPeerBypassed(t *testing.T) {
 	proxies := map[int]string{}
 	nodes := startNodes(t, 3, nil, func(br *netshape.Bridge, j int, addr string) string {
 		if _, ok := proxies[j]; !ok {
-			proxies[j] = corruptingProxy(t, br.HostAddr.String(), addr)
+			proxies[j] = peertest.CorruptingProxy(t, br.HostAddr.String(), addr)
 		}
 		return proxies[j]
 	})
