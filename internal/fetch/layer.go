@@ -209,13 +209,11 @@ type flight struct {
 	// (Flights shared node-wide): the frames it caches count in their
 	// layers' progress too. Guarded by Flights.mu.
 	joined []joinedRead
-	// viaPeers: the flight asks the frames' owners, the frames being
-	// at offsets at of blob layer (all fixed when it is registered). An
-	// owner answering a peer does not wait for such a flight when another
-	// member owns the frame's stripe (awaitFrame).
-	viaPeers bool
-	layer    digest.Digest
-	at       map[digest.Digest]int64
+	// peerLayer is the blob whose frames the flight asks the peer tier
+	// for; empty when it goes to the registry (fixed when it is
+	// registered). An owner answering a peer does not wait for such a
+	// flight when another member owns the frame's stripe (awaitFrame).
+	peerLayer digest.Digest
 }
 
 // joinedRead is span j of layer l, whose frame is d.
@@ -228,6 +226,7 @@ type joinedRead struct {
 // arrival is one chunk of a flight: data or err are set, then done closed,
 // by the flight's goroutine alone.
 type arrival struct {
+	off  int64 // the chunk's offset in the flight's blob
 	done chan struct{}
 	data []byte
 	err  error
@@ -488,16 +487,13 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 // registerLocked needs l.mu and l.flights.mu held. viaPeers says whether
 // the flight will ask the peer tier (fetchFlight).
 func (l *Layer) registerLocked(chunks []layerfmt.Chunk, viaPeers bool) *flight {
-	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks)), viaPeers: viaPeers}
+	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks))}
 	if viaPeers {
-		f.layer, f.at = l.blob.Descriptor().Digest, make(map[digest.Digest]int64, len(chunks))
+		f.peerLayer = l.blob.Descriptor().Digest
 	}
 	for _, c := range chunks {
 		if _, dup := f.arrivals[c.Digest]; !dup {
-			f.arrivals[c.Digest] = &arrival{done: make(chan struct{})}
-			if viaPeers {
-				f.at[c.Digest] = c.Offset
-			}
+			f.arrivals[c.Digest] = &arrival{off: c.Offset, done: make(chan struct{})}
 		}
 		l.flights.m[c.Digest] = f
 	}

@@ -166,6 +166,13 @@ func (l *Layer) serveFrames(ctx context.Context, frames []peer.Frame, idx []int)
 // awaitFrame returns frame d (span j) from the cache, the flight fetching
 // it, or a fetch of its own.
 func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte, error) {
+	alone := func() ([]byte, error) {
+		b, err := l.registryFrames(ctx, []peer.Frame{{Offset: l.spans[j].off, Size: l.spans[j].csize, Digest: d}}, "peer")
+		if err != nil {
+			return nil, err
+		}
+		return b[0], nil
+	}
 	for attempt := 0; ; attempt++ {
 		landed := l.flights.open.landing()
 		if b, ok := l.cache.Get(d); ok {
@@ -174,7 +181,7 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 		l.flights.mu.Lock()
 		f := l.flights.m[d]
 		l.flights.mu.Unlock()
-		if f != nil && f.viaPeers && servingPeer(ctx) && l.o.peers != nil && !l.o.peers.Owns(f.layer, f.at[d]) {
+		if f != nil && f.peerLayer != "" && servingPeer(ctx) && l.o.peers != nil && !l.o.peers.Owns(f.peerLayer, f.arrival(d).off) {
 			// This node's own read of the frame is asking another
 			// member, possibly the very requester (each failing over
 			// from a bad owner to the other, their views of the
@@ -184,21 +191,13 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 			// goes to the registry, never to another peer. (A stripe
 			// this node owns lands in the cache as soon as the
 			// registry sent it: waiting for that is safe.)
-			b, err := l.registryFrames(ctx, []peer.Frame{{Offset: l.spans[j].off, Size: l.spans[j].csize, Digest: d}}, "peer")
-			if err != nil {
-				return nil, err
-			}
-			return b[0], nil
+			return alone()
 		}
 		if f == nil {
 			if attempt > 0 {
 				// Fetched, but the cache could not keep it (full):
 				// fetch it for this request alone.
-				b, err := l.registryFrames(ctx, []peer.Frame{{Offset: l.spans[j].off, Size: l.spans[j].csize, Digest: d}}, "peer")
-				if err != nil {
-					return nil, err
-				}
-				return b[0], nil
+				return alone()
 			}
 			if err := l.fetchSpans(ctx, []int{j}, "peer", nil); err != nil {
 				return nil, err
