@@ -418,17 +418,19 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 	if e.opts.envsnapBin != "" {
 		bin = e.opts.envsnapBin
 	}
-	args := append([]string{"serve",
+	args := []string{"serve",
 		"--root", e.EnvsnapRoot,
 		"--address", e.SnapshotterSocket,
 		"--hosts-dir", e.HostsDir,
 		"--log-level", "debug",
-	}, e.opts.envsnapArgs...)
-	// A baseline build (WithEnvsnapBinary) may predate the flag; builds
-	// without it serve every layer lazily.
-	if !e.opts.lazyDefault && e.opts.envsnapBin == "" {
-		args = append(args[:1], append([]string{"--lazy-min-size", "0"}, args[1:]...)...)
 	}
+	// Before the extra arguments, which may set it again. A baseline
+	// build (WithEnvsnapBinary) may predate the flag; builds without it
+	// serve every layer lazily.
+	if !e.opts.lazyDefault && e.opts.envsnapBin == "" {
+		args = append(args, "--lazy-min-size", "0")
+	}
+	args = append(args, e.opts.envsnapArgs...)
 	p, err := e.StartProcess("envsnap", nil, bin, args...)
 	if err != nil {
 		return nil, err
