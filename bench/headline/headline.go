@@ -123,6 +123,9 @@ type Iteration struct {
 	Ready         Summary       `json:"ready_s"`
 	RegistryBytes int64         `json:"registry_bytes"` // every blob byte of the iteration
 	Failed        int           `json:"failed"`
+	// CPU is the CPU seconds used during the iteration: "node" for the
+	// whole node, then the bench's daemons by name (sampleCPU).
+	CPU map[string]float64 `json:"cpu_s,omitempty"`
 }
 
 // Headline ratios (median, cold).
@@ -252,6 +255,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 			rep.Iterations[sys] = it
 			cfg.logf("%-15s iteration of %d envs, %d at a time: makespan %.1fs, episode p50 %.2fs p95 %.2fs, registry %s, %d failed",
 				sys, it.Envs, it.Concurrent, it.Makespan.Seconds(), it.Episode.Median, it.Episode.P95, mib(it.RegistryBytes), it.Failed)
+			cfg.logf("%-15s iteration CPU seconds: %s", sys, cpuLine(it.CPU))
 		}
 	}
 	if len(rep.Iterations) > 0 && cfg.Checkpoint != nil {
@@ -518,7 +522,8 @@ func (b *bench) runIteration(ctx context.Context, envs []env, sys string, k int)
 	out := make([]Run, len(envs))
 	next := make(chan int)
 	var wg sync.WaitGroup
-	start := time.Now()
+	b.cfg.logf("%-15s iteration: %d environments, %d at a time, from an empty node", sys, len(envs), k)
+	start, cpu := time.Now(), b.sampleCPU()
 	for range min(k, len(envs)) {
 		wg.Add(1)
 		go func() {
@@ -540,7 +545,8 @@ func (b *bench) runIteration(ctx context.Context, envs []env, sys string, k int)
 	}
 	close(next)
 	wg.Wait()
-	it := Iteration{Envs: len(envs), Concurrent: k, Makespan: time.Since(start), RegistryBytes: b.env.Registry.BlobBytesServed()}
+	it := Iteration{Envs: len(envs), Concurrent: k, Makespan: time.Since(start), RegistryBytes: b.env.Registry.BlobBytesServed(),
+		CPU: b.sampleCPU().since(cpu)}
 	var ready, ep []time.Duration
 	for _, r := range out {
 		if r.Error != "" {

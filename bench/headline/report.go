@@ -157,6 +157,12 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 				it.Episode.Median, it.Episode.P95, it.Ready.Median, it.Ready.P95, float64(it.RegistryBytes)/(1<<20), it.Failed)
 		}
 		fmt.Fprintf(&b, "\n")
+		for _, sys := range []string{Overlayfs, Envsnap} {
+			if cpu := rep.Iterations[sys].CPU; len(cpu) > 0 {
+				fmt.Fprintf(&b, "- CPU seconds during the %s iteration (node: every core's busy time; then each daemon): %s.\n", sys, cpuLine(cpu))
+			}
+		}
+		fmt.Fprintf(&b, "\n")
 	}
 	if h.InitRatio > 0 || h.WarmEpisodeRatio > 0 || h.PulledPerRead > 0 {
 		fmt.Fprintf(&b, "## Environments one at a time, cold and warm (median)\n\n")

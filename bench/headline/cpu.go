@@ -1,0 +1,80 @@
+package headline
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/prometheus/procfs"
+)
+
+// cpuSample is the CPU time the node and the bench's daemons had used at
+// one moment. Two samples bracket a scenario: on 2 cores the iteration is
+// CPU-bound, so where the CPU went (the workload, containerd, the
+// snapshotter daemon) explains a makespan ratio better than times alone.
+type cpuSample struct {
+	busy    float64            // node: every CPU state but idle and iowait
+	daemons map[string]float64 // user+system by process name
+}
+
+// sampleCPU reads /proc. A daemon that cannot be read is left out rather
+// than failing the run: the numbers explain results, they are not results.
+func (b *bench) sampleCPU() cpuSample {
+	s := cpuSample{daemons: map[string]float64{}}
+	fs, err := procfs.NewDefaultFS()
+	if err != nil {
+		return s
+	}
+	if st, err := fs.Stat(); err == nil {
+		t := st.CPUTotal
+		s.busy = t.User + t.Nice + t.System + t.IRQ + t.SoftIRQ + t.Steal
+	}
+	add := func(name string, pid int) {
+		p, err := fs.Proc(pid)
+		if err != nil {
+			return
+		}
+		if st, err := p.Stat(); err == nil {
+			s.daemons[name] += st.CPUTime()
+		}
+	}
+	for _, p := range b.env.Processes() {
+		if exited, _ := p.Exited(); !exited { // a restarted daemon's old PID
+			add(p.Name, p.PID())
+		}
+	}
+	if self, err := fs.Self(); err == nil {
+		// The registry's link proxy and the episode clients run in the
+		// bench's own process.
+		add("bench", self.PID)
+	}
+	return s
+}
+
+// since is the CPU used between prev and s, in seconds: "node" for the
+// whole node, then each daemon.
+func (s cpuSample) since(prev cpuSample) map[string]float64 {
+	out := map[string]float64{"node": s.busy - prev.busy}
+	for name, t := range s.daemons {
+		if p, ok := prev.daemons[name]; ok {
+			out[name] = t - p
+		}
+	}
+	return out
+}
+
+// cpuLine formats a since result: the node first, then the daemons by name.
+func cpuLine(cpu map[string]float64) string {
+	names := make([]string, 0, len(cpu))
+	for n := range cpu {
+		if n != "node" {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	parts := []string{fmt.Sprintf("node %.1f", cpu["node"])}
+	for _, n := range names {
+		parts = append(parts, fmt.Sprintf("%s %.1f", n, cpu[n]))
+	}
+	return strings.Join(parts, ", ")
+}
