@@ -41,10 +41,16 @@ type Config struct {
 	// iteration (runIteration). Zero skips the scenario.
 	IterationEnvs       int
 	IterationConcurrent int
-	RTT                 time.Duration // registry round trip added by the proxy
-	Rate                int64         // registry link rate, bits/s
-	Systems             []string      // subset of AllSystems
-	Timeout             time.Duration // per episode
+	// IterationRounds runs the iteration scenario this many times per
+	// system, the systems' order alternating from round to round: on a
+	// shared VM the machine's speed drifts by about 10% between runs of
+	// the same system, as much as the systems differ, so the headline is
+	// the median of the rounds' ratios. Zero means one round.
+	IterationRounds int
+	RTT             time.Duration // registry round trip added by the proxy
+	Rate            int64         // registry link rate, bits/s
+	Systems         []string      // subset of AllSystems
+	Timeout         time.Duration // per episode
 	// NoPrefetch skips recording footprints and attaching them to the
 	// shared groups before the runs (recordPrefetch).
 	NoPrefetch bool
@@ -98,9 +104,10 @@ type Report struct {
 	GroupSize map[string]int64              `json:"group_bytes"` // kind -> layer bytes (one env)
 	Runs      []Run                         `json:"runs"`
 	Summary   map[string]map[string]Summary `json:"summary"` // system/phase -> measure -> summary
-	// Iterations: system -> the iteration scenario's outcome.
-	Iterations map[string]Iteration `json:"iterations,omitempty"`
-	Headline   Headline             `json:"headline"`
+	// Iterations: system -> the iteration scenario's outcome, one per
+	// round (Config.IterationRounds), in round order.
+	Iterations map[string][]Iteration `json:"iterations,omitempty"`
+	Headline   Headline               `json:"headline"`
 	// Command is how the run was started (the report says what ran).
 	Command string `json:"command"`
 	// SettleWarm: envsnap warm runs waited for their layers to be fully
@@ -131,8 +138,10 @@ type Iteration struct {
 // Headline ratios (median, cold).
 type Headline struct {
 	// IterationRatio: envsnap makespan / overlayfs makespan of the
-	// iteration scenario.
-	IterationRatio float64 `json:"iteration_ratio,omitempty"`
+	// iteration scenario, the median over the rounds of each round's
+	// ratio (IterationRatios).
+	IterationRatio  float64   `json:"iteration_ratio,omitempty"`
+	IterationRatios []float64 `json:"iteration_ratios,omitempty"`
 	// IterationBytesRatio: envsnap registry bytes / overlayfs registry
 	// bytes over the iteration scenario.
 	IterationBytesRatio float64 `json:"iteration_bytes_ratio,omitempty"`
@@ -162,7 +171,7 @@ func (c *Config) logf(format string, args ...any) {
 // Measure runs the benchmark.
 func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{},
-		Iterations: map[string]Iteration{}, SettleWarm: cfg.SettleWarm}
+		Iterations: map[string][]Iteration{}, SettleWarm: cfg.SettleWarm}
 	var settled []float64
 	rep.Machine = machine()
 	w, err := episode.LoadWorkload(cfg.Tasks)
@@ -239,20 +248,29 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	// The iteration first: it is the headline, and a run cut short
 	// should still have it.
-	if len(iterEnvs) > 0 {
-		for _, sys := range []string{Overlayfs, Envsnap} {
+	rounds := max(1, cfg.IterationRounds)
+	for round := range rounds {
+		if len(iterEnvs) == 0 {
+			break
+		}
+		order := []string{Overlayfs, Envsnap}
+		if round%2 == 1 {
+			order = []string{Envsnap, Overlayfs}
+		}
+		for _, sys := range order {
 			if !slices.Contains(systems, sys) {
 				continue
 			}
 			if err := b.useSystem(sys); err != nil {
 				return nil, fmt.Errorf("iteration on %s: %w", sys, err)
 			}
+			cfg.logf("%-15s iteration round %d of %d", sys, round+1, rounds)
 			it, rs, err := b.runIteration(ctx, iterEnvs, sys, max(1, cfg.IterationConcurrent))
 			if err != nil {
 				return nil, fmt.Errorf("iteration on %s: %w", sys, err)
 			}
 			rep.Runs = append(rep.Runs, rs...)
-			rep.Iterations[sys] = it
+			rep.Iterations[sys] = append(rep.Iterations[sys], it)
 			cfg.logf("%-15s iteration of %d envs, %d at a time: makespan %.1fs, episode p50 %.2fs p95 %.2fs, registry %s, %d failed",
 				sys, it.Envs, it.Concurrent, it.Makespan.Seconds(), it.Episode.Median, it.Episode.P95, mib(it.RegistryBytes), it.Failed)
 			cfg.logf("%-15s iteration CPU seconds: %s", sys, cpuLine(it.CPU))
@@ -623,9 +641,21 @@ func (rep *Report) summarize() {
 		}
 	}
 	med := func(key, m string) float64 { return rep.Summary[key][m].Median }
-	if o, e := rep.Iterations[Overlayfs], rep.Iterations[Envsnap]; o.Makespan > 0 && e.Makespan > 0 && o.Failed == 0 && e.Failed == 0 {
-		rep.Headline.IterationRatio = e.Makespan.Seconds() / o.Makespan.Seconds()
-		rep.Headline.IterationBytesRatio = float64(e.RegistryBytes) / float64(max(o.RegistryBytes, 1))
+	rep.Headline.IterationRatios = nil
+	for i, o := range rep.Iterations[Overlayfs] {
+		if i >= len(rep.Iterations[Envsnap]) {
+			break
+		}
+		e := rep.Iterations[Envsnap][i]
+		if o.Makespan > 0 && e.Makespan > 0 && o.Failed == 0 && e.Failed == 0 {
+			rep.Headline.IterationRatios = append(rep.Headline.IterationRatios, e.Makespan.Seconds()/o.Makespan.Seconds())
+			if rep.Headline.IterationBytesRatio == 0 {
+				rep.Headline.IterationBytesRatio = float64(e.RegistryBytes) / float64(max(o.RegistryBytes, 1))
+			}
+		}
+	}
+	if len(rep.Headline.IterationRatios) > 0 {
+		rep.Headline.IterationRatio = median(rep.Headline.IterationRatios)
 	}
 	if o := med(Overlayfs+"/warm", "ready_s"); o > 0 {
 		rep.Headline.WarmInitRatio = med(Envsnap+"/warm", "ready_s") / o

@@ -36,3 +36,19 @@ func seconds(ds []time.Duration) []float64 {
 	}
 	return out
 }
+
+// median is the middle value of xs, the mean of the two middle ones for
+// an even count: Summary.Median's nearest rank would take the lower of
+// two rounds' ratios, which flatters whichever system it favours.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 // Process is a daemon started by the env. It is always stopped by PID,
@@ -144,4 +146,35 @@ func waitFor(timeout time.Duration, what string, cond func() error) error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// CPUSeconds reports the CPU time (user and system, in seconds) used so
+// far by each daemon of the env that is still running, by name, and by
+// the calling process as "self" (which runs the env's in-process parts:
+// the registry's link proxy, the clients). Benchmarks difference two
+// calls to say where the CPU of a scenario went, whichever process did
+// the work. A process that cannot be read is left out: the numbers
+// explain results, they are not results.
+func (e *Env) CPUSeconds() map[string]float64 {
+	out := map[string]float64{}
+	fs, err := procfs.NewDefaultFS()
+	if err != nil {
+		return out
+	}
+	add := func(name string, pid int) {
+		p, err := fs.Proc(pid)
+		if err != nil {
+			return
+		}
+		if st, err := p.Stat(); err == nil {
+			out[name] += st.CPUTime()
+		}
+	}
+	for _, p := range e.Processes() {
+		if exited, _ := p.Exited(); !exited { // a restarted daemon's old PID
+			add(p.Name, p.PID())
+		}
+	}
+	add("self", os.Getpid())
+	return out
 }

@@ -30,6 +30,7 @@ func main() {
 	flag.IntVar(&cfg.Concurrent, "concurrent", 8, "environments started at once")
 	flag.IntVar(&cfg.IterationEnvs, "iteration-envs", 32, "environments of the iteration scenario (0 skips it)")
 	flag.IntVar(&cfg.IterationConcurrent, "iteration-concurrent", 4, "environments of the iteration scenario running at a time")
+	flag.IntVar(&cfg.IterationRounds, "iteration-rounds", 2, "rounds of the iteration scenario per system, the order alternating; the headline is the median of the rounds' ratios")
 	flag.DurationVar(&cfg.RTT, "rtt", 20*time.Millisecond, "registry round trip")
 	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
 	flag.StringVar(&systems, "systems", strings.Join(headline.AllSystems, ","), "systems to measure")
