@@ -146,7 +146,11 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 	h := rep.Headline
 	if o, e := rep.Iterations[Overlayfs], rep.Iterations[Envsnap]; len(o) > 0 && len(e) > 0 {
 		fmt.Fprintf(&b, "## Headline: one RL iteration\n\n")
-		fmt.Fprintf(&b, "An empty node, then %d environments (distinct images, shared base, harness and evaluator groups) run %d at a time, a new one starting when one ends, under the envlet shim; %d round(s) per system, the systems' order alternating from round to round.\n\n", e[0].Envs, e[0].Concurrent, max(len(o), len(e)))
+		rounds := "one round per system"
+		if n := max(len(o), len(e)); n > 1 {
+			rounds = fmt.Sprintf("%d rounds per system, the systems' order alternating from round to round", n)
+		}
+		fmt.Fprintf(&b, "An empty node, then %d environments (distinct images, shared base, harness and evaluator groups) run %d at a time, a new one starting when one ends, under the envlet shim; %s.\n\n", e[0].Envs, e[0].Concurrent, rounds)
 		if h.IterationRatio > 0 {
 			var per []string
 			for _, r := range h.IterationRatios {
