@@ -318,9 +318,11 @@ func (g *guard) copyOut(ctx context.Context, r io.ReadCloser, dst string) {
 				}
 			}
 			if keep < n {
-				if w != nil && total-int64(n) < g.limits.output {
-					// The first chunk past the cap: say why the output
-					// ends, in the output itself.
+				if w != nil && total-int64(n) <= g.limits.output {
+					// The first chunk past the cap (it may start right
+					// at the cap, when the output before it filled it
+					// exactly): say why the output ends, in the output
+					// itself.
 					fmt.Fprintf(w, "\n[envlet: output cap of %d bytes reached; the rest is dropped and the environment fails: %s]\n",
 						g.limits.output, envlet.ReasonOutputCapExceeded)
 				}
