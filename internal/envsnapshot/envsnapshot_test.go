@@ -293,16 +293,7 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 func TestPrecopy(t *testing.T) {
 	requireRoot(t)
 	upper := t.TempDir()
-	write := func(name, data string) {
-		t.Helper()
-		p := filepath.Join(upper, name)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	write := func(name, data string) { t.Helper(); writeUpperFile(t, upper, name, data) }
 	for _, n := range []string{"keep", "d/keep2", "inplace", "gone", "replaced", "chmodded", "d2/child", "f2", "s", "dd/sub/x"} {
 		write(n, "before "+n)
 	}
@@ -586,16 +577,7 @@ func TestReadContentShrunk(t *testing.T) {
 func TestSpeculation(t *testing.T) {
 	requireRoot(t)
 	upper := t.TempDir()
-	write := func(name, data string) {
-		t.Helper()
-		p := filepath.Join(upper, name)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	write := func(name, data string) { t.Helper(); writeUpperFile(t, upper, name, data) }
 	write("a/one", "one")
 	write("a/two", strings.Repeat("two", 1000))
 	write("b/three", "three")
@@ -669,5 +651,17 @@ func TestSpeculation(t *testing.T) {
 		}
 	}) {
 		t.Error("a directory's xattr set after the pre-copy: the speculation held")
+	}
+}
+
+// writeUpperFile writes data to name under upper, making its parents.
+func writeUpperFile(t *testing.T, upper, name, data string) {
+	t.Helper()
+	p := filepath.Join(upper, name)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
 	}
 }
