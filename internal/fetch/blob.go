@@ -95,7 +95,7 @@ func (b *BlobReader) RangeIgnored() bool { return b.rangeIgnored.Load() }
 // ctx's deadline (or the default timeout). It does not verify content: the
 // caller checks chunk digests.
 func (b *BlobReader) ReadRange(ctx context.Context, off, n int64) ([]byte, error) {
-	data, _, err := b.readRange(ctx, off, n, 0, nil)
+	data, _, err := b.readRange(ctx, off, n, 0, nil, nil)
 	return data, err
 }
 
@@ -114,7 +114,10 @@ const streamStep = 256 << 10
 // and the blob is at most keepWhole bytes, returns all of it: data then
 // starts at blob offset base 0 instead of off.
 // Partial responses are reported to progress, when not nil, as they arrive.
-func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64, progress arrived) (data []byte, base int64, err error) {
+// A range is received into a buffer from alloc, when not nil: every attempt
+// at the request takes a new one (the bytes of an earlier attempt may
+// already be in the hands of readers).
+func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64, progress arrived, alloc func(int64) []byte) (data []byte, base int64, err error) {
 	if off < 0 || n <= 0 || off+n > b.desc.Size {
 		return nil, 0, fmt.Errorf("read %s range %d+%d of %d bytes: %w", b.desc.Digest, off, n, b.desc.Size, errdefs.ErrInvalidArgument)
 	}
@@ -123,7 +126,7 @@ func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64, pro
 	hdr.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+n-1))
 	err = b.r.do(ctx, what, "/blobs/"+b.desc.Digest.String(), hdr, func(resp *http.Response) error {
 		var err error
-		data, base, err = b.readBody(ctx, resp, off, n, keepWhole, progress)
+		data, base, err = b.readBody(ctx, resp, off, n, keepWhole, progress, alloc)
 		return err
 	})
 	if err != nil {
@@ -132,7 +135,7 @@ func (b *BlobReader) readRange(ctx context.Context, off, n, keepWhole int64, pro
 	return data, base, nil
 }
 
-func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, keepWhole int64, progress arrived) ([]byte, int64, error) {
+func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, keepWhole int64, progress arrived, alloc func(int64) []byte) ([]byte, int64, error) {
 	host := resp.Request.URL.Host
 	switch resp.StatusCode {
 	case http.StatusPartialContent:
@@ -168,7 +171,12 @@ func (b *BlobReader) readBody(ctx context.Context, resp *http.Response, off, n, 
 	default:
 		return nil, 0, permanent(fmt.Errorf("%s: unexpected status %d for a range request", host, resp.StatusCode))
 	}
-	buf := make([]byte, n)
+	var buf []byte
+	if alloc != nil {
+		buf = alloc(n)
+	} else {
+		buf = make([]byte, n)
+	}
 	if progress == nil {
 		if got, err := io.ReadFull(resp.Body, buf); err != nil {
 			// A reset or truncated body: transient, the whole range is retried.

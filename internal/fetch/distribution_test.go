@@ -164,7 +164,7 @@ func TestDistributionRegistry(t *testing.T) {
 			t.Fatalf("%s missing", f.name)
 		}
 		c := toc.Chunks(i)[len(toc.Chunks(i))-1]
-		out, err := l.ReadChunk(context.Background(), c)
+		out, err := readChunk(l, c)
 		if err != nil || !bytes.Equal(out, f.data[c.FileOffset:c.FileOffset+c.Size]) {
 			t.Fatalf("ReadChunk of %s: %v", f.name, err)
 		}

@@ -214,6 +214,38 @@ type flight struct {
 	// registered). An owner answering a peer does not wait for such a
 	// flight when another member owns the frame's stripe (awaitFrame).
 	peerLayer digest.Digest
+
+	// holds counts who may still read the arrivals' bytes: the flight's
+	// own run, and every reader that joined it (join, awaitFrame) until
+	// it is done with them. The last drop gives bufs, the buffers the
+	// responses were received into, to recv for the next flights.
+	holds atomic.Int32
+	bufs  [][]byte // appended by the flight's goroutine alone
+	recv  *recvBuffers
+}
+
+// hold notes one more reader of f's bytes; Flights.mu must be held and f
+// registered (after run unregisters it, nobody can join it any more).
+func (f *flight) hold() { f.holds.Add(1) }
+
+// drop ends a hold of f; the last one frees its receive buffers.
+func (f *flight) drop() {
+	switch n := f.holds.Add(-1); {
+	case n < 0:
+		panic("fetch: flight dropped more often than it was held")
+	case n == 0 && f.recv != nil:
+		for _, b := range f.bufs {
+			f.recv.put(b)
+		}
+		f.bufs = nil
+	}
+}
+
+// receive is the flight's allocator of receive buffers (readRange).
+func (f *flight) receive(n int64) []byte {
+	b := f.recv.get(n)
+	f.bufs = append(f.bufs, b)
+	return b
 }
 
 // joinedRead is span j of layer l, whose frame is d.
@@ -259,8 +291,10 @@ var errClosed = fmt.Errorf("layer closed: %w", errdefs.ErrUnavailable)
 // together with following uncached chunks in one request (read-ahead).
 // Concurrent reads of chunks of one frame decode it once. The returned
 // slice is shared with other readers (it is a window of the decoded frame,
-// kept in the FrameCache): callers must not modify it.
-func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+// kept in the FrameCache): callers must not modify it, and must call
+// release, once, when they no longer read it; the frame's memory is reused
+// after that.
+func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) (data []byte, release func(), err error) {
 	l.flights.noteRead()
 	l.noteFootprint(c.FrameIndex)
 	if l.o.seqReadAhead > 0 || l.o.decodeAhead > 0 {
@@ -269,29 +303,30 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			l.decodeAhead(j)
 		}
 	}
-	if frame, ok := l.frames.get(c.Digest); ok {
-		return window(c, frame)
+	if fr, ok := l.frames.get(c.Digest); ok {
+		return window(c, fr)
 	}
 	ctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
 	defer cancel()
 	for {
-		frame, dec, mine := l.frames.claim(c.Digest)
-		if frame != nil {
+		fr, dec, mine := l.frames.claim(c.Digest)
+		if fr != nil {
 			// Verified when it was decoded.
-			return window(c, frame)
+			return window(c, fr)
 		}
 		if mine {
-			frame, err := l.readFrame(ctx, c)
-			l.frames.finish(c.Digest, dec, frame, err)
+			fr, err := l.readFrame(ctx, c)
+			l.frames.finish(c.Digest, dec, fr, err)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
-			return window(c, frame)
+			return window(c, fr)
 		}
 		select {
 		case <-dec.done:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("read chunk %s at offset %d of %s: wait for its decoding: %w", c.Digest, c.Offset, l.label, ctx.Err())
+			l.frames.abandon(dec)
+			return nil, nil, fmt.Errorf("read chunk %s at offset %d of %s: wait for its decoding: %w", c.Digest, c.Offset, l.label, ctx.Err())
 		}
 		if dec.err == nil {
 			return window(c, dec.frame)
@@ -303,25 +338,43 @@ func (l *Layer) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			ctx.Err() == nil && l.ctx.Err() == nil {
 			continue
 		}
-		return nil, dec.err
+		return nil, nil, dec.err
 	}
 }
 
-// window returns chunk c's bytes in its decoded frame, capped so that an
-// append by the caller cannot write into the frame.
-func window(c layerfmt.Chunk, frame []byte) ([]byte, error) {
+// window returns chunk c's bytes in its decoded frame fr, which the caller
+// holds, capped so that an append by the caller cannot write into the
+// frame, and the release of fr.
+func window(c layerfmt.Chunk, fr *frame) ([]byte, func(), error) {
+	frame := fr.b
 	if int64(len(frame)) != c.FrameSize || c.FrameOffset < 0 || c.Size <= 0 || c.FrameOffset+c.Size > c.FrameSize {
-		return nil, fmt.Errorf("chunk at %d: %d+%d bytes of a %d-byte frame (decoded %d): %w",
+		fr.release()
+		return nil, nil, fmt.Errorf("chunk at %d: %d+%d bytes of a %d-byte frame (decoded %d): %w",
 			c.Offset, c.FrameOffset, c.Size, c.FrameSize, len(frame), layerfmt.ErrBadTOC)
 	}
-	return frame[c.FrameOffset : c.FrameOffset+c.Size : c.FrameOffset+c.Size], nil
+	var once sync.Once
+	return frame[c.FrameOffset : c.FrameOffset+c.Size : c.FrameOffset+c.Size], func() { once.Do(fr.release) }, nil
 }
 
-// readFrame returns c's decoded frame from the node cache or the registry.
-func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+// decode decodes c's frame from its verified compressed bytes b into a
+// buffer of the frame cache, held once by the caller.
+func (l *Layer) decode(c layerfmt.Chunk, b []byte) (*frame, error) {
+	fr := l.frames.buffer(c)
+	out, err := layerfmt.DecodeVerifiedFrame(c, b, fr.b)
+	if err != nil {
+		fr.release()
+		return nil, err
+	}
+	fr.adopt(out)
+	return fr, nil
+}
+
+// readFrame returns c's decoded frame from the node cache or the registry,
+// held once by the caller.
+func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) (*frame, error) {
 	if b, ok := l.cache.Get(c.Digest); ok {
 		// Get verified b against c.Digest: decode without hashing again.
-		frame, err := layerfmt.DecodeVerifiedFrame(c, b, nil)
+		fr, err := l.decode(c, b)
 		if err != nil {
 			return nil, fmt.Errorf("decode cached chunk %s at offset %d: %w", c.Digest, c.Offset, err)
 		}
@@ -332,7 +385,7 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		if m := l.o.metrics; m != nil {
 			m.cacheBytes.WithLabelValues(l.label).Add(float64(len(b)))
 		}
-		return frame, nil
+		return fr, nil
 	}
 
 	l.flights.waiting.Add(1)
@@ -346,6 +399,7 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 		select {
 		case <-a.done:
 		case <-ctx.Done():
+			f.drop()
 			err := fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, ctx.Err())
 			if last := f.lastErr.Load(); last != nil {
 				err = fmt.Errorf("%w (last registry error: %w)", err, *last)
@@ -353,8 +407,9 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			l.logReadFailure(ctx, err)
 			return nil, err
 		}
-		b, err := a.data, a.err
-		if err != nil {
+		if a.err != nil {
+			f.drop()
+			err := a.err
 			// A fetch started by someone with less time (or a cancelled
 			// fill batch) gave up; if we still have time, fetch again.
 			if (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) &&
@@ -366,7 +421,8 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			return nil, err
 		}
 		// Verified on arrival (fetchFlight): decode without hashing again.
-		frame, err := layerfmt.DecodeVerifiedFrame(c, b, nil)
+		fr, err := l.decode(c, a.data)
+		f.drop()
 		if err != nil {
 			err = fmt.Errorf("read chunk %s at offset %d of %s: %w", c.Digest, c.Offset, l.label, err)
 			l.logReadFailure(ctx, err)
@@ -377,7 +433,7 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
 			// the layers whose readers joined it before).
 			l.markCached(j)
 		}
-		return frame, nil
+		return fr, nil
 	}
 }
 
@@ -456,10 +512,12 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 		if j := l.find(c); j >= 0 {
 			f.joined = append(f.joined, joinedRead{l, j, c.Digest})
 		}
+		f.hold()
 		return f
 	}
 	if l.closed {
 		f := &flight{arrivals: map[digest.Digest]*arrival{}}
+		f.hold()
 		a := &arrival{done: make(chan struct{})}
 		a.complete(nil, errClosed)
 		f.arrivals[c.Digest] = a
@@ -467,6 +525,7 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	}
 	chunks := l.planLocked(c)
 	f := l.registerLocked(chunks, l.o.peers != nil)
+	f.hold()
 	deadline := time.Now().Add(l.o.readTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -487,7 +546,8 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 // registerLocked needs l.mu and l.flights.mu held. viaPeers says whether
 // the flight will ask the peer tier (fetchFlight).
 func (l *Layer) registerLocked(chunks []layerfmt.Chunk, viaPeers bool) *flight {
-	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks))}
+	f := &flight{arrivals: make(map[digest.Digest]*arrival, len(chunks)), recv: &l.flights.recv}
+	f.hold() // run's
 	if viaPeers {
 		f.peerLayer = l.blob.Descriptor().Digest
 	}
@@ -563,6 +623,7 @@ func (l *Layer) run(ctx context.Context, f *flight, chunks []layerfmt.Chunk, kin
 	if whole != nil {
 		l.keepWhole(ctx, whole, chunks)
 	}
+	f.drop()
 }
 
 // fetchFlight completes every arrival of f, then caches the chunks that
@@ -591,7 +652,7 @@ func (l *Layer) fetchFlight(ctx context.Context, f *flight, chunks []layerfmt.Ch
 			l.verify(ctx, f, c, data[c.Offset-base:c.Offset-base+c.CompressedSize])
 		}
 	}
-	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax, release)
+	data, base, err := l.blob.readRange(ctx, off, n, l.o.wholeBlobMax, release, f.receive)
 	m := l.o.metrics
 	if m != nil {
 		m.latency.WithLabelValues(kind).Observe(time.Since(start).Seconds())

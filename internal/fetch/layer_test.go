@@ -30,6 +30,17 @@ type layerFixture struct {
 	files map[string][]byte
 }
 
+// readChunk is ReadChunk for tests that look at the bytes after the read:
+// it returns a copy and releases the frame.
+func readChunk(l *Layer, c layerfmt.Chunk) ([]byte, error) {
+	b, release, err := l.ReadChunk(context.Background(), c)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	return bytes.Clone(b), nil
+}
+
 func newLayerFixture(t *testing.T, cache *chunkcache.Cache, files []testFile, opts ...LayerOption) *layerFixture {
 	t.Helper()
 	reg := newFakeRegistry(t)
@@ -87,7 +98,7 @@ func (fx *layerFixture) readAll(t *testing.T) {
 	t.Helper()
 	cs, want := fx.allChunks(t)
 	for k, c := range cs {
-		got, err := fx.layer.ReadChunk(context.Background(), c)
+		got, err := readChunk(fx.layer, c)
 		if err != nil {
 			t.Fatalf("ReadChunk %d (%s): %v", k, c.Digest, err)
 		}
@@ -167,7 +178,7 @@ func TestLayerSingleflight(t *testing.T) {
 			if g%2 == 1 {
 				c = big[3]
 			}
-			got, err := fx.layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(fx.layer, c)
 			if err != nil {
 				t.Error(err)
 				return
@@ -196,7 +207,7 @@ func TestLayerCorruptChunk(t *testing.T) {
 	c := fx.chunksOf(t, "b.txt")[0]
 	fx.reg.setFaults(faultCorrupt)
 	for range 2 {
-		got, err := fx.layer.ReadChunk(context.Background(), c)
+		got, err := readChunk(fx.layer, c)
 		if !errors.Is(err, layerfmt.ErrDigestMismatch) || got != nil {
 			t.Fatalf("corrupt chunk: got %d bytes, err %v; want ErrDigestMismatch and no bytes", len(got), err)
 		}
@@ -219,7 +230,7 @@ func TestLayerCorruptReadAhead(t *testing.T) {
 	fx := newLayerFixture(t, nil, standardFiles())
 	cs, want := fx.allChunks(t)
 	fx.reg.setFaults(faultNone, faultCorrupt) // flips one byte in the middle of the range
-	got, err := fx.layer.ReadChunk(context.Background(), cs[0])
+	got, err := readChunk(fx.layer, cs[0])
 	if err != nil || !bytes.Equal(got, want[0]) {
 		t.Fatalf("requested chunk: %v", err)
 	}
@@ -234,7 +245,7 @@ func TestLayerCorruptReadAhead(t *testing.T) {
 		t.Fatalf("chunks not cached after a range with one corrupt chunk: %v, want exactly one", missing)
 	}
 	// The registry is healthy again: the next read fetches a good copy.
-	got, err = fx.layer.ReadChunk(context.Background(), cs[missing[0]])
+	got, err = readChunk(fx.layer, cs[missing[0]])
 	if err != nil || !bytes.Equal(got, want[missing[0]]) {
 		t.Fatalf("refetch after mismatch: %v", err)
 	}
@@ -261,7 +272,7 @@ func TestLayerDeadline(t *testing.T) {
 			fx.reg.latency = tt.latency
 			fx.reg.setFaults(tt.always)
 			c := fx.chunksOf(t, "a.txt")[0]
-			got, err := fx.layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(fx.layer, c)
 			if err == nil || got != nil {
 				t.Fatal("read served past its deadline")
 			}
@@ -272,7 +283,7 @@ func TestLayerDeadline(t *testing.T) {
 				t.Fatal(err)
 			}
 			// A closed layer fails reads instead of hanging.
-			if _, err := fx.layer.ReadChunk(context.Background(), c); err == nil {
+			if _, err := readChunk(fx.layer, c); err == nil {
 				t.Fatal("read on closed layer succeeded")
 			}
 		})
@@ -374,7 +385,7 @@ func TestLayerRangeIgnored(t *testing.T) {
 	cs, want := fx.allChunks(t)
 	// The registry sends the whole blob for the first miss: the small
 	// blob's every chunk is kept from that one response.
-	got, err := fx.layer.ReadChunk(context.Background(), cs[5])
+	got, err := readChunk(fx.layer, cs[5])
 	if err != nil || !bytes.Equal(got, want[5]) {
 		t.Fatalf("first read: %v", err)
 	}
@@ -416,14 +427,14 @@ func TestSharedChunksAcrossLayers(t *testing.T) {
 	a := newLayerFixture(t, cache, []testFile{{"a.txt", randBytes(r, 5000)}, shared})
 	b := newLayerFixture(t, cache, []testFile{{"b.txt", randBytes(r, 7000)}, shared})
 	for _, c := range a.chunksOf(t, "c.bin") {
-		if _, err := a.layer.ReadChunk(context.Background(), c); err != nil {
+		if _, err := readChunk(a.layer, c); err != nil {
 			t.Fatal(err)
 		}
 	}
 	a.layer.settle()
 	entries := cache.Stats().Entries
 	for _, c := range b.chunksOf(t, "c.bin") {
-		got, err := b.layer.ReadChunk(context.Background(), c)
+		got, err := readChunk(b.layer, c)
 		if err != nil || !bytes.Equal(got, shared.data[c.FileOffset:c.FileOffset+c.Size]) {
 			t.Fatalf("layer b: %v", err)
 		}
@@ -510,7 +521,7 @@ func TestLayerFrameCache(t *testing.T) {
 	}
 	for round := range 2 {
 		for k, c := range cs {
-			got, err := fx.layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(fx.layer, c)
 			if err != nil || !bytes.Equal(got, files[k].data) {
 				t.Fatalf("round %d file %s: %v", round, files[k].name, err)
 			}
@@ -533,7 +544,7 @@ func TestLayerStreamedFlight(t *testing.T) {
 	fx := newLayerFixture(t, nil, standardFiles(), WithReadTimeout(20*time.Second))
 	cs, want := fx.allChunks(t)
 	fx.reg.setFaults(faultNone, faultStall)
-	got, err := fx.layer.ReadChunk(context.Background(), cs[0])
+	got, err := readChunk(fx.layer, cs[0])
 	if err != nil || !bytes.Equal(got, want[0]) {
 		t.Fatalf("first chunk while the rest of its response is held back: %v", err)
 	}
@@ -572,7 +583,7 @@ func TestLayerConcurrentDecode(t *testing.T) {
 			defer wg.Done()
 			<-start
 			k := i % len(cs)
-			got, err := l.ReadChunk(context.Background(), cs[k])
+			got, err := readChunk(l, cs[k])
 			if err == nil && !bytes.Equal(got, want[k]) {
 				err = fmt.Errorf("chunk %d: wrong bytes", k)
 			}
@@ -617,7 +628,7 @@ func TestLayerFillYieldsToForeground(t *testing.T) {
 	last := len(cs) - 1 // nothing follows it: its read fetches only its frame
 	done := make(chan error, 1)
 	go func() {
-		got, err := fx.layer.ReadChunk(context.Background(), cs[last])
+		got, err := readChunk(fx.layer, cs[last])
 		if err == nil && !bytes.Equal(got, want[last]) {
 			err = errors.New("wrong bytes")
 		}
@@ -671,13 +682,13 @@ func TestSharedFlights(t *testing.T) {
 			}
 			errs := make(chan error, 1)
 			go func() {
-				_, err := a.layer.ReadChunk(context.Background(), ca)
+				_, err := readChunk(a.layer, ca)
 				errs <- err
 			}()
 			for a.reg.requests() == 0 {
 				time.Sleep(time.Millisecond)
 			}
-			got, err := b.layer.ReadChunk(context.Background(), cb)
+			got, err := readChunk(b.layer, cb)
 			if err != nil || !bytes.Equal(got, shared.data[cb.FileOffset:cb.FileOffset+cb.Size]) {
 				t.Fatalf("layer b: %v", err)
 			}
@@ -704,7 +715,7 @@ func TestLayerCorruptCacheFile(t *testing.T) {
 	fx := newLayerFixture(t, nil, standardFiles(), WithReadAhead(0), WithFrameCache(0))
 	c := fx.chunksOf(t, "b.txt")[0]
 	want := fx.files["b.txt"][c.FileOffset : c.FileOffset+c.Size]
-	if _, err := fx.layer.ReadChunk(context.Background(), c); err != nil {
+	if _, err := readChunk(fx.layer, c); err != nil {
 		t.Fatal(err)
 	}
 	fx.layer.settle()
@@ -719,7 +730,7 @@ func TestLayerCorruptCacheFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	fx.reg.resetCounts()
-	got, err := fx.layer.ReadChunk(context.Background(), c)
+	got, err := readChunk(fx.layer, c)
 	if err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("read after corrupting the cache file: err %v, equal %v", err, bytes.Equal(got, want))
 	}
@@ -748,7 +759,7 @@ func TestFillYieldsNodeWide(t *testing.T) {
 	c := a.chunksOf(t, "b.txt")[0]
 	done := make(chan error, 1)
 	go func() {
-		_, err := a.layer.ReadChunk(context.Background(), c)
+		_, err := readChunk(a.layer, c)
 		done <- err
 	}()
 	for a.reg.requests() == 0 {

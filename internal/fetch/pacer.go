@@ -46,6 +46,8 @@ type Flights struct {
 	gate prefetchGate
 
 	open openLayers // the layers served to peers (peers.go)
+
+	recv recvBuffers // what finished flights received into, for the next
 }
 
 // FlightsOption configures Flights.

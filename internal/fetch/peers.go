@@ -1,6 +1,7 @@
 package fetch
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -180,6 +181,9 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 		}
 		l.flights.mu.Lock()
 		f := l.flights.m[d]
+		if f != nil {
+			f.hold()
+		}
 		l.flights.mu.Unlock()
 		if f != nil && f.peerLayer != "" && servingPeer(ctx) && l.o.peers != nil && !l.o.peers.Owns(f.peerLayer, f.arrival(d).off) {
 			// This node's own read of the frame is asking another
@@ -191,6 +195,7 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 			// goes to the registry, never to another peer. (A stripe
 			// this node owns lands in the cache as soon as the
 			// registry sent it: waiting for that is safe.)
+			f.drop()
 			return alone()
 		}
 		if f == nil {
@@ -208,13 +213,22 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 		select {
 		case <-a.done:
 			if a.err == nil {
-				return a.data, nil
-			} else if attempt > 0 {
+				// A copy: the flight's buffer goes to the next flight
+				// once its readers are done, and this one is answered
+				// after we return.
+				b := bytes.Clone(a.data)
+				f.drop()
+				return b, nil
+			}
+			f.drop()
+			if attempt > 0 {
 				return nil, a.err
 			}
 		case <-landed:
+			f.drop()
 			attempt-- // not a failed try: look again
 		case <-ctx.Done():
+			f.drop()
 			return nil, fmt.Errorf("wait for frame %s of %s: %w", d, l.label, ctx.Err())
 		}
 	}

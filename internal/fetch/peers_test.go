@@ -165,7 +165,7 @@ func (pc *peerCluster) readAll(t *testing.T, i int, files []string) error {
 			return fmt.Errorf("%s not in TOC", name)
 		}
 		for _, c := range pc.toc.Chunks(idx) {
-			got, err := pc.nodes[i].layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(pc.nodes[i].layer, c)
 			if err != nil {
 				return fmt.Errorf("node %d read %s at %d: %w", i, name, c.FileOffset, err)
 			}
@@ -324,7 +324,7 @@ func TestPeersOwnerDiesMidRead(t *testing.T) {
 	pc.reg.setLatency(10 * time.Millisecond)
 	f0, _ := pc.toc.Lookup(files[0])
 	first := pc.toc.Chunks(f0)[0]
-	if _, err := pc.nodes[reader].layer.ReadChunk(context.Background(), first); err != nil {
+	if _, err := readChunk(pc.nodes[reader].layer, first); err != nil {
 		t.Fatal(err)
 	}
 	if s := pc.nodes[reader].metrics.Stats(3); s.Outcomes["hit"] != 1 {

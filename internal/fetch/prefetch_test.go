@@ -27,7 +27,7 @@ func TestFootprintThenPrefetch(t *testing.T) {
 	order = append(order, fx.chunksOf(t, "a.txt")...)
 	var want []int
 	for _, c := range append(order, order[0]) { // a repeated read adds nothing
-		if _, err := fx.layer.ReadChunk(context.Background(), c); err != nil {
+		if _, err := readChunk(fx.layer, c); err != nil {
 			t.Fatal(err)
 		}
 		if !slices.Contains(want, c.FrameIndex) {
@@ -62,7 +62,7 @@ func TestFootprintThenPrefetch(t *testing.T) {
 	}
 	fresh.reg.resetCounts()
 	for _, c := range order {
-		got, err := fresh.layer.ReadChunk(context.Background(), c)
+		got, err := readChunk(fresh.layer, c)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -73,7 +73,7 @@ func TestFootprintThenPrefetch(t *testing.T) {
 	if n := fresh.reg.requests(); n != 0 {
 		t.Errorf("reads of prefetched frames sent %d requests", n)
 	}
-	if _, err := fresh.layer.ReadChunk(context.Background(), fx.chunksOf(t, "b.txt")[0]); err != nil {
+	if _, err := readChunk(fresh.layer, fx.chunksOf(t, "b.txt")[0]); err != nil {
 		t.Fatal(err)
 	}
 	if n := fresh.reg.requests(); n != 1 {
@@ -101,7 +101,7 @@ func TestWriteFileFromCache(t *testing.T) {
 		t.Fatalf("WriteFile sent %d requests", n)
 	}
 	for _, c := range fx.chunksOf(t, "big.bin")[:7] {
-		if _, err := fx.layer.ReadChunk(context.Background(), c); err != nil {
+		if _, err := readChunk(fx.layer, c); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -177,18 +177,26 @@ func (l *Layer) decodeAhead(j int) {
 // readAhead decodes chunk c's frame into the frame cache unless it is
 // there or being decoded.
 func (l *Layer) readAhead(c layerfmt.Chunk) {
-	frame, dec, mine := l.frames.claim(c.Digest)
-	if frame != nil || !mine {
+	fr, dec, mine := l.frames.claim(c.Digest)
+	switch {
+	case fr != nil:
+		fr.release()
+		return
+	case !mine:
+		l.frames.abandon(dec)
 		return
 	}
 	ctx, cancel := context.WithTimeout(l.ctx, l.o.readTimeout)
 	defer cancel()
-	frame, err := l.readFrame(ctx, c)
+	fr, err := l.readFrame(ctx, c)
 	if err != nil {
 		if l.ctx.Err() == nil {
 			log.G(ctx).WithError(err).WithField("layer", l.label).Debug("decoding ahead failed")
 		}
 		err = errAheadFailed
 	}
-	l.frames.finish(c.Digest, dec, frame, err)
+	l.frames.finish(c.Digest, dec, fr, err)
+	if err == nil {
+		fr.release()
+	}
 }

@@ -2,7 +2,6 @@ package fetch
 
 import (
 	"bytes"
-	"context"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -23,7 +22,7 @@ func TestSequentialReadAhead(t *testing.T) {
 		cs := fx.chunksOf(t, "big.bin")
 		for _, k := range order(len(cs)) {
 			c := cs[k]
-			got, err := fx.layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(fx.layer, c)
 			if err != nil || !bytes.Equal(got, big.data[c.FileOffset:c.FileOffset+c.Size]) {
 				t.Fatalf("chunk %d: %v", k, err)
 			}
@@ -70,7 +69,7 @@ func TestDecodeAhead(t *testing.T) {
 		cs := fx.chunksOf(t, "big.bin")
 		for _, k := range ks {
 			c := cs[k]
-			got, err := fx.layer.ReadChunk(context.Background(), c)
+			got, err := readChunk(fx.layer, c)
 			if err != nil || !bytes.Equal(got, big.data[c.FileOffset:c.FileOffset+c.Size]) {
 				t.Fatalf("chunk %d: %v", k, err)
 			}

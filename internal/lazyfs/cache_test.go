@@ -174,7 +174,7 @@ type delayedSource struct {
 	delay time.Duration
 }
 
-func (d *delayedSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+func (d *delayedSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, func(), error) {
 	time.Sleep(d.delay)
 	return d.ChunkSource.ReadChunk(ctx, c)
 }

@@ -40,12 +40,15 @@ import (
 
 // ChunkSource returns the verified, decompressed bytes of one chunk. The
 // returned slice must hold exactly c.Size bytes and must not be modified
-// afterwards by the source; lazyfs only copies out of it, so a source may
-// return a slice it shares with other readers (fetch.Layer returns a
-// window of its cached decoded frame). Implementations should honour ctx, but lazyfs
-// does not rely on it: a read fails at its timeout either way.
+// by the source until lazyfs calls release, which it does exactly once per
+// successful read, when it has copied what it needs (into the reply and
+// the page-cache stores): a source may return a slice it shares with other
+// readers and reuses afterwards (fetch.Layer returns a window of a decoded
+// frame in a slot of memory it reuses). Implementations should honour ctx,
+// but lazyfs does not rely on it: a read fails at its timeout either way,
+// and a result that arrives later is released unread.
 type ChunkSource interface {
-	ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error)
+	ReadChunk(ctx context.Context, c layerfmt.Chunk) (data []byte, release func(), err error)
 }
 
 // ActivityObserver is implemented by a ChunkSource that wants to know when

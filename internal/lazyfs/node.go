@@ -399,7 +399,7 @@ func (n *node) Read(ctx context.Context, f fs.FileHandle, dest []byte, off int64
 	}
 	ino := n.EmbeddedInode()
 	size := n.l.toc.Size(n.idx)
-	cnt, errno := n.l.read(dest, off, n.idx, func(at int64, b []byte) { n.l.stores.store(ino, at, b, size) })
+	cnt, errno := n.l.read(dest, off, n.idx, func(parts []spilled, release func()) { n.l.stores.store(ino, parts, size, release) })
 	if errno != 0 {
 		return nil, errno
 	}

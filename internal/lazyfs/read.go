@@ -53,8 +53,9 @@ func (r *logLimiter) allow(now time.Time) (int, bool) {
 // number of bytes (short only at EOF) or EIO; it never returns bytes it has
 // not received from the chunk source for exactly the chunk that holds them.
 // spill, when not nil, receives the bytes of those chunks outside the read
-// (at their file offsets), which the source had to produce anyway.
-func (l *layer) read(dest []byte, off int64, idx int, spill func(fileOff int64, b []byte)) (int, syscall.Errno) {
+// (at their file offsets), which the source had to produce anyway, with
+// the release of the chunk, which it must call when it is done with them.
+func (l *layer) read(dest []byte, off int64, idx int, spill spillFunc) (int, syscall.Errno) {
 	if off < 0 {
 		return 0, syscall.EINVAL
 	}
@@ -110,47 +111,59 @@ func (l *layer) covering(idx int, off, end int64) ([]layerfmt.Chunk, error) {
 	return out, nil
 }
 
+// spilled are bytes of a file at off that a read did not ask for.
+type spilled struct {
+	off int64
+	b   []byte
+}
+
+// spillFunc takes the parts of a chunk outside a read and the chunk's
+// release.
+type spillFunc func(parts []spilled, release func())
+
 // fetchInto reads chunks (concurrently when there are several) and copies
 // the window [off, end) of the file into dest, all within one read timeout.
-func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk, spill func(int64, []byte)) error {
+func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk, spill spillFunc) error {
 	ctx, cancel := context.WithTimeout(l.ctx, l.opts.readTimeout)
 	defer cancel()
 
-	var spillMu sync.Mutex
-	place := func(c layerfmt.Chunk, data []byte) {
+	// place copies c's part of the read into dest and hands the rest,
+	// and the duty to release c, to spill.
+	place := func(c layerfmt.Chunk, data []byte, release func()) {
 		lo := max(off, c.FileOffset)
 		hi := min(end, c.FileOffset+c.Size)
 		copy(dest[lo-off:hi-off], data[lo-c.FileOffset:hi-c.FileOffset])
-		if spill == nil {
+		var parts []spilled
+		if spill != nil && lo > c.FileOffset {
+			parts = append(parts, spilled{c.FileOffset, data[:lo-c.FileOffset]})
+		}
+		if spill != nil && hi < c.FileOffset+c.Size {
+			parts = append(parts, spilled{hi, data[hi-c.FileOffset:]})
+		}
+		if len(parts) == 0 {
+			release()
 			return
 		}
-		spillMu.Lock()
-		defer spillMu.Unlock()
-		if lo > c.FileOffset {
-			spill(c.FileOffset, data[:lo-c.FileOffset])
-		}
-		if hi < c.FileOffset+c.Size {
-			spill(hi, data[hi-c.FileOffset:])
-		}
+		spill(parts, release)
 	}
 	if len(chunks) == 1 {
-		data, err := l.fetch(ctx, chunks[0])
+		data, release, err := l.fetch(ctx, chunks[0])
 		if err != nil {
 			return err
 		}
-		place(chunks[0], data)
+		place(chunks[0], data, release)
 		return nil
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(maxParallelChunks)
 	for _, c := range chunks {
 		g.Go(func() error {
-			data, err := l.fetch(gctx, c)
+			data, release, err := l.fetch(gctx, c)
 			if err != nil {
 				return err
 			}
 			// Chunks write disjoint windows of dest.
-			place(c, data)
+			place(c, data, release)
 			return nil
 		})
 	}
@@ -160,41 +173,60 @@ func (l *layer) fetchInto(dest []byte, off, end int64, chunks []layerfmt.Chunk, 
 // fetch calls the chunk source and checks what it returned has the size
 // the TOC promises. The source runs in its own goroutine so that a source
 // that ignores ctx still cannot hold the reader past the timeout; its late
-// result is dropped.
-func (l *layer) fetch(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+// result is released unread. The caller must call release after a
+// successful fetch.
+func (l *layer) fetch(ctx context.Context, c layerfmt.Chunk) (data []byte, release func(), err error) {
 	type result struct {
-		data []byte
-		err  error
+		data    []byte
+		release func()
+		err     error
 	}
-	ch := make(chan result, 1)
+	// Unbuffered: after the reader gives up (abandoned), the result can
+	// only go to the release below, never into a channel nobody reads.
+	ch := make(chan result)
+	abandoned := make(chan struct{})
 	l.stats.chunkReads.Add(1)
 	go func() {
 		defer func() {
 			// A panicking source must not take the daemon (and every
 			// container using its mounts) down.
 			if r := recover(); r != nil {
-				ch <- result{err: fmt.Errorf("chunk source panicked: %v", r)}
+				select {
+				case ch <- result{err: fmt.Errorf("chunk source panicked: %v", r)}:
+				case <-abandoned:
+				}
 			}
 		}()
-		data, err := l.src.ReadChunk(ctx, c)
-		ch <- result{data, err}
+		data, release, err := l.src.ReadChunk(ctx, c)
+		if err == nil && release == nil {
+			release = func() {}
+		}
+		select {
+		case ch <- result{data, release, err}:
+		case <-abandoned:
+			if err == nil {
+				release()
+			}
+		}
 	}()
 	select {
 	case r := <-ch:
 		if r.err != nil {
-			return nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, r.err)
+			return nil, nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, r.err)
 		}
 		if int64(len(r.data)) != c.Size {
-			return nil, fmt.Errorf("read chunk %s at blob offset %d: got %d bytes, TOC says %d", c.Digest, c.Offset, len(r.data), c.Size)
+			r.release()
+			return nil, nil, fmt.Errorf("read chunk %s at blob offset %d: got %d bytes, TOC says %d", c.Digest, c.Offset, len(r.data), c.Size)
 		}
 		l.stats.chunkBytes.Add(uint64(len(r.data)))
-		return r.data, nil
+		return r.data, r.release, nil
 	case <-ctx.Done():
+		close(abandoned) // the source's result, if it comes, is released unread
 		err := ctx.Err()
 		if errors.Is(err, context.DeadlineExceeded) {
 			err = fmt.Errorf("%w after %s", errTimeout, l.opts.readTimeout)
 		}
-		return nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, err)
+		return nil, nil, fmt.Errorf("read chunk %s at blob offset %d: %w", c.Digest, c.Offset, err)
 	}
 }
 
@@ -221,33 +253,47 @@ func newCacheStorer() *cacheStorer {
 	return &cacheStorer{slots: make(chan struct{}, maxCacheStores)}
 }
 
-// store hands b (file bytes at off) to the kernel asynchronously: the
-// store waits for any page of the range the kernel holds locked, and
-// pages of the read being answered stay locked until its reply is
-// written, after the caller returns.
-func (s *cacheStorer) store(ino *fs.Inode, off int64, b []byte, fileSize int64) {
-	// Whole pages only, except the file's last page.
-	if r := off % pageSize; r != 0 {
-		skip := pageSize - r
-		if int64(len(b)) <= skip {
-			return
+// store hands parts (file bytes at their offsets) to the kernel
+// asynchronously, then calls release: the store waits for any page of the
+// range the kernel holds locked, and pages of the read being answered stay
+// locked until its reply is written, after the caller returns.
+func (s *cacheStorer) store(ino *fs.Inode, parts []spilled, fileSize int64, release func()) {
+	var whole []spilled
+	for _, p := range parts {
+		off, b := p.off, p.b
+		// Whole pages only, except the file's last page.
+		if r := off % pageSize; r != 0 {
+			skip := pageSize - r
+			if int64(len(b)) <= skip {
+				continue
+			}
+			off, b = off+skip, b[skip:]
 		}
-		off, b = off+skip, b[skip:]
+		if end := off + int64(len(b)); end < fileSize {
+			b = b[:len(b)-int(end%pageSize)]
+		}
+		if len(b) > 0 {
+			whole = append(whole, spilled{off, b})
+		}
 	}
-	if end := off + int64(len(b)); end < fileSize {
-		b = b[:len(b)-int(end%pageSize)]
-	}
-	if len(b) == 0 {
+	if len(whole) == 0 {
+		release()
 		return
 	}
 	select {
 	case s.slots <- struct{}{}:
 	default:
+		release()
 		return
 	}
 	go func() {
-		defer func() { <-s.slots }()
-		// Errors are harmless: the kernel reads the pages on demand.
-		_ = ino.WriteCache(off, b)
+		defer func() {
+			release()
+			<-s.slots
+		}()
+		for _, p := range whole {
+			// Errors are harmless: the kernel reads the pages on demand.
+			_ = ino.WriteCache(p.off, p.b)
+		}
 	}()
 }

@@ -33,7 +33,7 @@ type stuckSource struct {
 	onHit func()
 }
 
-func (s *stuckSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+func (s *stuckSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, func(), error) {
 	if keyOf(c) == s.stuck {
 		s.onHit()
 		select {}

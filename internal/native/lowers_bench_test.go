@@ -32,7 +32,12 @@ type frameSource struct {
 	frames map[int64][]byte
 }
 
-func (s *frameSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+func (s *frameSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, func(), error) {
+	b, err := s.readChunk(c)
+	return b, nil, err
+}
+
+func (s *frameSource) readChunk(c layerfmt.Chunk) ([]byte, error) {
 	s.mu.Lock()
 	f, ok := s.frames[c.Offset]
 	s.mu.Unlock()

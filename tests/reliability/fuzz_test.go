@@ -22,11 +22,12 @@ import (
 // memSource serves chunks of a blob held in memory, verified by layerfmt.
 type memSource struct{ blob []byte }
 
-func (s memSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, error) {
+func (s memSource) ReadChunk(ctx context.Context, c layerfmt.Chunk) ([]byte, func(), error) {
 	if c.Offset < 0 || c.CompressedSize <= 0 || c.Offset+c.CompressedSize > int64(len(s.blob)) {
-		return nil, fmt.Errorf("chunk %d+%d outside the %d-byte blob", c.Offset, c.CompressedSize, len(s.blob))
+		return nil, nil, fmt.Errorf("chunk %d+%d outside the %d-byte blob", c.Offset, c.CompressedSize, len(s.blob))
 	}
-	return layerfmt.DecodeChunk(c, s.blob[c.Offset:c.Offset+c.CompressedSize], nil)
+	b, err := layerfmt.DecodeChunk(c, s.blob[c.Offset:c.Offset+c.CompressedSize], nil)
+	return b, nil, err
 }
 
 // fuzzSeedLayer is a small layer with every entry type lazyfs serves.
