@@ -54,8 +54,8 @@ const (
 // can fill are faulted in the background (populate).
 func newFrameSlots(max int64) *frameSlots {
 	n := int(max/slotFrame) + spareSlots
-	// MAP_NORESERVE: only touched slots cost memory, and the cache bounds
-	// how many are touched.
+	// MAP_NORESERVE: only touched slots cost memory: those populate
+	// faults in, and spares while frames are held past their eviction.
 	mem, err := unix.Mmap(-1, 0, n*slotStride+hugePage, unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
@@ -87,10 +87,10 @@ func (s *frameSlots) slot(i, size int) []byte {
 // the pages without writing to them, so it is safe on slots already in
 // use). A first touch is the expensive part of a slot: on the VMs here
 // decoding a 2 MiB frame into a slot never touched took 6.7 ms, into one
-// used before 2.5 ms (the huge page is cleared, and the hypervisor backs
-// it, on the first touch). A node pays that once, at start, rather than
-// in its first environment's cold reads. Kernels before 5.14 do not know
-// the advice; their slots are faulted in by their first frames.
+// populated or used before 2.5-4.3 ms. A node pays that once, at start,
+// rather than in its first environment's cold reads. Kernels before 5.14
+// do not know the advice; their slots are faulted in by their first
+// frames.
 func (s *frameSlots) populate(n int) {
 	for i := range min(n, s.n) {
 		if err := unix.Madvise(s.slot(i, slotFrame+pageSize), unix.MADV_POPULATE_WRITE); err != nil {
