@@ -3,6 +3,7 @@ package fetch
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -149,7 +150,7 @@ func TestLayerFramesPinned(t *testing.T) {
 				}
 				time.Sleep(time.Duration(r.IntN(300)) * time.Microsecond)
 				if !bytes.Equal(b, data[c.FileOffset:c.FileOffset+c.Size]) {
-					errs <- errWrongBytes(c)
+					errs <- fmt.Errorf("chunk at %d: a held window changed under its reader", c.Offset)
 				}
 				release()
 			}
@@ -179,12 +180,6 @@ func TestLayerFramesPinned(t *testing.T) {
 		t.Fatalf("%d slots handed out, %d free and %d holding cached frames: %d still held after every reader released",
 			used, free, inCache, used-free-inCache)
 	}
-}
-
-type errWrongBytes layerfmt.Chunk
-
-func (e errWrongBytes) Error() string {
-	return "chunk at " + digest.Digest(e.Digest).String() + ": a held window changed under its reader"
 }
 
 // TestFlightReceiveBuffersReused: the buffer a range response was received

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/daemon"
@@ -338,23 +339,13 @@ func saveProfile(socket, kind, dst string, seconds int) error {
 // microseconds, first touches of fresh memory are a large part of a cold
 // read's CPU.
 func processUsage(tb testing.TB, pid int) (time.Duration, int64) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	p, err := procfs.NewProc(pid)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	// The fields after the command name, which is in parentheses and may
-	// hold spaces: state is field 3, minflt field 10, utime and stime
-	// fields 14 and 15.
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-	if len(f) < 13 {
-		tb.Fatalf("/proc/%d/stat: %q", pid, b)
+	st, err := p.Stat()
+	if err != nil {
+		tb.Fatal(err)
 	}
-	minflt, err0 := strconv.ParseInt(f[7], 10, 64)
-	ut, err1 := strconv.ParseInt(f[11], 10, 64)
-	st, err2 := strconv.ParseInt(f[12], 10, 64)
-	if err0 != nil || err1 != nil || err2 != nil {
-		tb.Fatalf("/proc/%d/stat: %q", pid, b)
-	}
-	// USER_HZ is 100 on every Linux ABI Go supports.
-	return time.Duration(ut+st) * (time.Second / 100), minflt
+	return time.Duration(st.CPUTime() * float64(time.Second)), int64(st.MinFlt)
 }
