@@ -96,11 +96,12 @@ type Config struct {
 	// every layer (0: a few MiB per layer). The daemon's Go memory limit
 	// grows by as much.
 	FrameCacheSize Size `toml:"frame_cache_size"`
-	// Passthrough keeps decompressed copies of files whose chunks are all
-	// in the chunk cache (in <Root>/unpacked, emptied at start) and lets
-	// the kernel read them directly (FUSE passthrough, Linux 6.9+; older
-	// kernels ignore it). Only files of at least PassthroughMinSize get a
-	// copy; PassthroughCacheSize bounds the copies.
+	// Passthrough lets the kernel read files of at least
+	// PassthroughMinSize directly from a local copy (FUSE passthrough,
+	// Linux 6.9+; older kernels ignore it): with NativeLowers the file of
+	// the layer's complete native copy; without, a decompressed copy of
+	// the file alone, built once its chunks are all in the chunk cache (in
+	// <Root>/unpacked, emptied at start, bounded by PassthroughCacheSize).
 	Passthrough          bool `toml:"passthrough"`
 	PassthroughMinSize   Size `toml:"passthrough_min_size"`
 	PassthroughCacheSize Size `toml:"passthrough_cache_size"`

@@ -123,7 +123,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	hosts := registry.ConfigureHosts(ctx, registry.Options{HostsDir: cfg.HostsDir, DockerConfig: cfg.DockerConfig})
 	var files *unpacked.Store
-	if cfg.Passthrough {
+	if cfg.Passthrough && !cfg.NativeLowers {
+		// With native lowers, passthrough hands out the files of the
+		// native copies instead (layerstore.Config.Passthrough).
 		if files, err = unpacked.Open(filepath.Join(cfg.Root, "unpacked"), int64(cfg.PassthroughCacheSize)); err != nil {
 			return err
 		}
@@ -146,22 +148,23 @@ func Run(ctx context.Context, cfg Config) error {
 		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
 	}
 	store, err := layerstore.New(layerstore.Config{
-		Hosts:           hosts,
-		Cache:           cache,
-		Fill:            cfg.Fill,
-		FillDelay:       time.Duration(cfg.FillDelay),
-		Eager:           cfg.Eager,
-		LazyMinSize:     int64(cfg.LazyMinSize),
-		ReadTimeout:     time.Duration(cfg.ReadTimeout),
-		Registerer:      reg,
-		FetchMetrics:    fetchMetrics,
-		Peers:           peers,
-		Keeper:          keeper,
-		FrameCache:      frames,
-		Unpacked:        files,
-		UnpackedMinSize: int64(cfg.PassthroughMinSize),
-		Native:          copies,
-		Sources:         registry.SourcePolicy{Allowed: cfg.HintSources, HostsDir: cfg.HostsDir},
+		Hosts:              hosts,
+		Cache:              cache,
+		Fill:               cfg.Fill,
+		FillDelay:          time.Duration(cfg.FillDelay),
+		Eager:              cfg.Eager,
+		LazyMinSize:        int64(cfg.LazyMinSize),
+		ReadTimeout:        time.Duration(cfg.ReadTimeout),
+		Registerer:         reg,
+		FetchMetrics:       fetchMetrics,
+		Peers:              peers,
+		Keeper:             keeper,
+		FrameCache:         frames,
+		Passthrough:        cfg.Passthrough,
+		PassthroughMinSize: int64(cfg.PassthroughMinSize),
+		Unpacked:           files,
+		Native:             copies,
+		Sources:            registry.SourcePolicy{Allowed: cfg.HintSources, HostsDir: cfg.HostsDir},
 	})
 	if err != nil {
 		return err

@@ -50,11 +50,12 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 			}
 			t.Cleanup(files.Close)
 			s, err := New(Config{
-				Hosts:           registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
-				Cache:           cache,
-				Fill:            true,
-				Unpacked:        files,
-				UnpackedMinSize: 64 << 10,
+				Hosts:              registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
+				Cache:              cache,
+				Fill:               true,
+				Passthrough:        true,
+				PassthroughMinSize: 64 << 10,
+				Unpacked:           files,
 			})
 			if err != nil {
 				t.Fatal(err)

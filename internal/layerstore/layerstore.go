@@ -104,14 +104,17 @@ type Config struct {
 	// the node (fetch.WithSharedFrameCache); without it each layer keeps
 	// a few MiB of its own.
 	FrameCache *fetch.FrameCache
-	// Unpacked, when set, keeps decompressed copies of files whose chunks
-	// are all in the node cache, for the kernel to read directly (FUSE
-	// passthrough): a cached read then costs what a read of a local file
-	// does. Only files of at least UnpackedMinSize bytes get a copy:
-	// below it, a copy saves little beyond what the page cache already
-	// does for an immutable layer, and costs an inode and a build each.
-	Unpacked        *unpacked.Store
-	UnpackedMinSize int64
+	// Passthrough hands the kernel local copies of files of at least
+	// PassthroughMinSize bytes to read directly (FUSE passthrough): a
+	// cached read then costs what a read of a local file does. Below the
+	// size a copy saves little beyond what the page cache already does
+	// for an immutable layer. The copies are the files of the layer's
+	// native copy (Native) once it is complete, and, with Unpacked set,
+	// decompressed copies of single files whose chunks are all in the
+	// node cache before that.
+	Passthrough        bool
+	PassthroughMinSize int64
+	Unpacked           *unpacked.Store
 	// Native, when set, builds a kernel-native copy of every mounted
 	// layer once all its chunks are in the node cache; the snapshotter
 	// hands it to new containers instead of the FUSE mount (NativeDir).
@@ -339,10 +342,14 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	if takeover != nil {
 		opts = append(opts, lazyfs.WithTakeover(*takeover))
 	}
-	if s.cfg.Unpacked != nil {
+	if s.cfg.Passthrough {
+		b := &backing{layer: layer, toc: toc, minSize: s.cfg.PassthroughMinSize, files: s.cfg.Unpacked}
+		if s.cfg.Native != nil {
+			b.native = func() (string, bool) { return s.cfg.Native.Dir(ldgst) }
+		}
 		// Beside the mountpoint, so a successor finds it (Restore).
 		state := filepath.Join(filepath.Dir(mountpoint), "passthrough")
-		opts = append(opts, lazyfs.WithBacking(&backing{layer: layer, toc: toc, files: s.cfg.Unpacked, minSize: s.cfg.UnpackedMinSize}, state))
+		opts = append(opts, lazyfs.WithBacking(b, state))
 	}
 	// The mount outlives the Prepare that created it: log with the
 	// daemon's fields, not the request's cancellation.

@@ -3,14 +3,19 @@
 package layerstore
 
 import (
+	"bytes"
 	"context"
-	"github.com/envsnap/envsnap/internal/prereq"
+	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/native"
@@ -68,4 +73,136 @@ func TestNativeCopyAfterFill(t *testing.T) {
 	if st := copies.Stats(); st.Builds != 1 || cache.Stats().Charged != st.Size {
 		t.Errorf("stats %+v, cache charged %d", st, cache.Stats().Charged)
 	}
+}
+
+// TestPassthroughFromNativeCopy: with native copies and no unpacked store
+// (the daemon's default), opens through the FUSE mount are handed the
+// native copy's file once the copy is complete, and reads then bypass the
+// daemon with the file's bytes.
+func TestPassthroughFromNativeCopy(t *testing.T) {
+	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	big := make([]byte, 3<<20+123)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range big {
+		big[i] = byte(rng.Uint32())
+	}
+	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"dir/big.bin": string(big), "small.txt": "small"}))
+	labels := r.addManifest(t, "test/native-backing:1", desc)[0]
+	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copies, err := native.Open(context.Background(), t.TempDir(), cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(copies.Close)
+	cache.SetTenant(copies)
+	s, err := New(Config{
+		Hosts:              registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
+		Cache:              cache,
+		Fill:               true,
+		Native:             copies,
+		Passthrough:        true,
+		PassthroughMinSize: 64 << 10,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := t.TempDir()
+	if err := s.Mount(t.Context(), mp, labels); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	s.mu.Lock()
+	srv := s.mounts[mp].srv
+	s.mu.Unlock()
+
+	read := func() {
+		t.Helper()
+		got, err := os.ReadFile(filepath.Join(mp, "dir/big.bin"))
+		if err != nil || !bytes.Equal(got, big) {
+			t.Fatalf("read dir/big.bin: %v (equal %v)", err, bytes.Equal(got, big))
+		}
+	}
+	read() // before the copy: the chunk path
+	if n := srv.Stats().BackedOpens; n != 0 {
+		t.Fatalf("%d passthrough opens before any native copy", n)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for _, ok := s.NativeDir(digest.Digest(labels[snapshotter.LabelLayerDigest])); !ok; _, ok = s.NativeDir(digest.Digest(labels[snapshotter.LabelLayerDigest])) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no native copy 30 s after the mount: %+v", copies.Stats())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// RELEASE reaches the daemon after close returns, and an inode with
+	// an open on the chunk path is not switched, so it may take a few
+	// opens.
+	for i := 0; srv.Stats().BackedOpens == 0; i++ {
+		if i == 100 {
+			if !kernelHasPassthrough(t) {
+				prereq.Skip(t, prereq.NoFUSEPassthrough, "")
+			}
+			t.Fatalf("no passthrough open of dir/big.bin in 100 opens after its native copy: %+v", srv.Stats())
+		}
+		read()
+		time.Sleep(20 * time.Millisecond)
+	}
+	before := srv.Stats().BytesRead
+	read()
+	if after := srv.Stats().BytesRead; after != before {
+		t.Errorf("a read of the passthrough file reached the daemon: %d bytes", after-before)
+	}
+	if got, err := os.ReadFile(filepath.Join(mp, "small.txt")); err != nil || string(got) != "small" {
+		t.Fatalf("small.txt: %q, %v", got, err)
+	}
+}
+
+// TestOpenNativeFileStaysInside: a name that resolves through a symlink,
+// even one inside the copy, or to something other than a regular file of
+// the expected size, gets no backing file.
+func TestOpenNativeFileStaysInside(t *testing.T) {
+	dir := t.TempDir()
+	outside := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(outside, []byte("0123456789"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(dir, "d"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "d", "f"), []byte("0123456789"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range []struct{ name, target string }{{"out", filepath.Dir(outside)}, {"in", "d"}, {"file", "d/f"}} {
+		if err := os.Symlink(l.target, filepath.Join(dir, l.name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f := openNativeFile(dir, "d/f", 10); f == nil {
+		t.Fatal("no file for d/f")
+	} else {
+		f.Close()
+	}
+	for _, c := range []struct {
+		name string
+		size int64
+	}{{"out/secret", 10}, {"in/f", 10}, {"file", 10}, {"d/f", 9}, {"d", 10}, {"../secret", 10}, {"missing", 10}} {
+		if f := openNativeFile(dir, c.name, c.size); f != nil {
+			f.Close()
+			t.Errorf("openNativeFile(%q, %d) opened %s", c.name, c.size, f.Name())
+		}
+	}
+}
+
+// kernelHasPassthrough reports whether the running kernel is 6.9 or newer.
+func kernelHasPassthrough(t *testing.T) bool {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		t.Fatal(err)
+	}
+	var major, minor int
+	fmt.Sscanf(unix.ByteSliceToString(u.Release[:]), "%d.%d", &major, &minor)
+	return major > 6 || major == 6 && minor >= 9
 }

@@ -8,7 +8,9 @@
 // decompression and a FUSE round trip per request, which is what kept
 // cached reads below overlayfs's speed (docs/snapshotter.md). A copy here
 // is built once from those verified chunks and then read by the kernel
-// like any file on the node's disk.
+// like any file on the node's disk. The daemon keeps this store only
+// without native lowers: with them, a layer's native copy holds the same
+// files (internal/layerstore).
 //
 // Invariant: a copy is only ever built from chunks the chunk source
 // verified, under a name derived from the digests of those chunks, and it is

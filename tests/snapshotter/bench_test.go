@@ -211,8 +211,7 @@ func coldStart(b *testing.B) {
 	waitFilled(b, env, 3*time.Minute)
 	lazyFile := viewFile(b, env, lazyImg, "envsnap", big.Path)
 	plainFile := viewFile(b, env, plainImg, "overlayfs", big.Path)
-	copies := filepath.Join(env.EnvsnapRoot, "unpacked")
-	waitUnpacked(b, env, lazyFile)
+	copies := waitCopies(b, env, lazyFile)
 	for _, c := range cachedCases {
 		// Interleaved rounds, medians: the machine is shared, and load
 		// drifts.
@@ -348,12 +347,14 @@ func viewFile(tb testing.TB, env *testenv.Env, img client.Image, sn, path string
 	return filepath.Join(dir, path)
 }
 
-// waitUnpacked opens p until its passthrough copy is built (the second
-// open of a fully cached file builds it), so the rounds measure the steady
-// state of a node that has read the file before. A daemon without
-// passthrough (--passthrough=false, old kernel) is measured on its chunk
-// path.
-func waitUnpacked(tb testing.TB, env *testenv.Env, p string) {
+// waitCopies opens p until the daemon has the local copy passthrough
+// hands the kernel for it (the layer's native copy; without native
+// lowers, the file's unpacked copy, which the second open of a fully
+// cached file builds), so the rounds measure the steady state of a node
+// that has read the file before. It returns the directory of the copies,
+// whose pages the rounds drop too, or "" for a daemon without passthrough
+// (--passthrough=false, old kernel), measured on its chunk path.
+func waitCopies(tb testing.TB, env *testenv.Env, p string) string {
 	deadline := time.Now().Add(time.Minute)
 	for {
 		f, err := os.Open(p)
@@ -362,15 +363,17 @@ func waitUnpacked(tb testing.TB, env *testenv.Env, p string) {
 		}
 		f.Close()
 		st := envsnapStatus(tb, env)
-		if st.Unpacked == nil {
+		switch {
+		case st.Native != nil && st.Native.Builds > 0:
+			return filepath.Join(env.EnvsnapRoot, "native")
+		case st.Native == nil && st.Unpacked == nil:
 			tb.Logf("daemon without passthrough copies: cached reads take the chunk path")
-			return
-		}
-		if st.Unpacked.Builds > 0 {
-			return
+			return ""
+		case st.Unpacked != nil && st.Unpacked.Builds > 0:
+			return filepath.Join(env.EnvsnapRoot, "unpacked")
 		}
 		if time.Now().After(deadline) {
-			tb.Fatalf("no passthrough copy of %s after a minute: %+v", p, *st.Unpacked)
+			tb.Fatalf("no local copy of %s after a minute: native %+v, unpacked %+v", p, st.Native, st.Unpacked)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
