@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"context"
 	"io"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
@@ -32,11 +31,7 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 		name := map[bool]string{false: "intact", true: "corrupt chunk"}[corrupt]
 		t.Run(name, func(t *testing.T) {
 			r := newFakeRegistry(t)
-			big := make([]byte, 3<<20+123)
-			rng := rand.New(rand.NewPCG(1, 2))
-			for i := range big {
-				big[i] = byte(rng.Uint32())
-			}
+			big := randomBytes(3<<20+123, 1)
 			desc, blob := r.addLazyLayer(t, tarOf(t, map[string]string{"big.bin": string(big), "small.txt": "small"}))
 			labels := r.addManifest(t, "test/big:1", desc)[0]
 			cacheDir := t.TempDir()

@@ -29,25 +29,7 @@ func TestNativeCopyAfterFill(t *testing.T) {
 	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
 	lazy, _, _ := testImage(t, r)
-	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	copies, err := native.Open(context.Background(), t.TempDir(), cache)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(copies.Close)
-	cache.SetTenant(copies)
-	s, err := New(Config{
-		Hosts:  registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
-		Cache:  cache,
-		Fill:   true,
-		Native: copies,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, cache, copies := newNativeStore(t, Config{})
 	mp := t.TempDir()
 	if err := s.Mount(t.Context(), mp, lazy); err != nil {
 		t.Fatal(err)
@@ -82,34 +64,10 @@ func TestNativeCopyAfterFill(t *testing.T) {
 func TestPassthroughFromNativeCopy(t *testing.T) {
 	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
-	big := make([]byte, 3<<20+123)
-	rng := rand.New(rand.NewPCG(3, 4))
-	for i := range big {
-		big[i] = byte(rng.Uint32())
-	}
+	big := randomBytes(3<<20+123, 3)
 	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"dir/big.bin": string(big), "small.txt": "small"}))
 	labels := r.addManifest(t, "test/native-backing:1", desc)[0]
-	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	copies, err := native.Open(context.Background(), t.TempDir(), cache)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(copies.Close)
-	cache.SetTenant(copies)
-	s, err := New(Config{
-		Hosts:              registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
-		Cache:              cache,
-		Fill:               true,
-		Native:             copies,
-		Passthrough:        true,
-		PassthroughMinSize: 64 << 10,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, _, copies := newNativeStore(t, Config{Passthrough: true, PassthroughMinSize: 64 << 10})
 	mp := t.TempDir()
 	if err := s.Mount(t.Context(), mp, labels); err != nil {
 		t.Fatal(err)
@@ -205,4 +163,36 @@ func kernelHasPassthrough(t *testing.T) bool {
 	var major, minor int
 	fmt.Sscanf(unix.ByteSliceToString(u.Release[:]), "%d.%d", &major, &minor)
 	return major > 6 || major == 6 && minor >= 9
+}
+
+// newNativeStore returns a store with cfg, background fill, a node cache
+// and native copies sharing its budget, as the daemon sets them up.
+func newNativeStore(t *testing.T, cfg Config) (*Store, *chunkcache.Cache, *native.Store) {
+	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copies, err := native.Open(context.Background(), t.TempDir(), cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(copies.Close)
+	cache.SetTenant(copies)
+	cfg.Hosts = registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true})
+	cfg.Cache, cfg.Fill, cfg.Native = cache, true, copies
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, cache, copies
+}
+
+// randomBytes returns n incompressible bytes, the same for the same seed.
+func randomBytes(n int, seed uint64) []byte {
+	b := make([]byte, n)
+	rng := rand.New(rand.NewPCG(seed, seed+1))
+	for i := range b {
+		b[i] = byte(rng.Uint32())
+	}
+	return b
 }
