@@ -129,7 +129,7 @@ func newCollector(c *counters, layer string) *collector {
 		chunkReads:  d("chunk_reads_total", "Chunk reads issued to the chunk source."),
 		chunkBytes:  d("chunk_bytes_total", "Decompressed bytes returned by the chunk source."),
 		rdTimeouts:  d("read_timeouts_total", "Reads that failed because the read timeout expired."),
-		backedOpens: d("backed_opens_total", "Opens served from a local unpacked copy (FUSE passthrough)."),
+		backedOpens: d("backed_opens_total", "Opens handed a local copy of the file (FUSE passthrough): reads of them bypass the daemon."),
 	}
 }
 
