@@ -15,6 +15,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/envsnap/envsnap/internal/diskcap"
+	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/peer"
 )
 
@@ -117,6 +118,9 @@ type Config struct {
 	// FillDelay postpones the background fill after a layer is mounted.
 	// The fill yields to foreground work by itself, so 0 is the default.
 	FillDelay Duration `toml:"fill_delay"`
+	// FillPolicy says when the background fill yields to foreground work
+	// of the node.
+	FillPolicy FillPolicyConfig `toml:"fill_policy"`
 	// Eager fetches every layer completely before serving it (on-demand
 	// fetching off).
 	Eager bool `toml:"eager"`
@@ -207,6 +211,56 @@ type PeerConfig struct {
 	MaxServing int `toml:"max_serving"`
 }
 
+// FillPolicyConfig holds fetch.FillPolicy's durations: a fill batch waits
+// while a foreground read waits on the network and Quiet after it;
+// AfterMount after a mount; within Startup of a mount, Quiet after any
+// file-system operation; the second and third workers Calm after any
+// read; and the first worker, held MaxPause, sends one batch anyway. The
+// defaults (fetch.DefaultFillPolicy) were measured on 2-core nodes with a
+// 1 Gbit/s link, each for the reason docs/fetching.md ("Background fill")
+// gives; a node with more cores to spare may shorten them.
+type FillPolicyConfig struct {
+	Quiet      Duration `toml:"quiet"`
+	AfterMount Duration `toml:"after_mount"`
+	Startup    Duration `toml:"startup"`
+	Calm       Duration `toml:"calm"`
+	MaxPause   Duration `toml:"max_pause"`
+}
+
+func defaultFillPolicy() FillPolicyConfig {
+	p := fetch.DefaultFillPolicy()
+	return FillPolicyConfig{
+		Quiet:      Duration(p.Quiet),
+		AfterMount: Duration(p.AfterMount),
+		Startup:    Duration(p.Startup),
+		Calm:       Duration(p.Calm),
+		MaxPause:   Duration(p.MaxPause),
+	}
+}
+
+// Policy returns the fill policy these durations make.
+func (c FillPolicyConfig) Policy() fetch.FillPolicy {
+	p := fetch.DefaultFillPolicy()
+	p.Quiet = time.Duration(c.Quiet)
+	p.AfterMount = time.Duration(c.AfterMount)
+	p.Startup = time.Duration(c.Startup)
+	p.Calm = time.Duration(c.Calm)
+	p.MaxPause = time.Duration(c.MaxPause)
+	return p
+}
+
+func (c FillPolicyConfig) validate() error {
+	for _, d := range []struct {
+		name string
+		v    Duration
+	}{{"quiet", c.Quiet}, {"after_mount", c.AfterMount}, {"startup", c.Startup}, {"calm", c.Calm}, {"max_pause", c.MaxPause}} {
+		if d.v < 0 {
+			return fmt.Errorf("fill_policy.%s %s: must not be negative", d.name, time.Duration(d.v))
+		}
+	}
+	return nil
+}
+
 // Defaults of the peer tier the daemon adds to peer's own.
 const (
 	DefaultPeerListen  = ":9168"
@@ -281,6 +335,7 @@ func DefaultConfig() Config {
 		NativeLowers:         true,
 		Fill:                 true,
 		FillDelay:            DefaultFillDelay,
+		FillPolicy:           defaultFillPolicy(),
 		ReadTimeout:          DefaultReadTimeout,
 		LazyMinSize:          DefaultLazyMinSize,
 		LogLevel:             DefaultLogLevel,
@@ -332,6 +387,9 @@ func (c *Config) Validate() error {
 	}
 	if c.FillDelay < 0 {
 		return fmt.Errorf("fill_delay must not be negative")
+	}
+	if err := c.FillPolicy.validate(); err != nil {
+		return err
 	}
 	if c.ReadTimeout <= 0 {
 		return fmt.Errorf("read_timeout must be positive")

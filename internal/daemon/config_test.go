@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"testing"
 	"time"
+
+	"github.com/envsnap/envsnap/internal/fetch"
 )
 
 func TestLoadConfig(t *testing.T) {
@@ -178,5 +180,34 @@ func TestPeerConfig(t *testing.T) {
 				t.Errorf("defaults not filled: %+v", c.Peers)
 			}
 		})
+	}
+}
+
+// TestFillPolicyConfig: [fill_policy] sets the durations it names, keeps
+// the measured defaults for the others, and refuses negative ones.
+func TestFillPolicyConfig(t *testing.T) {
+	def := fetch.DefaultFillPolicy()
+	if got := DefaultConfig().FillPolicy.Policy(); got != def {
+		t.Fatalf("default config's fill policy %+v, want fetch.DefaultFillPolicy %+v", got, def)
+	}
+	p := filepath.Join(t.TempDir(), "config.toml")
+	if err := os.WriteFile(p, []byte("[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := LoadConfig(p, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	want := def
+	want.Quiet, want.Startup = 50*time.Millisecond, 0
+	if got := c.FillPolicy.Policy(); got != want {
+		t.Errorf("fill policy %+v, want %+v", got, want)
+	}
+	c.FillPolicy.MaxPause = Duration(-time.Second)
+	if err := c.Validate(); err == nil {
+		t.Error("negative fill_policy.max_pause accepted")
 	}
 }

@@ -152,6 +152,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Cache:              cache,
 		Fill:               cfg.Fill,
 		FillDelay:          time.Duration(cfg.FillDelay),
+		FillPolicy:         cfg.FillPolicy.Policy(),
 		Eager:              cfg.Eager,
 		LazyMinSize:        int64(cfg.LazyMinSize),
 		ReadTimeout:        time.Duration(cfg.ReadTimeout),

@@ -86,6 +86,9 @@ type Config struct {
 	// good value; a delay still helps a node whose container starts spend
 	// long stretches without reading.
 	FillDelay time.Duration
+	// FillPolicy says when the fill yields to the node's foreground work
+	// (zero: fetch.DefaultFillPolicy).
+	FillPolicy fetch.FillPolicy
 	// Eager turns on-demand fetching off: Mount returns only once every
 	// chunk of the layer is in the node cache (the benchmark's "download
 	// everything, then mount" baseline, and a choice for nodes whose
@@ -188,6 +191,9 @@ func New(cfg Config) (*Store, error) {
 	if cfg.ReadTimeout <= 0 {
 		cfg.ReadTimeout = DefaultReadTimeout
 	}
+	if cfg.FillPolicy == (fetch.FillPolicy{}) {
+		cfg.FillPolicy = fetch.DefaultFillPolicy()
+	}
 
 	return &Store{
 		cfg:       cfg,
@@ -195,7 +201,7 @@ func New(cfg Config) (*Store, error) {
 		manifests: make(map[digest.Digest]*ocispec.Manifest),
 		tocs:      make(map[digest.Digest]*tocFetch),
 		tocSem:    make(chan struct{}, tocPrefetchParallel),
-		flights:   fetch.NewFlights(),
+		flights:   fetch.NewFlights(fetch.WithFillPolicy(cfg.FillPolicy)),
 	}, nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/envsnap/envsnap/internal/prereq"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/snapshotter"
@@ -195,4 +196,28 @@ func randomBytes(n int, seed uint64) []byte {
 		b[i] = byte(rng.Uint32())
 	}
 	return b
+}
+
+// TestFillPolicyConfigured: the store's fill follows Config.FillPolicy. A
+// policy that holds the fill for an hour after a mount keeps every chunk
+// of a mounted, unread layer on the registry.
+func TestFillPolicyConfigured(t *testing.T) {
+	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"a.bin": string(randomBytes(1<<20, 5))}))
+	labels := r.addManifest(t, "test/held:1", desc)[0]
+	held := fetch.DefaultFillPolicy()
+	held.AfterMount, held.MaxPause = time.Hour, time.Hour
+	s, _, _ := newNativeStore(t, Config{FillPolicy: held})
+	mp := t.TempDir()
+	if err := s.Mount(t.Context(), mp, labels); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	// Three times the default AfterMount: the default policy would have
+	// filled the layer by then.
+	time.Sleep(3 * fetch.DefaultFillPolicy().AfterMount)
+	if st := s.Status()[mp]; st.CachedBytes != 0 {
+		t.Fatalf("fill ran against a policy holding it for an hour: %+v", st)
+	}
 }
