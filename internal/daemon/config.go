@@ -121,6 +121,8 @@ type Config struct {
 	// FillPolicy says when the background fill yields to foreground work
 	// of the node.
 	FillPolicy FillPolicyConfig `toml:"fill_policy"`
+	// PrefetchPolicy shapes the fetches of a layer's prefetch list.
+	PrefetchPolicy PrefetchPolicyConfig `toml:"prefetch_policy"`
 	// Eager fetches every layer completely before serving it (on-demand
 	// fetching off).
 	Eager bool `toml:"eager"`
@@ -261,6 +263,38 @@ func (c FillPolicyConfig) validate() error {
 	return nil
 }
 
+// PrefetchPolicyConfig holds fetch.PrefetchPolicy: the list is taken in
+// windows of Window compressed bytes, each sorted by offset and coalesced
+// into requests of up to Batch; Parallel requests of one layer and
+// Inflight of the node are in flight at once, each sent no earlier than
+// Lead before its first frame was read in the recorded run. The defaults
+// (fetch.DefaultPrefetchPolicy) fill the 1 Gbit/s, 20 ms link they were
+// measured on (docs/fetching.md, "Prefetch lists").
+type PrefetchPolicyConfig struct {
+	Window   Size     `toml:"window"`
+	Batch    Size     `toml:"batch"`
+	Parallel int      `toml:"parallel"`
+	Inflight int      `toml:"inflight"`
+	Lead     Duration `toml:"lead"`
+}
+
+func defaultPrefetchPolicy() PrefetchPolicyConfig {
+	p := fetch.DefaultPrefetchPolicy()
+	return PrefetchPolicyConfig{Window: Size(p.Window), Batch: Size(p.Batch), Parallel: p.Parallel, Inflight: p.Inflight, Lead: Duration(p.Lead)}
+}
+
+// Policy returns the prefetch policy these values make.
+func (c PrefetchPolicyConfig) Policy() fetch.PrefetchPolicy {
+	return fetch.PrefetchPolicy{Window: int64(c.Window), Batch: int64(c.Batch), Parallel: c.Parallel, Inflight: c.Inflight, Lead: time.Duration(c.Lead)}
+}
+
+func (c PrefetchPolicyConfig) validate() error {
+	if c.Window <= 0 || c.Batch <= 0 || c.Parallel < 1 || c.Inflight < 1 || c.Lead < 0 {
+		return fmt.Errorf("prefetch_policy %+v: window and batch must be positive, parallel and inflight at least 1, lead not negative", c)
+	}
+	return nil
+}
+
 // Defaults of the peer tier the daemon adds to peer's own.
 const (
 	DefaultPeerListen  = ":9168"
@@ -336,6 +370,7 @@ func DefaultConfig() Config {
 		Fill:                 true,
 		FillDelay:            DefaultFillDelay,
 		FillPolicy:           defaultFillPolicy(),
+		PrefetchPolicy:       defaultPrefetchPolicy(),
 		ReadTimeout:          DefaultReadTimeout,
 		LazyMinSize:          DefaultLazyMinSize,
 		LogLevel:             DefaultLogLevel,
@@ -389,6 +424,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("fill_delay must not be negative")
 	}
 	if err := c.FillPolicy.validate(); err != nil {
+		return err
+	}
+	if err := c.PrefetchPolicy.validate(); err != nil {
 		return err
 	}
 	if c.ReadTimeout <= 0 {

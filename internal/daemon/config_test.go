@@ -190,17 +190,7 @@ func TestFillPolicyConfig(t *testing.T) {
 	if got := DefaultConfig().FillPolicy.Policy(); got != def {
 		t.Fatalf("default config's fill policy %+v, want fetch.DefaultFillPolicy %+v", got, def)
 	}
-	p := filepath.Join(t.TempDir(), "config.toml")
-	if err := os.WriteFile(p, []byte("[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	c, err := LoadConfig(p, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.Validate(); err != nil {
-		t.Fatal(err)
-	}
+	c := loadValid(t, "[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\n")
 	want := def
 	want.Quiet, want.Startup = 50*time.Millisecond, 0
 	if got := c.FillPolicy.Policy(); got != want {
@@ -210,4 +200,39 @@ func TestFillPolicyConfig(t *testing.T) {
 	if err := c.Validate(); err == nil {
 		t.Error("negative fill_policy.max_pause accepted")
 	}
+}
+
+// TestPrefetchPolicyConfig: [prefetch_policy] likewise.
+func TestPrefetchPolicyConfig(t *testing.T) {
+	def := fetch.DefaultPrefetchPolicy()
+	if got := DefaultConfig().PrefetchPolicy.Policy(); got != def {
+		t.Fatalf("default config's prefetch policy %+v, want fetch.DefaultPrefetchPolicy %+v", got, def)
+	}
+	c := loadValid(t, "[prefetch_policy]\nbatch = \"8MiB\"\ninflight = 12\nlead = \"0s\"\n")
+	want := def
+	want.Batch, want.Inflight, want.Lead = 8<<20, 12, 0
+	if got := c.PrefetchPolicy.Policy(); got != want {
+		t.Errorf("prefetch policy %+v, want %+v", got, want)
+	}
+	c.PrefetchPolicy.Inflight = 0
+	if err := c.Validate(); err == nil {
+		t.Error("prefetch_policy.inflight 0 accepted")
+	}
+}
+
+// loadValid loads the configuration text over the defaults and validates it.
+func loadValid(t *testing.T, text string) Config {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "config.toml")
+	if err := os.WriteFile(p, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := LoadConfig(p, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

@@ -153,6 +153,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Fill:               cfg.Fill,
 		FillDelay:          time.Duration(cfg.FillDelay),
 		FillPolicy:         cfg.FillPolicy.Policy(),
+		PrefetchPolicy:     cfg.PrefetchPolicy.Policy(),
 		Eager:              cfg.Eager,
 		LazyMinSize:        int64(cfg.LazyMinSize),
 		ReadTimeout:        time.Duration(cfg.ReadTimeout),

@@ -89,6 +89,9 @@ type Config struct {
 	// FillPolicy says when the fill yields to the node's foreground work
 	// (zero: fetch.DefaultFillPolicy).
 	FillPolicy fetch.FillPolicy
+	// PrefetchPolicy shapes the fetches of prefetch lists (zero:
+	// fetch.DefaultPrefetchPolicy).
+	PrefetchPolicy fetch.PrefetchPolicy
 	// Eager turns on-demand fetching off: Mount returns only once every
 	// chunk of the layer is in the node cache (the benchmark's "download
 	// everything, then mount" baseline, and a choice for nodes whose
@@ -194,6 +197,9 @@ func New(cfg Config) (*Store, error) {
 	if cfg.FillPolicy == (fetch.FillPolicy{}) {
 		cfg.FillPolicy = fetch.DefaultFillPolicy()
 	}
+	if cfg.PrefetchPolicy == (fetch.PrefetchPolicy{}) {
+		cfg.PrefetchPolicy = fetch.DefaultPrefetchPolicy()
+	}
 
 	return &Store{
 		cfg:       cfg,
@@ -201,7 +207,7 @@ func New(cfg Config) (*Store, error) {
 		manifests: make(map[digest.Digest]*ocispec.Manifest),
 		tocs:      make(map[digest.Digest]*tocFetch),
 		tocSem:    make(chan struct{}, tocPrefetchParallel),
-		flights:   fetch.NewFlights(fetch.WithFillPolicy(cfg.FillPolicy)),
+		flights:   fetch.NewFlights(fetch.WithFillPolicy(cfg.FillPolicy), fetch.WithPrefetchPolicy(cfg.PrefetchPolicy)),
 	}, nil
 }
 
