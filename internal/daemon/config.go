@@ -252,13 +252,8 @@ func (c FillPolicyConfig) Policy() fetch.FillPolicy {
 }
 
 func (c FillPolicyConfig) validate() error {
-	for _, d := range []struct {
-		name string
-		v    Duration
-	}{{"quiet", c.Quiet}, {"after_mount", c.AfterMount}, {"startup", c.Startup}, {"calm", c.Calm}, {"max_pause", c.MaxPause}} {
-		if d.v < 0 {
-			return fmt.Errorf("fill_policy.%s %s: must not be negative", d.name, time.Duration(d.v))
-		}
+	if c.Quiet < 0 || c.AfterMount < 0 || c.Startup < 0 || c.Calm < 0 || c.MaxPause < 0 {
+		return fmt.Errorf("fill_policy %+v: durations must not be negative", c)
 	}
 	return nil
 }

@@ -87,10 +87,10 @@ func (s *frameSlots) slot(i, size int) []byte {
 // the pages without writing to them, so it is safe on slots already in
 // use). A first touch is the expensive part of a slot: on the VMs here
 // (a throwaway measurement) decoding a 2 MiB frame into a slot never
-// touched took 6.7 ms, into one populated or used before 2.5-4.3 ms. A node pays that once, at start,
-// rather than in its first environment's cold reads. Kernels before 5.14
-// do not know the advice; their slots are faulted in by their first
-// frames.
+// touched took 6.7 ms, into one populated or used before 2.5-4.3 ms. A
+// node pays that once, at start, rather than in its first environment's
+// cold reads. Kernels before 5.14 do not know the advice; their slots are
+// faulted in by their first frames.
 func (s *frameSlots) populate(n int) {
 	for i := range min(n, s.n) {
 		if err := unix.Madvise(s.slot(i, slotFrame+pageSize), unix.MADV_POPULATE_WRITE); err != nil {

@@ -5,7 +5,6 @@ package layerstore
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -13,13 +12,11 @@ import (
 	"time"
 
 	"github.com/opencontainers/go-digest"
-	"golang.org/x/sys/unix"
-
-	"github.com/envsnap/envsnap/internal/prereq"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/native"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/snapshotter"
 )
@@ -36,19 +33,7 @@ func TestNativeCopyAfterFill(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
-	d := digest.Digest(lazy[snapshotter.LabelLayerDigest])
-	deadline := time.Now().Add(30 * time.Second)
-	var dir string
-	for {
-		var ok bool
-		if dir, ok = s.NativeDir(d); ok {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no native copy 30 s after the mount: %+v, %+v", copies.Stats(), s.Status()[mp])
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	dir := waitNativeDir(t, s, copies, lazy)
 	b, err := os.ReadFile(filepath.Join(dir, "hello.txt"))
 	if err != nil || string(b) != "hello, lazy world\n" {
 		t.Fatalf("native copy: %q, %v", b, err)
@@ -77,6 +62,9 @@ func TestPassthroughFromNativeCopy(t *testing.T) {
 	s.mu.Lock()
 	srv := s.mounts[mp].srv
 	s.mu.Unlock()
+	if !srv.Passthrough() {
+		prereq.Skip(t, prereq.NoFUSEPassthrough, "")
+	}
 
 	read := func() {
 		t.Helper()
@@ -89,21 +77,12 @@ func TestPassthroughFromNativeCopy(t *testing.T) {
 	if n := srv.Stats().BackedOpens; n != 0 {
 		t.Fatalf("%d passthrough opens before any native copy", n)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for _, ok := s.NativeDir(digest.Digest(labels[snapshotter.LabelLayerDigest])); !ok; _, ok = s.NativeDir(digest.Digest(labels[snapshotter.LabelLayerDigest])) {
-		if time.Now().After(deadline) {
-			t.Fatalf("no native copy 30 s after the mount: %+v", copies.Stats())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	waitNativeDir(t, s, copies, labels)
 	// RELEASE reaches the daemon after close returns, and an inode with
 	// an open on the chunk path is not switched, so it may take a few
 	// opens.
 	for i := 0; srv.Stats().BackedOpens == 0; i++ {
 		if i == 100 {
-			if !kernelHasPassthrough(t) {
-				prereq.Skip(t, prereq.NoFUSEPassthrough, "")
-			}
 			t.Fatalf("no passthrough open of dir/big.bin in 100 opens after its native copy: %+v", srv.Stats())
 		}
 		read()
@@ -155,15 +134,21 @@ func TestOpenNativeFileStaysInside(t *testing.T) {
 	}
 }
 
-// kernelHasPassthrough reports whether the running kernel is 6.9 or newer.
-func kernelHasPassthrough(t *testing.T) bool {
-	var u unix.Utsname
-	if err := unix.Uname(&u); err != nil {
-		t.Fatal(err)
+// waitNativeDir waits for the native copy of the layer labels name and
+// returns its directory.
+func waitNativeDir(t *testing.T, s *Store, copies *native.Store, labels map[string]string) string {
+	t.Helper()
+	d := digest.Digest(labels[snapshotter.LabelLayerDigest])
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if dir, ok := s.NativeDir(d); ok {
+			return dir
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no native copy 30 s after the mount: %+v", copies.Stats())
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
-	var major, minor int
-	fmt.Sscanf(unix.ByteSliceToString(u.Release[:]), "%d.%d", &major, &minor)
-	return major > 6 || major == 6 && minor >= 9
 }
 
 // newNativeStore returns a store with cfg, background fill, a node cache

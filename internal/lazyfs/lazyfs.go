@@ -453,6 +453,12 @@ func (m *Server) Wait() { m.srv.Wait() }
 // Stats returns the mount's counters.
 func (m *Server) Stats() Stats { return m.layer.stats.snapshot() }
 
+// Passthrough reports whether the kernel agreed to FUSE passthrough on the
+// mount's connection (Linux 6.9+), which WithBacking needs.
+func (m *Server) Passthrough() bool {
+	return m.srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH != 0
+}
+
 // setReadahead sets the kernel readahead window of the mount's backing
 // device. The kernel offers FUSE at most 128 KiB in INIT (and go-fuse
 // passes that through), so a sequential reader of a 1 MiB chunk would

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/prereq"
@@ -72,7 +71,7 @@ func writeCopy(t *testing.T, f fixtureLayer, name string) (int, string, []byte) 
 // passthrough (Linux < 6.9) on srv's connection.
 func requirePassthrough(t *testing.T, srv *Server) {
 	t.Helper()
-	if srv.srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH == 0 {
+	if !srv.Passthrough() {
 		prereq.Skip(t, prereq.NoFUSEPassthrough, "")
 	}
 }

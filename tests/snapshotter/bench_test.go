@@ -352,8 +352,9 @@ func viewFile(tb testing.TB, env *testenv.Env, img client.Image, sn, path string
 // lowers, the file's unpacked copy, which the second open of a fully
 // cached file builds), so the rounds measure the steady state of a node
 // that has read the file before. It returns the directory of the copies,
-// whose pages the rounds drop too, or "" for a daemon without passthrough
-// (--passthrough=false, old kernel), measured on its chunk path.
+// whose pages the rounds drop too (with native lowers the view may be the
+// native copy itself), or "" for a daemon with neither kind of copy,
+// measured on its chunk path.
 func waitCopies(tb testing.TB, env *testenv.Env, p string) string {
 	deadline := time.Now().Add(time.Minute)
 	for {
