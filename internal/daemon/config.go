@@ -5,6 +5,7 @@ package daemon
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -213,11 +214,12 @@ type PeerConfig struct {
 	MaxServing int `toml:"max_serving"`
 }
 
-// FillPolicyConfig holds fetch.FillPolicy's durations: a fill batch waits
-// while a foreground read waits on the network and Quiet after it;
-// AfterMount after a mount; within Startup of a mount, Quiet after any
-// file-system operation; the second and third workers Calm after any
-// read; and the first worker, held MaxPause, sends one batch anyway. The
+// FillPolicyConfig holds fetch.FillPolicy: a fill batch waits while a
+// foreground read waits on the network and Quiet after it; AfterMount
+// after a mount; within Startup of a mount, Quiet after any file-system
+// operation; for a layer one environment uses, while the node's other
+// processes leave fewer than FreeCPU cores idle; the second and third workers Calm after any read; and the
+// first worker, held MaxPause, sends one batch anyway. The
 // defaults (fetch.DefaultFillPolicy) were measured on 2-core nodes with a
 // 1 Gbit/s link, each for the reason docs/fetching.md ("Background fill")
 // gives; a node with more cores to spare may shorten them.
@@ -227,6 +229,8 @@ type FillPolicyConfig struct {
 	Startup    Duration `toml:"startup"`
 	Calm       Duration `toml:"calm"`
 	MaxPause   Duration `toml:"max_pause"`
+	// FreeCPU is in cores; 0 turns the CPU signal off.
+	FreeCPU float64 `toml:"free_cpu"`
 }
 
 func defaultFillPolicy() FillPolicyConfig {
@@ -237,6 +241,7 @@ func defaultFillPolicy() FillPolicyConfig {
 		Startup:    Duration(p.Startup),
 		Calm:       Duration(p.Calm),
 		MaxPause:   Duration(p.MaxPause),
+		FreeCPU:    p.FreeCPU,
 	}
 }
 
@@ -248,12 +253,16 @@ func (c FillPolicyConfig) Policy() fetch.FillPolicy {
 	p.Startup = time.Duration(c.Startup)
 	p.Calm = time.Duration(c.Calm)
 	p.MaxPause = time.Duration(c.MaxPause)
+	p.FreeCPU = c.FreeCPU
 	return p
 }
 
 func (c FillPolicyConfig) validate() error {
 	if c.Quiet < 0 || c.AfterMount < 0 || c.Startup < 0 || c.Calm < 0 || c.MaxPause < 0 {
 		return fmt.Errorf("fill_policy %+v: durations must not be negative", c)
+	}
+	if !(c.FreeCPU >= 0) || math.IsInf(c.FreeCPU, 1) {
+		return fmt.Errorf("fill_policy: free_cpu %v: want a number of cores, 0 or more", c.FreeCPU)
 	}
 	return nil
 }

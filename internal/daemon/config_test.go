@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -190,15 +191,23 @@ func TestFillPolicyConfig(t *testing.T) {
 	if got := DefaultConfig().FillPolicy.Policy(); got != def {
 		t.Fatalf("default config's fill policy %+v, want fetch.DefaultFillPolicy %+v", got, def)
 	}
-	c := loadValid(t, "[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\n")
+	c := loadValid(t, "[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\nfree_cpu = 0.5\n")
 	want := def
-	want.Quiet, want.Startup = 50*time.Millisecond, 0
+	want.Quiet, want.Startup, want.FreeCPU = 50*time.Millisecond, 0, 0.5
 	if got := c.FillPolicy.Policy(); got != want {
 		t.Errorf("fill policy %+v, want %+v", got, want)
 	}
-	c.FillPolicy.MaxPause = Duration(-time.Second)
-	if err := c.Validate(); err == nil {
+	bad := c
+	bad.FillPolicy.MaxPause = Duration(-time.Second)
+	if err := bad.Validate(); err == nil {
 		t.Error("negative fill_policy.max_pause accepted")
+	}
+	for _, v := range []float64{-1, math.NaN(), math.Inf(1)} {
+		bad := c
+		bad.FillPolicy.FreeCPU = v
+		if err := bad.Validate(); err == nil {
+			t.Errorf("fill_policy.free_cpu %v accepted", v)
+		}
 	}
 }
 

@@ -49,7 +49,7 @@ func (l *Layer) fill(parent context.Context) {
 		go func() {
 			defer wg.Done()
 			for {
-				if l.o.fillYield && l.flights.yieldFill(ctx, w) != nil {
+				if l.o.fillYield && l.flights.yieldFill(ctx, w, &l.envs) != nil {
 					return
 				}
 				b, ok := <-work

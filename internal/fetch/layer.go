@@ -47,6 +47,7 @@ type Layer struct {
 	prefetched  atomic.Int32 // last span index handed to chunkcache.Prefetch
 	lastHit     atomic.Int32 // span index of the last read from the cache
 	lastFullLog atomic.Int64
+	envs        atomic.Int32 // environments prepared over the layer (NoteEnvironment)
 	seq         seqTable
 	ahead       aheadTable
 
@@ -794,6 +795,12 @@ func (l *Layer) markCached(j int) {
 // on every FUSE operation): shortly after a mount, the background fill of
 // every layer sharing its Flights holds back while that goes on.
 func (l *Layer) NoteActivity() { l.flights.noteOp() }
+
+// NoteEnvironment tells the layer one more environment (a container's
+// snapshot) was prepared over it. Its fill waits for idle CPU
+// (FillPolicy.FreeCPU) only while one environment uses it: that one runs
+// now, and a complete copy helps only those that start later.
+func (l *Layer) NoteEnvironment() { l.envs.Add(1) }
 
 // Progress returns the compressed bytes of this layer's distinct chunks that
 // are in the node cache, and their total.

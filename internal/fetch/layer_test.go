@@ -775,3 +775,35 @@ func TestFillYieldsNodeWide(t *testing.T) {
 	}
 	waitFilled(t, b.layer)
 }
+
+// TestFillWaitsForCPU: with the node's other processes keeping every core
+// busy, the fill of a layer one environment uses sends nothing; once a
+// second environment is prepared over the layer it completes.
+func TestFillWaitsForCPU(t *testing.T) {
+	checkGoroutines(t)
+	cache, err := chunkcache.Open(t.TempDir(), 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := DefaultFillPolicy()
+	p.AfterMount, p.Startup, p.MaxPause = 0, 0, time.Hour
+	flights := NewFlights(WithFillPolicy(p))
+	// Readings of a node whose 2 cores other processes keep busy: busy
+	// time grows as fast as the total, none of it this process's.
+	var tick float64
+	flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
+		tick++
+		return cpuCounters{cores: 2, busy: tick, total: tick, self: 0}, nil
+	}}
+	flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
+	f := newLayerFixture(t, cache, standardFiles(), WithFlights(flights))
+	before := f.reg.requests()
+	f.layer.NoteEnvironment()
+	f.layer.StartFill(context.Background())
+	time.Sleep(3 * cpuSampleEvery)
+	if n := f.reg.requests() - before; n != 0 {
+		t.Fatalf("the fill sent %d requests with every core busy and one environment on the layer", n)
+	}
+	f.layer.NoteEnvironment()
+	waitFilled(t, f.layer)
+}

@@ -18,7 +18,8 @@ import (
 //     several layers (content addressed: same digest, same bytes) that
 //     more than one of them misses at the same moment is fetched once;
 //   - the foreground activity of those Layers (reads waiting on the
-//     network, mounts, file-system operations, prefetches), which every
+//     network, mounts, file-system operations, prefetches) and the CPU
+//     the node's other processes use (cpuload.go), which every
 //     Layer's background fill yields to through FillPolicy.Decide: on a
 //     small node the link and the CPU are shared by all layers, so one
 //     layer's fill slows another layer's container start as much as its
@@ -45,6 +46,8 @@ type Flights struct {
 
 	gate prefetchGate
 
+	cpu cpuLoad // what the other processes leave of the node's CPUs
+
 	open openLayers // the layers served to peers (peers.go)
 
 	recv recvBuffers // what finished flights received into, for the next
@@ -67,11 +70,17 @@ func NewFlights(opts ...FlightsOption) *Flights {
 		fillPolicy:     DefaultFillPolicy(),
 		prefetchPolicy: DefaultPrefetchPolicy(),
 		m:              map[digest.Digest]*flight{},
+		cpu:            cpuLoad{read: readCPUCounters},
 	}
 	for _, o := range opts {
 		o(f)
 	}
 	f.gate.limit = max(f.prefetchPolicy.Inflight, 1)
+	if f.fillPolicy.FreeCPU > 0 {
+		// The first reading: the fill's first decision then has an
+		// interval to go by.
+		f.cpu.sample(time.Now())
+	}
 	return f
 }
 
@@ -88,7 +97,7 @@ func (f *Flights) foreground() Foreground {
 		}
 		return time.Time{}
 	}
-	return Foreground{
+	fg := Foreground{
 		Waiting:     int(f.waiting.Load()),
 		Prefetching: int(f.prefetching.Load()),
 		LastWait:    at(&f.lastWait),
@@ -97,15 +106,21 @@ func (f *Flights) foreground() Foreground {
 		LastRead:    at(&f.lastRead),
 		LastForced:  at(&f.lastForced),
 	}
+	if f.fillPolicy.FreeCPU > 0 {
+		fg.Cores, fg.OthersCPU = f.cpu.sample(time.Now())
+	}
+	return fg
 }
 
-// yieldFill waits until fill worker w may send its next batch
-// (FillPolicy.Decide): node-wide foreground work goes first.
-func (f *Flights) yieldFill(ctx context.Context, w int) error {
+// yieldFill waits until fill worker w of a layer over which envs
+// environments were prepared may send its next batch (FillPolicy.Decide):
+// node-wide foreground work goes first.
+func (f *Flights) yieldFill(ctx context.Context, w int, envs *atomic.Int32) error {
 	held := time.Now()
 	for {
 		now := time.Now()
 		fg := f.foreground()
+		fg.LayerEnvs = int(envs.Load())
 		d := f.fillPolicy.Decide(now, fg, w, held)
 		if d.Send() && !d.Forced {
 			return ctx.Err()

@@ -39,8 +39,20 @@ type FillPolicy struct {
 	// each forcing a batch every MaxPause would be a fill running at
 	// full speed through the starts.
 	MaxPause time.Duration
+	// FreeCPU: while at most one environment has been prepared over the
+	// layer, no batch starts (MaxPause aside) while the node's other
+	// processes leave fewer than FreeCPU cores idle (at most half the
+	// node's), measured over the latest 200 ms. A batch's receive, hash,
+	// decompression and writes take about a core; while a workload keeps
+	// the cores busy (a compile) that core is the workload's, and the
+	// complete copy the fill builds serves only environments started
+	// later. Once a second environment uses the layer, the fill no longer
+	// waits for the CPU: the environments of an iteration share their
+	// base, harness and evaluator layers and start faster on complete
+	// ones. Zero turns the signal off.
+	FreeCPU float64
 	// Poll is how often a fill held back by a count (a read waiting, a
-	// prefetch running) looks again; a fill held back by a time looks
+	// prefetch running, busy cores) looks again; a fill held back by a time looks
 	// again when that time has passed.
 	Poll time.Duration
 }
@@ -53,6 +65,7 @@ func DefaultFillPolicy() FillPolicy {
 		Startup:    10 * time.Second,
 		Calm:       2 * time.Second,
 		MaxPause:   2 * time.Second,
+		FreeCPU:    1,
 		Poll:       20 * time.Millisecond,
 	}
 }
@@ -67,6 +80,9 @@ type Foreground struct {
 	LastOp      time.Time // latest file-system operation (Layer.NoteActivity)
 	LastRead    time.Time // latest Layer.ReadChunk
 	LastForced  time.Time // latest batch sent past MaxPause, node-wide
+	Cores       float64   // the node's CPUs; 0 when unknown
+	OthersCPU   float64   // cores the node's other processes kept busy lately
+	LayerEnvs   int       // environments prepared over the deciding layer
 }
 
 // FillHold is why a fill batch waits (FillSend: it does not).
@@ -80,10 +96,11 @@ const (
 	HoldMount             // a layer was mounted less than AfterMount ago
 	HoldStartup           // file-system activity during a start
 	HoldCalm              // reads less than Calm ago (workers after the first)
+	HoldCPU               // other processes leave less than FreeCPU idle (layer of one environment)
 )
 
 func (h FillHold) String() string {
-	return [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm"}[h]
+	return [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm", "cpu"}[h]
 }
 
 // FillDecision is the outcome of Decide: send now, or hold and look again
@@ -128,6 +145,9 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 	if now.Before(fg.LastMount.Add(p.Startup)) {
 		// Activity holds the fill only until the start-up window closes.
 		note(HoldStartup, minTime(fg.LastOp.Add(p.Quiet), fg.LastMount.Add(p.Startup)))
+	}
+	if p.FreeCPU > 0 && fg.LayerEnvs < 2 && fg.Cores > 0 && fg.Cores-fg.OthersCPU < min(p.FreeCPU, fg.Cores/2) {
+		note(HoldCPU, poll)
 	}
 	if w == 0 {
 		if hold == FillSend {
