@@ -146,3 +146,56 @@ func TestFitsOnePage(t *testing.T) {
 		t.Error("40 native lowers do not fit although relative to their common parent they take 40*72 bytes")
 	}
 }
+
+// observerFS is the fake data plane that records NoteEnvironment calls.
+type observerFS struct {
+	*fakeFS
+	mu    sync.Mutex
+	notes map[string]int // mountpoint -> calls
+}
+
+func (f *observerFS) NoteEnvironment(mountpoint string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.notes[mountpoint]++
+}
+
+func (f *observerFS) count(mountpoint string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.notes[mountpoint]
+}
+
+// TestNoteEnvironment: each container's Prepare and each View tells the
+// data plane once about every lazy layer below it; pulling the layers
+// (an unpack's Prepare) and asking for a snapshot's mounts again do not.
+func TestNoteEnvironment(t *testing.T) {
+	fsys := &observerFS{fakeFS: newFakeFS(), notes: map[string]int{}}
+	s, _ := newTestSnapshotter(t, fsys)
+	ctx := testContext(t)
+	l1, l2 := layerDigest(1), layerDigest(2)
+	prepareLazy(t, s, "c1", "", l1)
+	prepareLazy(t, s, "c2", "c1", l2)
+	mp1, mp2 := s.layerMountpoint(l1), s.layerMountpoint(l2)
+	if n1, n2 := fsys.count(mp1), fsys.count(mp2); n1 != 0 || n2 != 0 {
+		t.Fatalf("after the pull: %d and %d environments noted, want none", n1, n2)
+	}
+	if _, err := s.Prepare(ctx, "rootfs-1", "c2"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Mounts(ctx, "rootfs-1"); err != nil {
+		t.Fatal(err)
+	}
+	if n1, n2 := fsys.count(mp1), fsys.count(mp2); n1 != 1 || n2 != 1 {
+		t.Fatalf("one container: %d and %d environments noted, want 1 and 1", n1, n2)
+	}
+	if _, err := s.Prepare(ctx, "rootfs-2", "c1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.View(ctx, "view", "c2"); err != nil {
+		t.Fatal(err)
+	}
+	if n1, n2 := fsys.count(mp1), fsys.count(mp2); n1 != 3 || n2 != 2 {
+		t.Fatalf("two containers and a view: %d and %d environments noted, want 3 and 2", n1, n2)
+	}
+}

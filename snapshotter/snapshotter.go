@@ -129,6 +129,16 @@ type NativeLayers interface {
 	NativeDir(d digest.Digest) (string, bool)
 }
 
+// EnvironmentObserver is implemented by a FileSystem that wants to know
+// how many environments use each layer it serves: NoteEnvironment is
+// called with a layer's mountpoint each time an active snapshot (not an
+// unpack's) or a view is prepared over it, before native copies replace
+// its lower directories. The layer store finishes a layer more than one
+// environment uses first (fetch.FillPolicy.FreeCPU).
+type EnvironmentObserver interface {
+	NoteEnvironment(mountpoint string)
+}
+
 // LayerStatus describes one layer mount of this snapshotter.
 type LayerStatus struct {
 	Digest     digest.Digest `json:"digest"`
@@ -478,6 +488,7 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 			return nil, err
 		}
 	}
+	s.noteEnvironment(mounts)
 	mounts = s.nativeMounts(ctx, mounts)
 	held, err := s.holdBackEvaluator(ctx, parent, mounts)
 	if err != nil {
@@ -495,6 +506,7 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 	if err != nil {
 		return nil, err
 	}
+	s.noteEnvironment(mounts)
 	return s.nativeMounts(ctx, mounts), nil
 }
 
@@ -702,11 +714,7 @@ func (s *Snapshotter) nativeMounts(ctx context.Context, mounts []mount.Mount) []
 		return mounts
 	}
 	native := func(p string) string {
-		target, err := os.Readlink(p)
-		if err != nil {
-			return p // a directory of its own: not a lazy layer
-		}
-		d, ok := s.layerOfMountpoint(target)
+		d, ok := s.lazyLower(p)
 		if !ok {
 			return p
 		}
@@ -776,6 +784,43 @@ func fitsOnePage(opts, dirs []string) bool {
 	}
 	shorter := len(dirs) * (len(common) + 1)
 	return size-shorter < mountDataMax
+}
+
+// lazyLower returns the lazy layer whose FUSE mount lower directory p
+// links to; a directory of its own is not a lazy layer.
+func (s *Snapshotter) lazyLower(p string) (digest.Digest, bool) {
+	target, err := os.Readlink(p)
+	if err != nil {
+		return "", false
+	}
+	return s.layerOfMountpoint(target)
+}
+
+// noteEnvironment tells an EnvironmentObserver FileSystem about the lazy
+// layers of an environment's mounts (Prepare, View).
+func (s *Snapshotter) noteEnvironment(mounts []mount.Mount) {
+	obs, ok := s.fs.(EnvironmentObserver)
+	if !ok {
+		return
+	}
+	for _, m := range mounts {
+		var dirs []string
+		switch m.Type {
+		case "bind":
+			dirs = []string{m.Source}
+		case "overlay":
+			for _, o := range m.Options {
+				if v, ok := strings.CutPrefix(o, "lowerdir="); ok {
+					dirs = strings.Split(v, ":")
+				}
+			}
+		}
+		for _, dir := range dirs {
+			if d, ok := s.lazyLower(dir); ok {
+				obs.NoteEnvironment(s.layerMountpoint(d))
+			}
+		}
+	}
 }
 
 // layerOfMountpoint is the inverse of layerMountpoint.

@@ -184,6 +184,8 @@ type mounted struct {
 var (
 	_ snapshotter.FileSystem   = (*Store)(nil)
 	_ snapshotter.NativeLayers = (*Store)(nil)
+
+	_ snapshotter.EnvironmentObserver = (*Store)(nil)
 )
 
 // New returns a Store.
@@ -427,6 +429,18 @@ func (s *Store) buildNative(ctx context.Context, d digest.Digest, layer *fetch.L
 			return
 		case <-tick.C:
 		}
+	}
+}
+
+// NoteEnvironment tells the layer served at mountpoint that one more
+// environment was prepared over it (snapshotter.EnvironmentObserver,
+// fetch.Layer.NoteEnvironment).
+func (s *Store) NoteEnvironment(mountpoint string) {
+	s.mu.Lock()
+	m := s.mounts[mountpoint]
+	s.mu.Unlock()
+	if m != nil {
+		m.layer.NoteEnvironment()
 	}
 }
 
