@@ -36,7 +36,7 @@ var statusCommand = &cli.Command{
 			return enc.Encode(st)
 		}
 		w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(w, "LAYER\tSNAPSHOTS\tMOUNTED\tFETCHED\tSIZE\tREF")
+		fmt.Fprintln(w, "LAYER\tSNAPSHOTS\tENVS\tMOUNTED\tFETCHED\tSIZE\tREF")
 		for _, l := range st.Layers {
 			mounted := "yes"
 			if !l.Mounted {
@@ -49,7 +49,7 @@ var statusCommand = &cli.Command{
 			if n := len(l.Refs); n > 1 {
 				ref = fmt.Sprintf("%s (+%d more)", ref, n-1)
 			}
-			fmt.Fprintf(w, "%s\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), ref)
+			fmt.Fprintf(w, "%s\t%d\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, l.Environments, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), ref)
 		}
 		if err := w.Flush(); err != nil {
 			return err

@@ -395,6 +395,9 @@ type LayerStatus struct {
 	BlobSize     int64   `json:"blob_size"`
 	FetchedBytes int64   `json:"fetched_bytes"`
 	FetchedPct   float64 `json:"fetched_percent"`
+	// Environments prepared over the layer since it was mounted: while
+	// there is one, its fill waits for idle CPU (fetch.FillPolicy.FreeCPU).
+	Environments int `json:"environments"`
 }
 
 func (d *daemon) status() Status {
@@ -420,6 +423,7 @@ func (d *daemon) status() Status {
 		if m, ok := data[l.Mountpoint]; ok {
 			ls.BlobSize = m.BlobSize
 			ls.FetchedBytes = m.CachedBytes
+			ls.Environments = m.Environments
 			if m.TotalBytes > 0 {
 				ls.FetchedPct = 100 * float64(m.CachedBytes) / float64(m.TotalBytes)
 			}

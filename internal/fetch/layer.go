@@ -802,6 +802,9 @@ func (l *Layer) NoteActivity() { l.flights.noteOp() }
 // now, and a complete copy helps only those that start later.
 func (l *Layer) NoteEnvironment() { l.envs.Add(1) }
 
+// Environments returns how many environments were prepared over the layer.
+func (l *Layer) Environments() int { return int(l.envs.Load()) }
+
 // Progress returns the compressed bytes of this layer's distinct chunks that
 // are in the node cache, and their total.
 func (l *Layer) Progress() (cachedBytes, totalBytes int64) {

@@ -726,6 +726,10 @@ type LayerStatus struct {
 	// CachedBytes of TotalBytes (compressed bytes of the layer's chunks)
 	// are in the node cache.
 	CachedBytes, TotalBytes int64
+	// Environments prepared over the layer since it was mounted
+	// (NoteEnvironment): from the second on, its fill no longer waits for
+	// idle CPU.
+	Environments int
 }
 
 // Footprints returns, for every mounted layer, the frames its readers
@@ -752,6 +756,7 @@ func (s *Store) Status() map[string]LayerStatus {
 	for mp, m := range s.mounts {
 		ls := LayerStatus{Mountpoint: mp, Digest: m.desc.Digest, BlobSize: m.desc.Size}
 		ls.CachedBytes, ls.TotalBytes = m.layer.Progress()
+		ls.Environments = m.layer.Environments()
 		out[mp] = ls
 	}
 	return out

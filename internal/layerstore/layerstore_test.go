@@ -202,8 +202,13 @@ func TestMountTrustChain(t *testing.T) {
 		t.Fatalf("second Mount on the same mountpoint: %v", err)
 	}
 	st := s.Status()[mp]
-	if st.Digest.String() != lazy[snapshotter.LabelLayerDigest] || st.TotalBytes == 0 {
+	if st.Digest.String() != lazy[snapshotter.LabelLayerDigest] || st.TotalBytes == 0 || st.Environments != 0 {
 		t.Fatalf("status %+v", st)
+	}
+	s.NoteEnvironment(mp)
+	s.NoteEnvironment(t.TempDir()) // not a layer of the store: ignored
+	if n := s.Status()[mp].Environments; n != 1 {
+		t.Fatalf("one environment noted: status says %d", n)
 	}
 	if err := s.Unmount(ctx, mp); err != nil {
 		t.Fatal(err)
