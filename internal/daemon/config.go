@@ -218,8 +218,9 @@ type PeerConfig struct {
 // foreground read waits on the network and Quiet after it; AfterMount
 // after a mount; within Startup of a mount, Quiet after any file-system
 // operation; for a layer one environment uses, while the node's other
-// processes leave fewer than FreeCPU cores idle; the second and third workers Calm after any read; and the
-// first worker, held MaxPause, sends one batch anyway. The
+// processes leave fewer than FreeCPU cores idle; the second and third
+// workers Calm after any read; and the first worker, held MaxPause, sends
+// one batch anyway. The
 // defaults (fetch.DefaultFillPolicy) were measured on 2-core nodes with a
 // 1 Gbit/s link, each for the reason docs/fetching.md ("Background fill")
 // gives; a node with more cores to spare may shorten them.

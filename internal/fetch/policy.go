@@ -42,7 +42,8 @@ type FillPolicy struct {
 	// FreeCPU: while at most one environment has been prepared over the
 	// layer, no batch starts (MaxPause aside) while the node's other
 	// processes leave fewer than FreeCPU cores idle (at most half the
-	// node's), measured over the latest 200 ms. A batch's receive, hash,
+	// node's), measured since the previous reading, which is taken at most
+	// every 200 ms (cpuload.go). A batch's receive, hash,
 	// decompression and writes take about a core; while a workload keeps
 	// the cores busy (a compile) that core is the workload's, and the
 	// complete copy the fill builds serves only environments started
@@ -52,8 +53,8 @@ type FillPolicy struct {
 	// ones. Zero turns the signal off.
 	FreeCPU float64
 	// Poll is how often a fill held back by a count (a read waiting, a
-	// prefetch running, busy cores) looks again; a fill held back by a time looks
-	// again when that time has passed.
+	// prefetch running, busy cores) looks again; a fill held back by a
+	// time looks again when that time has passed.
 	Poll time.Duration
 }
 
