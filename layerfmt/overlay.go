@@ -87,3 +87,26 @@ func (t *TOC) OverlayOpaque(dir int) bool {
 	_, ok := t.LookupChild(t.Parent(dir), WhiteoutPrefix+t.BaseName(dir))
 	return ok
 }
+
+// OverlayXattrs reports whether the overlay view of the layer shows an
+// extended attribute anywhere: an entry's own that HiddenXattr does not
+// hide, or OverlayOpaqueXattr on an opaque directory. A lower that shows
+// none can say so once (lazyfs answers ENOSYS, which the kernel remembers
+// for the mount) instead of answering every query overlayfs makes of it.
+func (t *TOC) OverlayXattrs() bool {
+	for i := range t.n {
+		r := t.rec(i)
+		if xf, xn := le32(r, eXattrOff), le32(r, eXattrN); xn != 0 {
+			for x := xf; x < xf+xn; x++ {
+				xr := t.xattrs[int(x)*xattrRecSize:]
+				if !HiddenXattr(string(t.str(le32(xr, 0), le32(xr, 4)))) {
+					return true
+				}
+			}
+		}
+		if t.Type(i) == TypeDir && t.OverlayOpaque(i) {
+			return true
+		}
+	}
+	return false
+}

@@ -342,8 +342,11 @@ func (n *node) xattrs() (names []string, values map[string]string) {
 func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (_ uint32, errno syscall.Errno) {
 	start := time.Now()
 	defer func() {
-		n.l.stats.record(opGetxattr, start, errno != 0 && errno != syscall.ENODATA && errno != syscall.ERANGE)
+		n.l.stats.record(opGetxattr, start, errno != 0 && errno != syscall.ENODATA && errno != syscall.ERANGE && errno != syscall.ENOSYS)
 	}()
+	if n.l.noXattrs {
+		return 0, syscall.ENOSYS
+	}
 	_, values := n.xattrs()
 	v, ok := values[attr]
 	if !ok {
@@ -357,7 +360,12 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (_ uint32
 
 func (n *node) Listxattr(ctx context.Context, dest []byte) (_ uint32, errno syscall.Errno) {
 	start := time.Now()
-	defer func() { n.l.stats.record(opListxattr, start, errno != 0 && errno != syscall.ERANGE) }()
+	defer func() {
+		n.l.stats.record(opListxattr, start, errno != 0 && errno != syscall.ERANGE && errno != syscall.ENOSYS)
+	}()
+	if n.l.noXattrs {
+		return 0, syscall.ENOSYS
+	}
 	names, _ := n.xattrs()
 	size := 0
 	for _, k := range names {

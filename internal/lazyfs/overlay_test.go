@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -226,4 +227,60 @@ func mountOverlay(t *testing.T, lower string) string {
 		}
 	})
 	return merged
+}
+
+// TestOverlayLowerWithoutXattrs: a layer whose view shows no extended
+// attribute answers the first xattr query of each kind with ENOSYS and
+// the kernel answers the rest itself, while overlayfs over it looks up,
+// reads and copies up its files as usual; a layer that shows one keeps
+// answering.
+func TestOverlayLowerWithoutXattrs(t *testing.T) {
+	requireFUSE(t)
+	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
+	for i := range 20 {
+		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: []byte("content " + strconv.Itoa(i))})
+	}
+	blob, toc := convert(t, bytes.NewReader(buildTar(t, files)))
+	mnt, srv := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
+	merged := mountOverlay(t, mnt)
+	for i := range 20 {
+		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
+		if got, err := os.ReadFile(p); err != nil || string(got) != "content "+strconv.Itoa(i) {
+			t.Fatalf("read %s: %q, %v", p, got, err)
+		}
+		// A metadata change copies the file up: overlayfs lists and
+		// reads the lower's xattrs to copy them.
+		if err := os.Chmod(p, 0o600); err != nil {
+			t.Fatalf("chmod %s (copy-up): %v", p, err)
+		}
+		if _, err := unix.Lgetxattr(p, "security.capability", make([]byte, 64)); err != unix.ENODATA {
+			t.Fatalf("getxattr %s: %v, want ENODATA", p, err)
+		}
+		if _, err := unix.Lgetxattr(filepath.Join(mnt, "d", "f"+strconv.Itoa(i)), "user.x", make([]byte, 64)); err != unix.EOPNOTSUPP {
+			t.Fatalf("getxattr on the FUSE mount: %v, want EOPNOTSUPP", err)
+		}
+	}
+	if got, err := os.ReadFile(filepath.Join(merged, "d", "f3")); err != nil || string(got) != "content 3" {
+		t.Fatalf("read after copy-up: %q, %v", got, err)
+	}
+	st := srv.Stats()
+	if n := st.Ops["getxattr"].Count + st.Ops["listxattr"].Count; n > 2 {
+		t.Errorf("%d xattr requests reached the daemon, want at most one of each kind", n)
+	}
+	if e := st.Ops["getxattr"].Errors + st.Ops["listxattr"].Errors; e != 0 {
+		t.Errorf("%d xattr requests counted as errors", e)
+	}
+
+	// With one xattr in the layer every query is answered.
+	files = append(files, tarFile{hdr: tar.Header{Typeflag: tar.TypeReg, Name: "x", Mode: 0o644, PAXRecords: map[string]string{"SCHILY.xattr.user.k": "v"}}, data: []byte("x")})
+	blob, toc = convert(t, bytes.NewReader(buildTar(t, files)))
+	mnt, srv = mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
+	for range 3 {
+		if _, err := unix.Lgetxattr(filepath.Join(mnt, "d", "f1"), "user.k", make([]byte, 64)); err != unix.ENODATA {
+			t.Fatalf("getxattr of a missing attribute: %v, want ENODATA", err)
+		}
+	}
+	if n := srv.Stats().Ops["getxattr"].Count; n < 3 {
+		t.Errorf("%d getxattr requests reached the daemon for 3 queries of a layer with xattrs", n)
+	}
 }

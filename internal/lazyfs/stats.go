@@ -36,7 +36,7 @@ var opNames = [numOps]string{
 // OpStats counts one kind of FUSE operation.
 type OpStats struct {
 	Count  uint64
-	Errors uint64 // operations that returned an errno other than ENOENT/ENODATA/ERANGE
+	Errors uint64 // operations that returned an errno other than ENOENT/ENODATA/ERANGE (and ENOSYS to xattr queries of a layer with none)
 	Total  time.Duration
 }
 
