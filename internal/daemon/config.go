@@ -220,7 +220,8 @@ type PeerConfig struct {
 // operation; for a layer one environment uses, while the node's other
 // processes leave fewer than FreeCPU cores idle; the second and third
 // workers Calm after any read; and the first worker, held MaxPause, sends
-// one batch anyway. The
+// one batch anyway. A layer of at most SmallLayer is fetched whole at its
+// first miss. The
 // defaults (fetch.DefaultFillPolicy) were measured on 2-core nodes with a
 // 1 Gbit/s link, each for the reason docs/fetching.md ("Background fill")
 // gives; a node with more cores to spare may shorten them.
@@ -232,6 +233,8 @@ type FillPolicyConfig struct {
 	MaxPause   Duration `toml:"max_pause"`
 	// FreeCPU is in cores; 0 turns the CPU signal off.
 	FreeCPU float64 `toml:"free_cpu"`
+	// SmallLayer is in compressed bytes; 0 turns it off.
+	SmallLayer Size `toml:"small_layer"`
 }
 
 func defaultFillPolicy() FillPolicyConfig {
@@ -243,6 +246,7 @@ func defaultFillPolicy() FillPolicyConfig {
 		Calm:       Duration(p.Calm),
 		MaxPause:   Duration(p.MaxPause),
 		FreeCPU:    p.FreeCPU,
+		SmallLayer: Size(p.SmallLayer),
 	}
 }
 
@@ -255,6 +259,7 @@ func (c FillPolicyConfig) Policy() fetch.FillPolicy {
 	p.Calm = time.Duration(c.Calm)
 	p.MaxPause = time.Duration(c.MaxPause)
 	p.FreeCPU = c.FreeCPU
+	p.SmallLayer = int64(c.SmallLayer)
 	return p
 }
 
@@ -264,6 +269,9 @@ func (c FillPolicyConfig) validate() error {
 	}
 	if !(c.FreeCPU >= 0) || math.IsInf(c.FreeCPU, 1) {
 		return fmt.Errorf("fill_policy: free_cpu %v: want a number of cores, 0 or more", c.FreeCPU)
+	}
+	if c.SmallLayer < 0 {
+		return fmt.Errorf("fill_policy: small_layer %d: must not be negative", c.SmallLayer)
 	}
 	return nil
 }

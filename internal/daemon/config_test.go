@@ -191,9 +191,9 @@ func TestFillPolicyConfig(t *testing.T) {
 	if got := DefaultConfig().FillPolicy.Policy(); got != def {
 		t.Fatalf("default config's fill policy %+v, want fetch.DefaultFillPolicy %+v", got, def)
 	}
-	c := loadValid(t, "[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\nfree_cpu = 0.5\n")
+	c := loadValid(t, "[fill_policy]\nquiet = \"50ms\"\nstartup = \"0s\"\nfree_cpu = 0.5\nsmall_layer = \"8MiB\"\n")
 	want := def
-	want.Quiet, want.Startup, want.FreeCPU = 50*time.Millisecond, 0, 0.5
+	want.Quiet, want.Startup, want.FreeCPU, want.SmallLayer = 50*time.Millisecond, 0, 0.5, 8<<20
 	if got := c.FillPolicy.Policy(); got != want {
 		t.Errorf("fill policy %+v, want %+v", got, want)
 	}
@@ -208,6 +208,11 @@ func TestFillPolicyConfig(t *testing.T) {
 		if err := bad.Validate(); err == nil {
 			t.Errorf("fill_policy.free_cpu %v accepted", v)
 		}
+	}
+	bad = c
+	bad.FillPolicy.SmallLayer = -1
+	if err := bad.Validate(); err == nil {
+		t.Error("negative fill_policy.small_layer accepted")
 	}
 }
 

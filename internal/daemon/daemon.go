@@ -396,7 +396,8 @@ type LayerStatus struct {
 	FetchedBytes int64   `json:"fetched_bytes"`
 	FetchedPct   float64 `json:"fetched_percent"`
 	// Environments prepared over the layer since it was mounted: while
-	// there is one, its fill waits for idle CPU (fetch.FillPolicy.FreeCPU).
+	// there is one, its fill and its native copy wait for idle CPU
+	// (fetch.FillPolicy.FreeCPU).
 	Environments int `json:"environments"`
 }
 

@@ -57,6 +57,7 @@ type Layer struct {
 
 	mu      sync.Mutex
 	closed  bool
+	small   bool   // fillSmall started
 	cached  []bool // by canonical span index
 	flights *Flights
 
@@ -527,6 +528,14 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	chunks := l.planLocked(c)
 	f := l.registerLocked(chunks, l.o.peers != nil)
 	f.hold()
+	if !l.small && l.fillStarted.Load() && l.totalBytes <= l.flights.fillPolicy.SmallLayer {
+		l.small = true
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			l.fillSmall(log.WithLogger(l.ctx, log.G(ctx)))
+		}()
+	}
 	deadline := time.Now().Add(l.o.readTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -797,9 +806,9 @@ func (l *Layer) markCached(j int) {
 func (l *Layer) NoteActivity() { l.flights.noteOp() }
 
 // NoteEnvironment tells the layer one more environment (a container's
-// snapshot) was prepared over it. Its fill waits for idle CPU
-// (FillPolicy.FreeCPU) only while one environment uses it: that one runs
-// now, and a complete copy helps only those that start later.
+// snapshot) was prepared over it. Its fill and WaitSpareCPU wait for idle
+// CPU (FillPolicy.FreeCPU) only while one environment uses it: that one
+// runs now, and a complete copy helps only those that start later.
 func (l *Layer) NoteEnvironment() { l.envs.Add(1) }
 
 // Environments returns how many environments were prepared over the layer.

@@ -603,6 +603,112 @@ func TestLayerConcurrentDecode(t *testing.T) {
 	}
 }
 
+// TestWaitSpareCPU: what the layer store's native copy waits for. With
+// every core busy, or busy every other reading, one environment's layer
+// waits; a second environment or a layer that does not yield lets it go
+// at once, an idle node after spareFor.
+func TestWaitSpareCPU(t *testing.T) {
+	checkGoroutines(t)
+	// The node's counters advance by one unit a reading, busy or idle
+	// as busy says for the reading's number.
+	newFlights := func(busy func(n int) bool) *Flights {
+		flights := NewFlights()
+		var n int
+		var c cpuCounters
+		flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
+			n++
+			c.cores, c.total = 2, c.total+1
+			if busy(n) {
+				c.busy++
+			}
+			return c, nil
+		}}
+		flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
+		return flights
+	}
+	always := func(int) bool { return true }
+	wait := func(l *Layer, d time.Duration) (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		defer cancel()
+		start := time.Now()
+		err := l.WaitSpareCPU(ctx)
+		return time.Since(start), err
+	}
+
+	f := newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(always)))
+	f.layer.NoteEnvironment()
+	if _, err := wait(f.layer, 3*cpuSampleEvery); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("one environment, every core busy: %v, want to wait past the deadline", err)
+	}
+	f.layer.NoteEnvironment()
+	if took, err := wait(f.layer, time.Minute); err != nil || took > spareFor/2 {
+		t.Fatalf("two environments: %v after %v, want at once", err, took)
+	}
+	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(func(n int) bool { return n%2 == 0 })))
+	if _, err := wait(f.layer, spareFor+4*cpuSampleEvery); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("cores busy every other reading: %v, want to wait past the deadline", err)
+	}
+	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(func(int) bool { return false })))
+	if took, err := wait(f.layer, time.Minute); err != nil || took < spareFor {
+		t.Fatalf("idle node: %v after %v, want after %v", err, took, spareFor)
+	}
+	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(always)), WithFillYield(false))
+	if took, err := wait(f.layer, time.Minute); err != nil || took > spareFor/2 {
+		t.Fatalf("a layer that does not yield: %v after %v, want at once", err, took)
+	}
+}
+
+// TestFillSmallLayerAtMiss: once its fill has started, a layer no larger
+// than SmallLayer is fetched whole at its first miss, although every hold
+// of the fill applies, so its later reads are served from the node cache;
+// a larger one keeps fetching what is read, one miss at a time.
+func TestFillSmallLayerAtMiss(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		small int64
+		whole bool
+	}{
+		{"small", 1 << 20, true},
+		{"larger than SmallLayer", 64 << 10, false},
+		{"off", 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkGoroutines(t)
+			p := DefaultFillPolicy()
+			// The fill itself would wait an hour: a mount just happened.
+			p.AfterMount, p.MaxPause, p.FreeCPU, p.SmallLayer = time.Hour, time.Hour, 0, tc.small
+			// No read-ahead: on demand, every frame is a request.
+			fx := newLayerFixture(t, nil, standardFiles(), WithFlights(NewFlights(WithFillPolicy(p))), WithReadAhead(0))
+			fx.layer.StartFill(context.Background())
+			cs, want := fx.allChunks(t)
+			if got, err := readChunk(fx.layer, cs[0]); err != nil || !bytes.Equal(got, want[0]) {
+				t.Fatalf("first read: %v", err)
+			}
+			if !tc.whole {
+				time.Sleep(100 * time.Millisecond)
+				if cached, total := fx.layer.Progress(); cached == total {
+					t.Fatalf("the whole layer (%d bytes) was fetched at the first miss, SmallLayer %d", total, tc.small)
+				}
+				if n := fx.reg.requests(); n != 1 {
+					t.Fatalf("%d requests after one read with the fill held", n)
+				}
+				return
+			}
+			waitFilled(t, fx.layer)
+			for i, c := range cs {
+				if got, err := readChunk(fx.layer, c); err != nil || !bytes.Equal(got, want[i]) {
+					t.Fatalf("read %d: %v", i, err)
+				}
+			}
+			// The reader's frame, and the rest in at most two ranges
+			// (before and after it).
+			if n := fx.reg.requests(); n > 3 {
+				t.Fatalf("%d requests for %d frames of a small layer, want at most 3", n, len(cs))
+			}
+		})
+	}
+}
+
 // TestLayerFillRangeIgnored: against a registry that ignores Range, the fill
 // takes the whole (small) blob in one response instead of one full-blob
 // response per batch.

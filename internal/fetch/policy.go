@@ -52,6 +52,14 @@ type FillPolicy struct {
 	// base, harness and evaluator layers and start faster on complete
 	// ones. Zero turns the signal off.
 	FreeCPU float64
+	// SmallLayer: once its fill has started, a layer whose chunks take at
+	// most SmallLayer compressed bytes is fetched whole at its first
+	// foreground miss, none of the holds above applying (Layer.fillSmall). A task layer (a repository
+	// with its build cache, 17.5 MiB in the benchmark) is read nearly in
+	// full by the first build or test, one miss and round trip at a time,
+	// while its fill waits for the CPU that build keeps busy. Zero turns
+	// it off.
+	SmallLayer int64
 	// Poll is how often a fill held back by a count (a read waiting, a
 	// prefetch running, busy cores) looks again; a fill held back by a
 	// time looks again when that time has passed.
@@ -67,6 +75,7 @@ func DefaultFillPolicy() FillPolicy {
 		Calm:       2 * time.Second,
 		MaxPause:   2 * time.Second,
 		FreeCPU:    1,
+		SmallLayer: 32 << 20,
 		Poll:       20 * time.Millisecond,
 	}
 }
@@ -147,7 +156,7 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 		// Activity holds the fill only until the start-up window closes.
 		note(HoldStartup, minTime(fg.LastOp.Add(p.Quiet), fg.LastMount.Add(p.Startup)))
 	}
-	if p.FreeCPU > 0 && fg.LayerEnvs < 2 && fg.Cores > 0 && fg.Cores-fg.OthersCPU < min(p.FreeCPU, fg.Cores/2) {
+	if p.holdsForCPU(fg) {
 		note(HoldCPU, poll)
 	}
 	if w == 0 {
@@ -169,6 +178,21 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 		return FillDecision{}
 	}
 	return FillDecision{Hold: hold, Until: until}
+}
+
+// holdsForCPU reports whether work of the deciding layer that serves only
+// environments started later (its fill, its native copy) waits for the
+// CPU: at most one environment uses the layer and the node's other
+// processes leave fewer than FreeCPU cores idle.
+func (p FillPolicy) holdsForCPU(fg Foreground) bool {
+	return p.cpuApplies(fg) && fg.Cores-fg.OthersCPU < min(p.FreeCPU, fg.Cores/2)
+}
+
+// cpuApplies reports whether the CPU signal governs the deciding layer's
+// work at all: it is on, the node's CPUs are known, and at most one
+// environment uses the layer.
+func (p FillPolicy) cpuApplies(fg Foreground) bool {
+	return p.FreeCPU > 0 && fg.LayerEnvs < 2 && fg.Cores > 0
 }
 
 func minTime(a, b time.Time) time.Time {

@@ -410,11 +410,18 @@ func (s *Store) buildNative(ctx context.Context, d digest.Digest, layer *fetch.L
 			return
 		}
 		if cached, total := layer.Progress(); cached >= total {
+			if layer.WaitSpareCPU(ctx) != nil {
+				return
+			}
 			done := make(chan error, 1)
 			s.cfg.Native.Build(d, toc, s.cfg.Cache, func(err error) { done <- err })
 			err := <-done
 			switch {
 			case err == nil:
+				return
+			case errors.Is(err, context.Canceled):
+				// The daemon is stopping: the next one builds it.
+				log.G(ctx).WithError(err).WithField("layer", d).Debug("native copy of the layer not built")
 				return
 			case !native.IsBusy(err):
 				// A corrupt or evicted chunk, a full budget or disk:
