@@ -54,11 +54,11 @@ type FillPolicy struct {
 	FreeCPU float64
 	// SmallLayer: once its fill has started, a layer whose chunks take at
 	// most SmallLayer compressed bytes is fetched whole at its first
-	// foreground miss, none of the holds above applying (Layer.fillSmall). A task layer (a repository
-	// with its build cache, 17.5 MiB in the benchmark) is read nearly in
-	// full by the first build or test, one miss and round trip at a time,
-	// while its fill waits for the CPU that build keeps busy. Zero turns
-	// it off.
+	// foreground miss, none of the holds above applying
+	// (Layer.fillSmall). A task layer (a repository with its build
+	// cache, 17.5 MiB in the benchmark) is read nearly in full by the
+	// first build or test, one miss and round trip at a time, while its
+	// fill waits for the CPU that build keeps busy. Zero turns it off.
 	SmallLayer int64
 	// Poll is how often a fill held back by a count (a read waiting, a
 	// prefetch running, busy cores) looks again; a fill held back by a
