@@ -98,8 +98,7 @@ func (t *TOC) OverlayXattrs() bool {
 		r := t.rec(i)
 		if xf, xn := le32(r, eXattrOff), le32(r, eXattrN); xn != 0 {
 			for x := xf; x < xf+xn; x++ {
-				xr := t.xattrs[int(x)*xattrRecSize:]
-				if !HiddenXattr(string(t.str(le32(xr, 0), le32(xr, 4)))) {
+				if k, _ := t.xattr(x); !HiddenXattr(string(k)) {
 					return true
 				}
 			}

@@ -454,6 +454,13 @@ func (t *TOC) rec(i int) []byte { return t.entries[i*entryRecSize : (i+1)*entryR
 
 func (t *TOC) str(off, l uint32) []byte { return t.strs[off : uint64(off)+uint64(l)] }
 
+// xattr returns the name and value of extended attribute record x, which
+// parseTOC checked.
+func (t *TOC) xattr(x uint32) (name, value []byte) {
+	xr := t.xattrs[int(x)*xattrRecSize:]
+	return t.str(le32(xr, 0), le32(xr, 4)), t.str(le32(xr, 8), le32(xr, 12))
+}
+
 // Len returns the number of entries; index 0 is the root directory ".".
 func (t *TOC) Len() int { return t.n }
 
@@ -557,8 +564,8 @@ func (t *TOC) Entry(i int) Entry {
 	if xf, xn := le32(r, eXattrOff), le32(r, eXattrN); xn != 0 {
 		e.Xattrs = make(map[string]string, xn)
 		for x := xf; x < xf+xn; x++ {
-			xr := t.xattrs[int(x)*xattrRecSize:]
-			e.Xattrs[string(t.str(le32(xr, 0), le32(xr, 4)))] = string(t.str(le32(xr, 8), le32(xr, 12)))
+			k, v := t.xattr(x)
+			e.Xattrs[string(k)] = string(v)
 		}
 	}
 	return e

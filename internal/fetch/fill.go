@@ -123,9 +123,12 @@ func (l *Layer) fillSmall(ctx context.Context) {
 // layer. A layer that does not yield its fill (WithFillYield(false)) does
 // not wait.
 func (l *Layer) WaitSpareCPU(ctx context.Context) error {
+	if !l.o.fillYield {
+		return ctx.Err()
+	}
 	p := l.flights.fillPolicy
 	var idleSince time.Time
-	for l.o.fillYield {
+	for {
 		fg := l.flights.foreground()
 		fg.LayerEnvs = l.Environments()
 		now := time.Now()
@@ -147,7 +150,6 @@ func (l *Layer) WaitSpareCPU(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
-	return ctx.Err()
 }
 
 // spareFor is how long the CPU must stay spare before WaitSpareCPU lets

@@ -603,27 +603,33 @@ func TestLayerConcurrentDecode(t *testing.T) {
 	}
 }
 
+// fakeCPU makes flights read a 2-core node whose counters advance by one
+// unit a reading, busy with other processes or idle as busy says for the
+// reading's number (from 1), none of it this process's; the first reading
+// is taken.
+func fakeCPU(flights *Flights, busy func(n int) bool) {
+	var n int
+	var c cpuCounters
+	flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
+		n++
+		c.cores, c.total = 2, c.total+1
+		if busy(n) {
+			c.busy++
+		}
+		return c, nil
+	}}
+	flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
+}
+
 // TestWaitSpareCPU: what the layer store's native copy waits for. With
 // every core busy, or busy every other reading, one environment's layer
 // waits; a second environment or a layer that does not yield lets it go
 // at once, an idle node after spareFor.
 func TestWaitSpareCPU(t *testing.T) {
 	checkGoroutines(t)
-	// The node's counters advance by one unit a reading, busy or idle
-	// as busy says for the reading's number.
 	newFlights := func(busy func(n int) bool) *Flights {
 		flights := NewFlights()
-		var n int
-		var c cpuCounters
-		flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
-			n++
-			c.cores, c.total = 2, c.total+1
-			if busy(n) {
-				c.busy++
-			}
-			return c, nil
-		}}
-		flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
+		fakeCPU(flights, busy)
 		return flights
 	}
 	always := func(int) bool { return true }
@@ -894,14 +900,7 @@ func TestFillWaitsForCPU(t *testing.T) {
 	p := DefaultFillPolicy()
 	p.AfterMount, p.Startup, p.MaxPause = 0, 0, time.Hour
 	flights := NewFlights(WithFillPolicy(p))
-	// Readings of a node whose 2 cores other processes keep busy: busy
-	// time grows as fast as the total, none of it this process's.
-	var tick float64
-	flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
-		tick++
-		return cpuCounters{cores: 2, busy: tick, total: tick, self: 0}, nil
-	}}
-	flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
+	fakeCPU(flights, func(int) bool { return true })
 	f := newLayerFixture(t, cache, standardFiles(), WithFlights(flights))
 	before := f.reg.requests()
 	f.layer.NoteEnvironment()

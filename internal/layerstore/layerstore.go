@@ -734,8 +734,8 @@ type LayerStatus struct {
 	// are in the node cache.
 	CachedBytes, TotalBytes int64
 	// Environments prepared over the layer since it was mounted
-	// (NoteEnvironment): from the second on, its fill no longer waits for
-	// idle CPU.
+	// (NoteEnvironment): from the second on, neither its fill nor its
+	// native copy waits for idle CPU.
 	Environments int
 }
 

@@ -7,7 +7,9 @@ import (
 	"context"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"testing"
 	"time"
 
@@ -33,6 +35,7 @@ func TestNativeCopyAfterFill(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	shareLayer(s, mp)
 	dir := waitNativeDir(t, s, copies, lazy)
 	b, err := os.ReadFile(filepath.Join(dir, "hello.txt"))
 	if err != nil || string(b) != "hello, lazy world\n" {
@@ -59,6 +62,7 @@ func TestPassthroughFromNativeCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	shareLayer(s, mp)
 	s.mu.Lock()
 	srv := s.mounts[mp].srv
 	s.mu.Unlock()
@@ -136,6 +140,58 @@ func TestOpenNativeFileStaysInside(t *testing.T) {
 
 // waitNativeDir waits for the native copy of the layer labels name and
 // returns its directory.
+// TestNativeCopyWaitsForSpareCPU: with a busy process on every core, the
+// native copy of a complete layer one environment uses is not built; a
+// second environment lets it go.
+func TestNativeCopyWaitsForSpareCPU(t *testing.T) {
+	prereq.RequireFUSE(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range runtime.NumCPU() {
+		cmd := exec.CommandContext(ctx, "sh", "-c", "while :; do :; done")
+		if err := cmd.Start(); err != nil {
+			t.Fatalf("start a busy process: %v", err)
+		}
+		t.Cleanup(func() { cancel(); cmd.Wait() })
+	}
+	r := newFakeRegistry(t)
+	lazy, _, _ := testImage(t, r)
+	s, _, copies := newNativeStore(t, Config{})
+	mp := t.TempDir()
+	if err := s.Mount(t.Context(), mp, lazy); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	s.NoteEnvironment(mp)
+	// The fill completes on its forced batches (MaxPause).
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if st := s.Status()[mp]; st.TotalBytes > 0 && st.CachedBytes == st.TotalBytes {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("fill incomplete 30 s after the mount: %+v", s.Status()[mp])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// Past the store's check for complete layers (nativePoll) and a
+	// second of spare CPU, had there been one.
+	time.Sleep(nativePoll + 2*time.Second)
+	if _, ok := s.NativeDir(digest.Digest(lazy[snapshotter.LabelLayerDigest])); ok {
+		t.Fatalf("native copy built with every core busy and one environment on the layer: %+v", copies.Stats())
+	}
+	s.NoteEnvironment(mp)
+	waitNativeDir(t, s, copies, lazy)
+}
+
+// shareLayer notes two environments on the layer mounted at mp, so that
+// its native copy does not wait for a second of idle CPU
+// (fetch.Layer.WaitSpareCPU), which a node running other tests may not
+// have.
+func shareLayer(s *Store, mp string) {
+	s.NoteEnvironment(mp)
+	s.NoteEnvironment(mp)
+}
+
 func waitNativeDir(t *testing.T, s *Store, copies *native.Store, labels map[string]string) string {
 	t.Helper()
 	d := digest.Digest(labels[snapshotter.LabelLayerDigest])
