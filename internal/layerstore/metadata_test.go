@@ -3,6 +3,7 @@
 package layerstore
 
 import (
+	"bytes"
 	"context"
 	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
@@ -24,11 +25,13 @@ import (
 func TestMetadataKeptInCache(t *testing.T) {
 	prereq.RequireFUSE(t)
 	r := newFakeRegistry(t)
-	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"a.txt": "kept across restarts\n"}))
+	desc, blob := r.addLazyLayer(t, tarOf(t, map[string]string{"a.txt": "kept across restarts\n"}))
 	labels := r.addManifest(t, "test/kept:1", desc)[0]
 	cacheDir := t.TempDir()
+	var cache *chunkcache.Cache
 	open := func() *Store {
-		cache, err := chunkcache.Open(cacheDir, 64<<20)
+		var err error
+		cache, err = chunkcache.Open(cacheDir, 64<<20)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -54,6 +57,18 @@ func TestMetadataKeptInCache(t *testing.T) {
 
 	if err := mountAndRead(ctx, open()); err != nil {
 		t.Fatal(err)
+	}
+	// A fetched chunk is cached after its readers have their bytes, and
+	// the layer closes after Unmount returns: a restart is a restart once
+	// the chunk is on disk.
+	toc, err := layerfmt.ReadTOC(ctx, bytes.NewReader(blob), int64(len(blob)), digest.Digest(desc.Annotations[layerfmt.AnnotationTOCDigest]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); !cache.Contains(toc.Chunk(1, 0).Digest); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the chunk of a.txt is not in the cache 10 s after it was read")
+		}
 	}
 	r.srv.Close() // the registry is gone from here on
 	if err := mountAndRead(ctx, open()); err != nil {
