@@ -30,7 +30,7 @@ var serveCommand = &cli.Command{
 		&cli.StringFlag{Name: "docker-config", Usage: "docker config.json (or its directory) with registry credentials"},
 		&cli.StringFlag{Name: "metrics-address", Usage: "host:port serving /metrics only (off when empty; a port alone listens on 127.0.0.1)"},
 		&cli.StringFlag{Name: "cache-size", Value: daemon.DefaultCacheSize.String(), Usage: "bound of the node chunk cache (e.g. 20GiB)"},
-		&cli.BoolFlag{Name: "passthrough", Value: true, Usage: "let the kernel read fully cached files from local copies (FUSE passthrough): the native copies with --native-lowers, unpacked copies of single files without"},
+		&cli.BoolFlag{Name: "passthrough", Value: false, Usage: "let the kernel read fully cached files from local copies (FUSE passthrough): the native copies with --native-lowers, unpacked copies of single files without; every open of a layer file then goes to the daemon"},
 		&cli.BoolFlag{Name: "native-lowers", Value: true, Usage: "give new containers a plain directory copy of layers whose chunks are all cached, instead of the FUSE mount"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
 		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},

@@ -104,6 +104,11 @@ type Config struct {
 	// the layer's complete native copy; without, a decompressed copy of
 	// the file alone, built once its chunks are all in the chunk cache (in
 	// <Root>/unpacked, emptied at start, bounded by PassthroughCacheSize).
+	// Off by default: a mount that may hand out copies must see every
+	// open, two round trips to the daemon each (open and release), where
+	// one without answers the first open with ENOSYS and the kernel opens
+	// the rest itself (docs/lazyfs.md, "Opens"); copies only serve
+	// containers that started before their layer was complete.
 	Passthrough          bool `toml:"passthrough"`
 	PassthroughMinSize   Size `toml:"passthrough_min_size"`
 	PassthroughCacheSize Size `toml:"passthrough_cache_size"`
@@ -376,7 +381,7 @@ func DefaultConfig() Config {
 		HostsDir:             DefaultHostsDir,
 		CacheSize:            DefaultCacheSize,
 		FrameCacheSize:       DefaultFrameCacheSize,
-		Passthrough:          true,
+		Passthrough:          false,
 		PassthroughMinSize:   DefaultPassthroughMinSize,
 		PassthroughCacheSize: DefaultPassthroughCacheSize,
 		NativeLowers:         true,

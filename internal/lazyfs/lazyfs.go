@@ -90,6 +90,12 @@ type layer struct {
 	// 6,000 requests in a cold go test of the benchmark), each a round
 	// trip to the daemon for an answer known in advance.
 	noXattrs bool
+	// noOpen: no file of the mount can switch to passthrough (no
+	// WithBacking), so opens get ENOSYS, which the kernel keeps for the
+	// connection (FUSE_NO_OPEN_SUPPORT): it stops sending OPEN and
+	// RELEASE and serves reads with the page cache kept, as
+	// FOPEN_KEEP_CACHE does.
+	noOpen bool
 }
 
 func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options) (*layer, error) {
@@ -108,6 +114,7 @@ func newLayer(ctx context.Context, toc *layerfmt.TOC, src ChunkSource, o options
 		stats:      &counters{},
 		stores:     newCacheStorer(),
 		noXattrs:   !toc.OverlayXattrs(),
+		noOpen:     o.backing == nil,
 	}
 	if a, ok := src.(ActivityObserver); ok {
 		l.stats.onOp = a.NoteActivity

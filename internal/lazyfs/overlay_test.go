@@ -284,3 +284,118 @@ func TestOverlayLowerWithoutXattrs(t *testing.T) {
 		t.Errorf("%d getxattr requests reached the daemon for 3 queries of a layer with xattrs", n)
 	}
 }
+
+// TestFlushAndLseekOncePerMount: closes and SEEK_DATA/SEEK_HOLE queries,
+// on the FUSE mount and by overlayfs' copy-ups, cost the daemon one
+// request of each kind per mount; the kernel answers the rest, with the
+// same offsets go-fuse gave.
+func TestFlushAndLseekOncePerMount(t *testing.T) {
+	requireFUSE(t)
+	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
+	for i := range 20 {
+		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: bytes.Repeat([]byte{byte('a' + i)}, 3000+i)})
+	}
+	blob, toc := convert(t, bytes.NewReader(buildTar(t, files)))
+	mnt, srv := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
+	for i := range 20 {
+		f, err := os.Open(filepath.Join(mnt, "d", "f"+strconv.Itoa(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		size := int64(3000 + i)
+		for _, q := range []struct {
+			off    int64
+			whence int
+			want   int64
+		}{{0, unix.SEEK_DATA, 0}, {100, unix.SEEK_DATA, 100}, {0, unix.SEEK_HOLE, size}, {size - 1, unix.SEEK_HOLE, size}} {
+			if got, err := unix.Seek(int(f.Fd()), q.off, q.whence); err != nil || got != q.want {
+				t.Fatalf("seek f%d to %d whence %d: %d, %v; want %d", i, q.off, q.whence, got, err, q.want)
+			}
+		}
+		if _, err := unix.Seek(int(f.Fd()), size, unix.SEEK_DATA); err != unix.ENXIO {
+			t.Fatalf("SEEK_DATA at the end of f%d: %v, want ENXIO", i, err)
+		}
+		if err := f.Close(); err != nil {
+			t.Fatalf("close f%d: %v", i, err)
+		}
+	}
+	merged := mountOverlay(t, mnt)
+	for i := range 20 {
+		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
+		if err := os.Chmod(p, 0o600); err != nil {
+			t.Fatalf("chmod %s (copy-up): %v", p, err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
+			t.Fatalf("read %s after copy-up: %d bytes, %v", p, len(got), err)
+		}
+	}
+	st := srv.Stats()
+	// At least one: the node answers them (go-fuse's own answers are
+	// OK, which would bring every later one to the daemon).
+	for _, op := range []string{"flush", "lseek"} {
+		if n := st.Ops[op].Count; n != 1 {
+			t.Errorf("%d %s requests reached the daemon, want 1", n, op)
+		}
+		if e := st.Ops[op].Errors; e != 0 {
+			t.Errorf("%d %s requests counted as errors", e, op)
+		}
+	}
+}
+
+// TestOpenOncePerMountWithoutBacking: a mount that can hand no file a
+// passthrough copy answers the first open with ENOSYS and the kernel opens
+// the rest itself, keeping the page cache across opens as
+// FOPEN_KEEP_CACHE did; reads, mmap and copy-ups through overlayfs work as
+// before. (Mounts with backing answer every open: the passthrough tests.)
+func TestOpenOncePerMountWithoutBacking(t *testing.T) {
+	requireFUSE(t)
+	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
+	for i := range 20 {
+		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: bytes.Repeat([]byte{byte('a' + i)}, 5000+i)})
+	}
+	blob, toc := convert(t, bytes.NewReader(buildTar(t, files)))
+	mnt, srv := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
+	for round := range 2 {
+		for i := range 20 {
+			p := filepath.Join(mnt, "d", "f"+strconv.Itoa(i))
+			if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
+				t.Fatalf("round %d: read %s: %d bytes, %v", round, p, len(got), err)
+			}
+		}
+	}
+	f, err := os.Open(filepath.Join(mnt, "d", "f7"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, 5007, unix.PROT_READ, unix.MAP_SHARED)
+	f.Close()
+	if err != nil {
+		t.Fatalf("mmap: %v", err)
+	}
+	if !bytes.Equal(m, files[8].data) {
+		t.Errorf("mmap of f7 differs from the layer's bytes")
+	}
+	unix.Munmap(m)
+	merged := mountOverlay(t, mnt)
+	for i := range 20 {
+		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
+		if err := os.Chmod(p, 0o600); err != nil {
+			t.Fatalf("chmod %s (copy-up): %v", p, err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
+			t.Fatalf("read %s after copy-up: %d bytes, %v", p, len(got), err)
+		}
+	}
+	st := srv.Stats()
+	if n := st.Ops["open"].Count; n != 1 {
+		t.Errorf("%d opens reached the daemon, want 1", n)
+	}
+	if e := st.Ops["open"].Errors; e != 0 {
+		t.Errorf("%d opens counted as errors", e)
+	}
+	// One read per file: the second round, the mapping and the copy-ups
+	// found the pages the first round left.
+	if n := st.Ops["read"].Count; n > 20 {
+		t.Errorf("%d reads reached the daemon for 20 files read 2 times, mapped and copied up; want at most 20", n)
+	}
+}

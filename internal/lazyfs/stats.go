@@ -19,6 +19,8 @@ const (
 	opListxattr
 	opOpen
 	opRead
+	opFlush
+	opLseek
 	numOps
 )
 
@@ -31,12 +33,14 @@ var opNames = [numOps]string{
 	opListxattr: "listxattr",
 	opOpen:      "open",
 	opRead:      "read",
+	opFlush:     "flush",
+	opLseek:     "lseek",
 }
 
 // OpStats counts one kind of FUSE operation.
 type OpStats struct {
 	Count  uint64
-	Errors uint64 // operations that returned an errno other than ENOENT/ENODATA/ERANGE (and ENOSYS to xattr queries of a layer with none)
+	Errors uint64 // operations that returned an errno other than ENOENT/ENODATA/ERANGE (and the ENOSYS of flush, lseek, opens of a mount without backing and xattr queries to a layer with none)
 	Total  time.Duration
 }
 
