@@ -22,6 +22,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -356,13 +357,17 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	if takeover != nil {
 		opts = append(opts, lazyfs.WithTakeover(*takeover))
 	}
-	if s.cfg.Passthrough {
+	// Beside the mountpoint, so a successor finds it (Restore).
+	state := filepath.Join(filepath.Dir(mountpoint), "passthrough")
+	// A taken-over mount whose predecessor switched files to passthrough
+	// keeps backing with passthrough now off: the kernel refuses a page
+	// cache open of an inode while a passthrough open of it lives, so
+	// the successor must go on handing out the same copies.
+	if s.cfg.Passthrough || (takeover != nil && nonEmpty(state)) {
 		b := &backing{layer: layer, toc: toc, minSize: s.cfg.PassthroughMinSize, files: s.cfg.Unpacked}
 		if s.cfg.Native != nil {
 			b.native = func() (string, bool) { return s.cfg.Native.Dir(ldgst) }
 		}
-		// Beside the mountpoint, so a successor finds it (Restore).
-		state := filepath.Join(filepath.Dir(mountpoint), "passthrough")
 		opts = append(opts, lazyfs.WithBacking(b, state))
 	}
 	// The mount outlives the Prepare that created it: log with the
@@ -767,4 +772,10 @@ func (s *Store) Status() map[string]LayerStatus {
 		out[mp] = ls
 	}
 	return out
+}
+
+// nonEmpty reports whether the file at p exists and holds something.
+func nonEmpty(p string) bool {
+	fi, err := os.Stat(p)
+	return err == nil && fi.Size() > 0
 }

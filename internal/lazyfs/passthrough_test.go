@@ -261,3 +261,45 @@ func TestTakeoverPassthrough(t *testing.T) {
 		t.Errorf("state file left after unmount: %v", err)
 	}
 }
+
+// TestTakeoverWithoutCopies: the kernel refuses a page-cache open of an
+// inode while a passthrough open of it lives (EIO), so a successor that
+// hands out no copies (the daemon with passthrough turned off across a
+// restart) still takes the predecessor's state: it answers opens of the
+// switched inode with the same backing file and every other open on the
+// read path.
+func TestTakeoverWithoutCopies(t *testing.T) {
+	requireFUSE(t)
+	f := newFixture(t)
+	bigIdx, bigCopy, bigWant := writeCopy(t, f, "data/big")
+	_, _, pwWant := writeCopy(t, f, "etc/passwd")
+	state := filepath.Join(t.TempDir(), "state")
+	rig := startTakeoverRig(t, f, "LAZYFS_STUCK_FRAME=-1", "LAZYFS_STUCK_OFF=-1",
+		fmt.Sprintf("LAZYFS_COPIES=%d=%s", bigIdx, bigCopy), "LAZYFS_STATE="+state)
+	mnt, open := rig.mnt, rig.open
+	big := open("data/big") // passthrough, by the predecessor
+	if b, err := io.ReadAll(big); err != nil || !bytes.Equal(b, bigWant) {
+		t.Fatalf("data/big before takeover: %v", err)
+	}
+	srv := rig.takeOver(WithBacking(newFileBacking(), state))
+	for range 2 {
+		for name, want := range map[string][]byte{"data/big": bigWant, "etc/passwd": pwWant} {
+			if got, err := os.ReadFile(filepath.Join(mnt, name)); err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("open %s after takeover: %v", name, err)
+			}
+		}
+	}
+	if n, err := big.ReadAt(make([]byte, 10), 0); err != nil || n != 10 {
+		t.Errorf("read of the predecessor's open after takeover: %d, %v", n, err)
+	}
+	if s := srv.Stats(); s.BackedOpens != 2 {
+		t.Errorf("%d passthrough opens after takeover, want 2 (data/big)", s.BackedOpens)
+	}
+	for _, f := range rig.opened {
+		f.Close()
+	}
+	rig.opened = nil
+	if err := srv.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+}
