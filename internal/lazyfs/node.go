@@ -431,8 +431,8 @@ func (n *node) Flush(ctx context.Context, f fs.FileHandle) syscall.Errno {
 
 // Lseek answers ENOSYS, which the kernel keeps for the connection
 // (no_lseek) and then answers SEEK_DATA and SEEK_HOLE itself from the
-// file size, as go-fuse would have in the daemon. overlayfs asks both on
-// every copy-up of a file from the layer.
+// file size, as go-fuse would have in the daemon. overlayfs asks
+// SEEK_DATA on every copy-up of a file from the layer.
 func (n *node) Lseek(ctx context.Context, f fs.FileHandle, off uint64, whence uint32) (uint64, syscall.Errno) {
 	n.l.stats.record(opLseek, time.Now(), false)
 	return 0, syscall.ENOSYS
