@@ -291,10 +291,7 @@ func TestOverlayLowerWithoutXattrs(t *testing.T) {
 // same offsets go-fuse gave.
 func TestFlushAndLseekOncePerMount(t *testing.T) {
 	requireFUSE(t)
-	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
-	for i := range 20 {
-		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: bytes.Repeat([]byte{byte('a' + i)}, 3000+i)})
-	}
+	files := numberedFiles(20, 3000)
 	blob, toc := convert(t, bytes.NewReader(buildTar(t, files)))
 	mnt, srv := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
 	for i := range 20 {
@@ -319,16 +316,7 @@ func TestFlushAndLseekOncePerMount(t *testing.T) {
 			t.Fatalf("close f%d: %v", i, err)
 		}
 	}
-	merged := mountOverlay(t, mnt)
-	for i := range 20 {
-		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
-		if err := os.Chmod(p, 0o600); err != nil {
-			t.Fatalf("chmod %s (copy-up): %v", p, err)
-		}
-		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
-			t.Fatalf("read %s after copy-up: %d bytes, %v", p, len(got), err)
-		}
-	}
+	copyUpAll(t, mountOverlay(t, mnt), files)
 	st := srv.Stats()
 	// At least one: the node answers them (go-fuse's own answers are
 	// OK, which would bring every later one to the daemon).
@@ -349,10 +337,7 @@ func TestFlushAndLseekOncePerMount(t *testing.T) {
 // before. (Mounts with backing answer every open: the passthrough tests.)
 func TestOpenOncePerMountWithoutBacking(t *testing.T) {
 	requireFUSE(t)
-	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
-	for i := range 20 {
-		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: bytes.Repeat([]byte{byte('a' + i)}, 5000+i)})
-	}
+	files := numberedFiles(20, 5000)
 	blob, toc := convert(t, bytes.NewReader(buildTar(t, files)))
 	mnt, srv := mountLayer(t, toc, newBlobSource(bytes.NewReader(blob)))
 	for round := range 2 {
@@ -376,16 +361,7 @@ func TestOpenOncePerMountWithoutBacking(t *testing.T) {
 		t.Errorf("mmap of f7 differs from the layer's bytes")
 	}
 	unix.Munmap(m)
-	merged := mountOverlay(t, mnt)
-	for i := range 20 {
-		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
-		if err := os.Chmod(p, 0o600); err != nil {
-			t.Fatalf("chmod %s (copy-up): %v", p, err)
-		}
-		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
-			t.Fatalf("read %s after copy-up: %d bytes, %v", p, len(got), err)
-		}
-	}
+	copyUpAll(t, mountOverlay(t, mnt), files)
 	st := srv.Stats()
 	if n := st.Ops["open"].Count; n != 1 {
 		t.Errorf("%d opens reached the daemon, want 1", n)
@@ -397,5 +373,30 @@ func TestOpenOncePerMountWithoutBacking(t *testing.T) {
 	// found the pages the first round left.
 	if n := st.Ops["read"].Count; n > 20 {
 		t.Errorf("%d reads reached the daemon for 20 files read 2 times, mapped and copied up; want at most 20", n)
+	}
+}
+
+// numberedFiles is a layer of directory d holding n files d/f0... of
+// size+i bytes of one letter each.
+func numberedFiles(n, size int) []tarFile {
+	files := []tarFile{{hdr: hdr(tar.TypeDir, "d", 0o755)}}
+	for i := range n {
+		files = append(files, tarFile{hdr: hdr(tar.TypeReg, "d/f"+strconv.Itoa(i), 0o644), data: bytes.Repeat([]byte{byte('a' + i)}, size+i)})
+	}
+	return files
+}
+
+// copyUpAll changes the mode of every file of numberedFiles through the
+// overlay at merged, which copies it up, and reads it back.
+func copyUpAll(t *testing.T, merged string, files []tarFile) {
+	t.Helper()
+	for i := range len(files) - 1 {
+		p := filepath.Join(merged, "d", "f"+strconv.Itoa(i))
+		if err := os.Chmod(p, 0o600); err != nil {
+			t.Fatalf("chmod %s (copy-up): %v", p, err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, files[i+1].data) {
+			t.Fatalf("read %s after copy-up: %d bytes, %v", p, len(got), err)
+		}
 	}
 }
