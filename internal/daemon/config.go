@@ -107,8 +107,8 @@ type Config struct {
 	// Off by default: a mount that may hand out copies must see every
 	// open, two round trips to the daemon each (open and release), where
 	// one without answers the first open with ENOSYS and the kernel opens
-	// the rest itself (docs/lazyfs.md, "Opens"); copies only serve
-	// containers that started before their layer was complete.
+	// the rest itself (docs/lazyfs.md, "Opens, closes and seeks"); copies
+	// only serve containers that started before their layer was complete.
 	Passthrough          bool `toml:"passthrough"`
 	PassthroughMinSize   Size `toml:"passthrough_min_size"`
 	PassthroughCacheSize Size `toml:"passthrough_cache_size"`
