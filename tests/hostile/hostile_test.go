@@ -322,7 +322,7 @@ func TestHostileEpisode(t *testing.T) {
 	})
 
 	t.Run("fork bomb", func(t *testing.T) {
-		res := ep.run(t, map[string]string{shim.AnnPidsLimit: "64"}, "f() { f | f & }; f; sleep 120")
+		res := ep.run(t, map[string]string{shim.AnnPidsLimit: "64"}, "exec /agent forkbomb")
 		if res.ExitCode != 137 {
 			t.Errorf("fork bomb ended with exit %d, want 137 (killed by the shim); stderr %q", res.ExitCode, lastLines(res.Stderr, 3))
 		}

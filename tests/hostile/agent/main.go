@@ -8,6 +8,7 @@
 //	agent open PATH...     open files for reading
 //	agent tcp ADDR...      TCP connections (host:port), 2 s each
 //	agent arbiter PATH...  a forged arbiter request (List) on each socket
+//	agent forkbomb         a fork bomb that keeps the pids limit saturated
 package main
 
 import (
@@ -16,6 +17,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"runtime"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -29,6 +32,10 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 2 && os.Args[1] == "forkbomb" {
+		forkbomb()
+		return
+	}
 	if len(os.Args) == 4 && os.Args[1] == "ioctls" {
 		ioctls(os.Args[2], os.Args[3])
 		return
@@ -66,8 +73,50 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: agent ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH...")
+	fmt.Fprintln(os.Stderr, "usage: agent forkbomb | ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH...")
 	os.Exit(2)
+}
+
+// forkbomb lights busybox's fork bomb and then keeps the pids limit
+// saturated until it is killed. busybox's bomb alone is not a steady
+// load: ash exits on a refused fork, so the bomb's frontier dies at the
+// limit and the whole tree can go extinct within a second or two, before
+// the shim's grace is over. This process retries refused forks, as bash's
+// fork does, and never reaps what it started (a zombie keeps its pid),
+// which is the bomb a guard has to end.
+func forkbomb() {
+	// The Go runtime needs threads to hand off its Ps; one it cannot
+	// create at the limit is fatal. Threads made now stay idle for it.
+	var locked, release sync.WaitGroup
+	release.Add(1)
+	for range 4 {
+		locked.Add(1)
+		go func() {
+			runtime.LockOSThread()
+			locked.Done()
+			release.Wait()
+			runtime.UnlockOSThread()
+		}()
+	}
+	locked.Wait()
+	release.Done()
+
+	attr := &syscall.ProcAttr{Files: []uintptr{0, 1, 2}}
+	if _, err := syscall.ForkExec("/bin/sh", []string{"sh", "-c", "f() { f | f & }; f"}, attr); err != nil {
+		report("forkbomb sh", err)
+		os.Exit(1)
+	}
+	for {
+		_, err := syscall.ForkExec("/bin/sleep", []string{"sleep", "3600"}, attr)
+		switch {
+		case err == nil:
+		case errors.Is(err, syscall.EAGAIN):
+			time.Sleep(20 * time.Millisecond)
+		default:
+			report("forkbomb sleep", err)
+			os.Exit(1)
+		}
+	}
 }
 
 // forge sends the arbiter's List request, which the shims use to find
