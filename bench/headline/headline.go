@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -133,6 +134,41 @@ type Iteration struct {
 	// CPU is the CPU seconds used during the iteration: "node" for the
 	// whole node, then the bench's daemons by name (sampleCPU).
 	CPU map[string]float64 `json:"cpu_s,omitempty"`
+	// Cores is how many CPUs the node had (the Go runtime's count).
+	Cores int `json:"cores,omitempty"`
+}
+
+// rigProcesses are the processes whose CPU is the environment tax or the
+// rig's, not the environments' work: the snapshot daemons (containerd
+// pulls and unpacks for overlayfs), the registry, and the bench process
+// (the registry's link proxy and the episode clients).
+var rigProcesses = []string{"bench", "containerd", "envsnap", "registry"}
+
+// workSeconds is the CPU time of the environments' own work: the node's
+// busy time less rigProcesses. What the kernel's writeback threads spent
+// on the bytes the snapshotters wrote stays in it. 0 when the iteration
+// has no CPU record.
+func (it Iteration) workSeconds() float64 {
+	node, ok := it.CPU["node"]
+	if !ok {
+		return 0
+	}
+	for _, p := range rigProcesses {
+		node -= it.CPU[p]
+	}
+	return node
+}
+
+// floor is the fraction of the makespan the environments' own work kept
+// every core busy for: a snapshotter costing no CPU at all could not
+// finish the same iteration on this node in less (while the node is
+// CPU-bound). 0 when unknown.
+func (it Iteration) floor() float64 {
+	w := it.workSeconds()
+	if w <= 0 || it.Cores <= 0 || it.Makespan <= 0 {
+		return 0
+	}
+	return w / float64(it.Cores) / it.Makespan.Seconds()
 }
 
 // Headline ratios (median, cold).
@@ -145,8 +181,13 @@ type Headline struct {
 	// IterationBytesRatio: envsnap registry bytes / overlayfs registry
 	// bytes over the iteration scenario.
 	IterationBytesRatio float64 `json:"iteration_bytes_ratio,omitempty"`
-	InitRatio           float64 `json:"init_ratio"`    // envsnap ready / overlayfs ready
-	EpisodeRatio        float64 `json:"episode_ratio"` // envsnap episode / overlayfs episode
+	// IterationFloor: the median over overlayfs's rounds of the share of
+	// its makespan that the environments' own work filled every core for
+	// (Iteration.floor): about the lowest iteration ratio any snapshotter
+	// could reach on this node.
+	IterationFloor float64 `json:"iteration_floor,omitempty"`
+	InitRatio      float64 `json:"init_ratio"`    // envsnap ready / overlayfs ready
+	EpisodeRatio   float64 `json:"episode_ratio"` // envsnap episode / overlayfs episode
 	// Warm: the same environment again (see Config.SettleWarm), envsnap
 	// / overlayfs, medians.
 	WarmInitRatio    float64 `json:"warm_init_ratio,omitempty"`
@@ -564,7 +605,7 @@ func (b *bench) runIteration(ctx context.Context, envs []env, sys string, k int)
 	close(next)
 	wg.Wait()
 	it := Iteration{Envs: len(envs), Concurrent: k, Makespan: time.Since(start), RegistryBytes: b.env.Registry.BlobBytesServed(),
-		CPU: b.sampleCPU().since(cpu)}
+		CPU: b.sampleCPU().since(cpu), Cores: runtime.NumCPU()}
 	var ready, ep []time.Duration
 	for _, r := range out {
 		if r.Error != "" {
@@ -656,6 +697,16 @@ func (rep *Report) summarize() {
 	}
 	if len(rep.Headline.IterationRatios) > 0 {
 		rep.Headline.IterationRatio = median(rep.Headline.IterationRatios)
+	}
+	var floors []float64
+	for _, o := range rep.Iterations[Overlayfs] {
+		if f := o.floor(); f > 0 && o.Failed == 0 {
+			floors = append(floors, f)
+		}
+	}
+	rep.Headline.IterationFloor = 0
+	if len(floors) > 0 {
+		rep.Headline.IterationFloor = median(floors)
 	}
 	if o := med(Overlayfs+"/warm", "ready_s"); o > 0 {
 		rep.Headline.WarmInitRatio = med(Envsnap+"/warm", "ready_s") / o

@@ -165,12 +165,19 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 				fmt.Fprintf(&b, "| %s | %d | %.1f s | %.2f s | %.2f s | %.2f s | %.2f s | %.1f | %d |\n", sys, i+1, it.Makespan.Seconds(),
 					it.Episode.Median, it.Episode.P95, it.Ready.Median, it.Ready.P95, float64(it.RegistryBytes)/(1<<20), it.Failed)
 				if len(it.CPU) > 0 {
-					cpu = append(cpu, fmt.Sprintf("- %s, round %d: %s.\n", sys, i+1, cpuLine(it.CPU)))
+					line := fmt.Sprintf("- %s, round %d: %s", sys, i+1, cpuLine(it.CPU))
+					if f := it.floor(); f > 0 {
+						line += fmt.Sprintf("; the environments' own work %.1f, which fills %d cores for %.3f of the makespan", it.workSeconds(), it.Cores, f)
+					}
+					cpu = append(cpu, line+".\n")
 				}
 			}
 		}
 		if len(cpu) > 0 {
-			fmt.Fprintf(&b, "\nCPU seconds during each iteration (node: the busy time of every core; then each daemon, and the bench process, which runs the registry's link proxy and the clients):\n\n%s", strings.Join(cpu, ""))
+			fmt.Fprintf(&b, "\nCPU seconds during each iteration (node: the busy time of every core; then each daemon, and the bench process, which runs the registry's link proxy and the clients; the environments' own work is the node's time less containerd, the envsnap daemon, the registry and the bench process):\n\n%s", strings.Join(cpu, ""))
+		}
+		if h.IterationFloor > 0 {
+			fmt.Fprintf(&b, "\n**Floor on this node: %.3fx.** On overlayfs the environments' own work alone kept every core busy for that share of the makespan (median of the rounds), so a snapshotter that cost no CPU at all could not make the iteration shorter than about that while the node is CPU-bound. The kernel's writeback of what the snapshotters wrote is counted as the environments' work, so the floor is slightly high; the workload's own CPU does not depend on the snapshotter except through the file system's kernel work.\n", h.IterationFloor)
 		}
 		fmt.Fprintf(&b, "\n")
 	}

@@ -72,6 +72,28 @@ func TestReportRatios(t *testing.T) {
 	if !strings.Contains(string(got), "envsnap / overlayfs: 0.500x** (median of the rounds' ratios: 0.400x, 0.600x; target <= 0.6x); registry bytes 0.25x") {
 		t.Errorf("iteration ratios missing:\n%s", got)
 	}
+	if strings.Contains(string(got), "Floor on this node") {
+		t.Errorf("a floor printed without CPU records:\n%s", got)
+	}
+	// The floor: overlayfs's own work over its cores and makespan.
+	rep.Iterations[Overlayfs][0].CPU = map[string]float64{"node": 190, "containerd": 20, "bench": 5, "registry": 3, "envsnap": 2, "arbiter": 1}
+	rep.Iterations[Overlayfs][1].CPU = map[string]float64{"node": 150, "containerd": 30}
+	for i := range rep.Iterations[Overlayfs] {
+		rep.Iterations[Overlayfs][i].Cores = 2
+	}
+	rep.summarize()
+	if err := rep.WriteMarkdown(path, "benchmarks.json", nil); err != nil {
+		t.Fatal(err)
+	}
+	got, _ = os.ReadFile(path)
+	// Rounds: (190-30)/2/100 = 0.8 and (150-30)/2/100 = 0.6; the median
+	// of two is their mean.
+	if !strings.Contains(string(got), "**Floor on this node: 0.700x.**") {
+		t.Errorf("floor missing or wrong:\n%s", got)
+	}
+	if !strings.Contains(string(got), "- overlayfs, round 1: node 190.0, arbiter 1.0, bench 5.0, containerd 20.0, envsnap 2.0, registry 3.0; the environments' own work 160.0, which fills 2 cores for 0.800 of the makespan.") {
+		t.Errorf("round's own work missing:\n%s", got)
+	}
 	if strings.Contains(string(got), "one at a time, cold and warm") {
 		t.Errorf("ratios printed without runs one at a time:\n%s", got)
 	}

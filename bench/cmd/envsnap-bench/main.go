@@ -122,7 +122,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	}
 	h := rep.Headline
 	if h.IterationRatio > 0 {
-		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs, registry bytes %.2fx\n", h.IterationRatio, h.IterationBytesRatio)
+		fmt.Printf("\nheadline: iteration makespan %.3fx overlayfs (floor on this node %.3fx), registry bytes %.2fx\n", h.IterationRatio, h.IterationFloor, h.IterationBytesRatio)
 	}
 	if h.WarmEpisodeRatio > 0 {
 		fmt.Printf("warm, median: init %.3fx overlayfs, episode %.3fx overlayfs\n", h.WarmInitRatio, h.WarmEpisodeRatio)
