@@ -14,6 +14,7 @@ import (
 	"github.com/urfave/cli/v3"
 
 	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/internal/fetch"
 )
 
 var statusCommand = &cli.Command{
@@ -36,7 +37,8 @@ var statusCommand = &cli.Command{
 			return enc.Encode(st)
 		}
 		w := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(w, "LAYER\tSNAPSHOTS\tENVS\tMOUNTED\tFETCHED\tSIZE\tREF")
+		fmt.Fprintln(w, "LAYER\tSNAPSHOTS\tENVS\tMOUNTED\tFETCHED\tFILL\tNATIVE\tSIZE\tREF")
+		now := time.Now()
 		for _, l := range st.Layers {
 			mounted := "yes"
 			if !l.Mounted {
@@ -49,7 +51,12 @@ var statusCommand = &cli.Command{
 			if n := len(l.Refs); n > 1 {
 				ref = fmt.Sprintf("%s (+%d more)", ref, n-1)
 			}
-			fmt.Fprintf(w, "%s\t%d\t%d\t%s\t%.1f%%\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, l.Environments, mounted, l.FetchedPct, units.BytesSize(float64(l.BlobSize)), ref)
+			native := string(l.Native)
+			if native == "" {
+				native = "-"
+			}
+			fmt.Fprintf(w, "%s\t%d\t%d\t%s\t%.1f%%\t%s\t%s\t%s\t%s\n", l.Digest.Encoded()[:12], l.Snapshots, l.Environments, mounted, l.FetchedPct,
+				fillColumn(l.Fill, now), native, units.BytesSize(float64(l.BlobSize)), ref)
 		}
 		if err := w.Flush(); err != nil {
 			return err
@@ -72,6 +79,15 @@ var statusCommand = &cli.Command{
 		}
 		return nil
 	},
+}
+
+// fillColumn says what a layer's fill does; a held one, for what and how
+// long (docs/snapshotter.md lists the reasons).
+func fillColumn(f fetch.FillStatus, now time.Time) string {
+	if f.State == fetch.FillHeld {
+		return fmt.Sprintf("held: %s %s", f.Hold, now.Sub(f.Since).Round(time.Second))
+	}
+	return f.State.String()
 }
 
 func init() { commands = append(commands, statusCommand) }

@@ -399,6 +399,12 @@ type LayerStatus struct {
 	// there is one, its fill and its native copy wait for idle CPU
 	// (fetch.FillPolicy.FreeCPU).
 	Environments int `json:"environments"`
+	// Fill is what the layer's background fill is doing, and since when;
+	// a held fill says what it waits for.
+	Fill fetch.FillStatus `json:"fill"`
+	// Native is where the layer's native copy stands (empty when the
+	// daemon builds none).
+	Native layerstore.NativeState `json:"native,omitempty"`
 }
 
 func (d *daemon) status() Status {
@@ -425,6 +431,7 @@ func (d *daemon) status() Status {
 			ls.BlobSize = m.BlobSize
 			ls.FetchedBytes = m.CachedBytes
 			ls.Environments = m.Environments
+			ls.Fill, ls.Native = m.Fill, m.Native
 			if m.TotalBytes > 0 {
 				ls.FetchedPct = 100 * float64(m.CachedBytes) / float64(m.TotalBytes)
 			}

@@ -3,6 +3,8 @@ package fetch
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -26,7 +28,92 @@ func (l *Layer) StartFill(ctx context.Context) {
 	if !l.o.fill || !l.fillStarted.CompareAndSwap(false, true) {
 		return
 	}
-	l.goBackground(func() { l.fill(ctx) })
+	l.setFill(FillRunning, FillSend)
+	if !l.goBackground(func() { l.fill(ctx) }) {
+		l.setFill(FillStopped, FillSend)
+	}
+}
+
+// FillState is where a layer's background fill stands.
+type FillState int32
+
+const (
+	FillPending   FillState = iota // not started yet (StartFill)
+	FillRunning                    // batches go out
+	FillHeld                       // the fill waits for foreground work (FillStatus.Hold)
+	FillComplete                   // every chunk of the layer is in the node cache
+	FillCacheFull                  // stopped: the chunk cache is full
+	FillAborted                    // stopped after repeated registry failures
+	FillStopped                    // stopped with the layer or the daemon
+	FillOff                        // the layer has no background fill (WithFill(false))
+)
+
+var fillStateNames = [...]string{"pending", "running", "held", "complete", "cache full", "aborted", "stopped", "off"}
+
+func (s FillState) String() string { return fillStateNames[s] }
+
+// MarshalText makes the state its name in JSON (the daemon's /status).
+func (s FillState) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// UnmarshalText reads a name MarshalText wrote.
+func (s *FillState) UnmarshalText(b []byte) error {
+	i := slices.Index(fillStateNames[:], string(b))
+	if i < 0 {
+		return fmt.Errorf("unknown fill state %q", b)
+	}
+	*s = FillState(i)
+	return nil
+}
+
+// MarshalText makes the reason its name in JSON.
+func (h FillHold) MarshalText() ([]byte, error) { return []byte(h.String()), nil }
+
+// UnmarshalText reads a name MarshalText wrote.
+func (h *FillHold) UnmarshalText(b []byte) error {
+	i := slices.Index(fillHoldNames[:], string(b))
+	if i < 0 {
+		return fmt.Errorf("unknown fill hold %q", b)
+	}
+	*h = FillHold(i)
+	return nil
+}
+
+// FillStatus is what a layer's fill is doing, for an operator asking why
+// a layer is not fully fetched yet.
+type FillStatus struct {
+	State FillState `json:"state"`
+	// Hold is why a held fill waits: the reason its first worker, the
+	// one that decides whether the fill sends at all, is held for.
+	Hold  FillHold  `json:"hold,omitempty"`
+	Since time.Time `json:"since"` // when State (and Hold) last changed
+}
+
+// FillStatus returns where the layer's fill stands. A layer whose chunks
+// are all cached is complete whatever its fill did, as are the layers of
+// a warm cache.
+func (l *Layer) FillStatus() FillStatus {
+	l.fillMu.Lock()
+	st := l.fillStatus
+	l.fillMu.Unlock()
+	if !l.o.fill && st.State == FillPending {
+		st.State = FillOff
+	}
+	if st.State != FillComplete {
+		if cached, total := l.Progress(); cached >= total {
+			st = FillStatus{State: FillComplete, Since: st.Since}
+		}
+	}
+	return st
+}
+
+// setFill records a change of the fill's state; Since moves only when the
+// state or the reason changes.
+func (l *Layer) setFill(s FillState, h FillHold) {
+	l.fillMu.Lock()
+	defer l.fillMu.Unlock()
+	if l.fillStatus.State != s || l.fillStatus.Hold != h {
+		l.fillStatus = FillStatus{State: s, Hold: h, Since: time.Now()}
+	}
 }
 
 func (l *Layer) fill(parent context.Context) {
@@ -50,7 +137,20 @@ func (l *Layer) fill(parent context.Context) {
 		go func() {
 			defer wg.Done()
 			for {
-				if l.o.fillYield && l.flights.yieldFill(ctx, w, &l.envs) != nil {
+				// The first worker decides whether the fill sends at
+				// all (the others also wait for calm), so its holds are
+				// the layer's.
+				var held func(FillHold)
+				if w == 0 {
+					held = func(h FillHold) {
+						if h == FillSend {
+							l.setFill(FillRunning, FillSend)
+						} else {
+							l.setFill(FillHeld, h)
+						}
+					}
+				}
+				if l.o.fillYield && l.flights.yieldFill(ctx, w, &l.envs, held) != nil {
 					return
 				}
 				b, ok := <-work
@@ -88,12 +188,16 @@ feed:
 	entry := logger.WithField("cached", cached).WithField("total", total).WithField("elapsed", time.Since(start).Round(time.Millisecond))
 	switch {
 	case ctx.Err() != nil:
+		l.setFill(FillStopped, FillSend)
 		entry.Debug("background fill cancelled")
 	case full.Load():
+		l.setFill(FillCacheFull, FillSend)
 		entry.Warn("background fill stopped: chunk cache full")
 	case failures.Load() >= fillAbortAfter:
+		l.setFill(FillAborted, FillSend)
 		entry.Error("background fill aborted after repeated registry failures; reads continue on demand")
 	default:
+		l.setFill(FillComplete, FillSend)
 		entry.Info("background fill complete")
 	}
 }

@@ -44,6 +44,8 @@ type Layer struct {
 
 	cachedBytes atomic.Int64
 	fillStarted atomic.Bool
+	fillMu      sync.Mutex
+	fillStatus  FillStatus
 	prefetched  atomic.Int32 // last span index handed to chunkcache.Prefetch
 	lastHit     atomic.Int32 // span index of the last read from the cache
 	lastFullLog atomic.Int64
@@ -118,6 +120,7 @@ func NewLayer(blob *BlobReader, toc *layerfmt.TOC, cache *chunkcache.Cache, opts
 	l.owner = fmt.Sprintf("%s#%d", l.label, layerSeq.Add(1))
 	l.fpSeen = make([]atomic.Bool, toc.NumFrames())
 	l.created = time.Now()
+	l.fillStatus.Since = l.created
 
 	for i := 0; i < toc.Len(); i++ {
 		for k := range toc.NumChunks(i) {

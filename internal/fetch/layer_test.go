@@ -3,6 +3,7 @@ package fetch
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -903,12 +904,61 @@ func TestFillWaitsForCPU(t *testing.T) {
 	fakeCPU(flights, func(int) bool { return true })
 	f := newLayerFixture(t, cache, standardFiles(), WithFlights(flights))
 	before := f.reg.requests()
+	if st := f.layer.FillStatus(); st.State != FillPending {
+		t.Errorf("fill status before StartFill %+v, want pending", st)
+	}
 	f.layer.NoteEnvironment()
 	f.layer.StartFill(context.Background())
 	time.Sleep(3 * cpuSampleEvery)
 	if n := f.reg.requests() - before; n != 0 {
 		t.Fatalf("the fill sent %d requests with every core busy and one environment on the layer", n)
 	}
+	// An operator sees why (containerd-envsnap status).
+	st := f.layer.FillStatus()
+	if st.State != FillHeld || st.Hold != HoldCPU || time.Since(st.Since) < 2*cpuSampleEvery {
+		t.Errorf("fill status while held for the CPU %+v (%v ago), want held for cpu since the start", st, time.Since(st.Since))
+	}
+	b, err := json.Marshal(st)
+	if err != nil || !strings.Contains(string(b), `"state":"held","hold":"cpu"`) {
+		t.Errorf("fill status as JSON %s, %v", b, err)
+	}
+	var back FillStatus
+	if err := json.Unmarshal(b, &back); err != nil || back.State != st.State || back.Hold != st.Hold || !back.Since.Equal(st.Since) {
+		t.Errorf("fill status back from JSON %+v, %v; want %+v", back, err, st)
+	}
 	f.layer.NoteEnvironment()
 	waitFilled(t, f.layer)
+	if st := f.layer.FillStatus(); st.State != FillComplete || st.Hold != FillSend {
+		t.Errorf("fill status after the fill %+v, want complete", st)
+	}
+	b, _ = json.Marshal(f.layer.FillStatus())
+	if strings.Contains(string(b), "hold") {
+		t.Errorf("a fill that holds nothing shows a reason: %s", b)
+	}
+	if err := json.Unmarshal([]byte(`{"state":"napping"}`), &back); err == nil {
+		t.Errorf("an unknown fill state was accepted")
+	}
+}
+
+// TestFillStatusWithoutFill: a layer without background fill says so
+// until a read caches its last chunk.
+func TestFillStatusWithoutFill(t *testing.T) {
+	checkGoroutines(t)
+	cache, err := chunkcache.Open(t.TempDir(), 1<<30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newLayerFixture(t, cache, []testFile{{"one.txt", []byte("one small file")}}, WithFill(false))
+	f.layer.StartFill(context.Background())
+	if st := f.layer.FillStatus(); st.State != FillOff {
+		t.Errorf("fill status %+v, want off", st)
+	}
+	for _, c := range f.chunksOf(t, "one.txt") {
+		if _, err := readChunk(f.layer, c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := f.layer.FillStatus(); st.State != FillComplete {
+		t.Errorf("fill status with every chunk read %+v, want complete", st)
+	}
 }

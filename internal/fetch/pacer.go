@@ -114,14 +114,18 @@ func (f *Flights) foreground() Foreground {
 
 // yieldFill waits until fill worker w of a layer over which envs
 // environments were prepared may send its next batch (FillPolicy.Decide):
-// node-wide foreground work goes first.
-func (f *Flights) yieldFill(ctx context.Context, w int, envs *atomic.Int32) error {
+// node-wide foreground work goes first. note, when set, hears every
+// decision's reason to hold, and FillSend once the batch may go.
+func (f *Flights) yieldFill(ctx context.Context, w int, envs *atomic.Int32, note func(FillHold)) error {
 	held := time.Now()
 	for {
 		now := time.Now()
 		fg := f.foreground()
 		fg.LayerEnvs = int(envs.Load())
 		d := f.fillPolicy.Decide(now, fg, w, held)
+		if note != nil {
+			note(d.Hold)
+		}
 		if d.Send() && !d.Forced {
 			return ctx.Err()
 		}

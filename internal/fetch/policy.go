@@ -109,9 +109,9 @@ const (
 	HoldCPU               // other processes leave less than FreeCPU idle (layer of one environment)
 )
 
-func (h FillHold) String() string {
-	return [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm", "cpu"}[h]
-}
+var fillHoldNames = [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm", "cpu"}
+
+func (h FillHold) String() string { return fillHoldNames[h] }
 
 // FillDecision is the outcome of Decide: send now, or hold and look again
 // at Until (foreground activity can only push that later). Forced marks a

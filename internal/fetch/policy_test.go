@@ -208,7 +208,7 @@ func TestForcedBatchNodeWide(t *testing.T) {
 	got := make(chan time.Duration, 2)
 	for range 2 {
 		go func() {
-			if err := f.yieldFill(context.Background(), 0, new(atomic.Int32)); err != nil {
+			if err := f.yieldFill(context.Background(), 0, new(atomic.Int32), nil); err != nil {
 				t.Error(err)
 			}
 			got <- time.Since(start)

@@ -26,6 +26,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/images"
@@ -180,7 +181,21 @@ type mounted struct {
 	layer  *fetch.Layer
 	srv    *lazyfs.Server
 	cancel context.CancelFunc // stops the background fill
+	native atomic.Value       // NativeState of the layer's copy, while buildNative runs
 }
+
+// NativeState is where the native copy of a mounted layer stands (Config.Native).
+type NativeState string
+
+const (
+	NativeWaitChunks NativeState = "waiting for chunks" // not every chunk is in the node cache yet
+	NativeWaitCPU    NativeState = "waiting for CPU"    // fetch.Layer.WaitSpareCPU
+	NativeQueued     NativeState = "queued"             // other copies are being built
+	NativeBuilding   NativeState = "building"
+	NativeReady      NativeState = "ready"   // new containers get it as their lower
+	NativeFailed     NativeState = "failed"  // new containers keep the FUSE mount (the daemon's log says why)
+	NativeStopped    NativeState = "stopped" // the layer is unmounted or the daemon stops
+)
 
 var (
 	_ snapshotter.FileSystem   = (*Store)(nil)
@@ -386,7 +401,8 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 		layer.StartFill(fillCtx)
 	}
 	if s.cfg.Native != nil {
-		go s.buildNative(fillCtx, ldgst, layer, toc)
+		m.native.Store(NativeWaitChunks)
+		go s.buildNative(fillCtx, ldgst, m, toc)
 	}
 
 	s.mu.Lock()
@@ -407,37 +423,46 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 // are in the node cache (a finished fill, or a warm cache), in the
 // background: never on a container's start path. It gives up when the
 // layer is unmounted (ctx) or the build fails; a later mount tries again.
-func (s *Store) buildNative(ctx context.Context, d digest.Digest, layer *fetch.Layer, toc *layerfmt.TOC) {
+func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, toc *layerfmt.TOC) {
 	tick := time.NewTicker(nativePoll)
 	defer tick.Stop()
 	for {
 		if _, ok := s.cfg.Native.Dir(d); ok {
+			m.native.Store(NativeReady)
 			return
 		}
-		if cached, total := layer.Progress(); cached >= total {
-			if layer.WaitSpareCPU(ctx) != nil {
+		if cached, total := m.layer.Progress(); cached >= total {
+			m.native.Store(NativeWaitCPU)
+			if m.layer.WaitSpareCPU(ctx) != nil {
+				m.native.Store(NativeStopped)
 				return
 			}
+			m.native.Store(NativeBuilding)
 			done := make(chan error, 1)
 			s.cfg.Native.Build(d, toc, s.cfg.Cache, func(err error) { done <- err })
 			err := <-done
 			switch {
 			case err == nil:
+				m.native.Store(NativeReady)
 				return
 			case errors.Is(err, context.Canceled):
 				// The daemon is stopping: the next one builds it.
+				m.native.Store(NativeStopped)
 				log.G(ctx).WithError(err).WithField("layer", d).Debug("native copy of the layer not built")
 				return
 			case !native.IsBusy(err):
 				// A corrupt or evicted chunk, a full budget or disk:
 				// containers keep the FUSE mount, which refetches
 				// what it cannot verify.
+				m.native.Store(NativeFailed)
 				log.G(ctx).WithError(err).WithField("layer", d).Warn("no native copy of the layer; new containers keep reading it through FUSE")
 				return
 			}
+			m.native.Store(NativeQueued)
 		}
 		select {
 		case <-ctx.Done():
+			m.native.Store(NativeStopped)
 			return
 		case <-tick.C:
 		}
@@ -742,6 +767,11 @@ type LayerStatus struct {
 	// (NoteEnvironment): from the second on, neither its fill nor its
 	// native copy waits for idle CPU.
 	Environments int
+	// Fill is what the layer's background fill is doing.
+	Fill fetch.FillStatus
+	// Native is where the layer's native copy stands; empty without
+	// native copies (Config.Native).
+	Native NativeState
 }
 
 // Footprints returns, for every mounted layer, the frames its readers
@@ -769,6 +799,14 @@ func (s *Store) Status() map[string]LayerStatus {
 		ls := LayerStatus{Mountpoint: mp, Digest: m.desc.Digest, BlobSize: m.desc.Size}
 		ls.CachedBytes, ls.TotalBytes = m.layer.Progress()
 		ls.Environments = m.layer.Environments()
+		ls.Fill = m.layer.FillStatus()
+		if s.cfg.Native != nil {
+			ls.Native, _ = m.native.Load().(NativeState)
+			if _, ok := s.cfg.Native.Dir(m.desc.Digest); ok {
+				// Built for another mount of the layer, or before it.
+				ls.Native = NativeReady
+			}
+		}
 		out[mp] = ls
 	}
 	return out

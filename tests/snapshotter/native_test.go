@@ -2,6 +2,7 @@ package snapshotter_test
 
 import (
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +10,8 @@ import (
 	"github.com/containerd/containerd/v2/client"
 
 	"github.com/envsnap/envsnap/internal/daemon"
+	"github.com/envsnap/envsnap/internal/fetch"
+	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
 
@@ -78,6 +81,20 @@ func TestNativeLower(t *testing.T) {
 	st := waitNativeCopies(t, env, len(img.Layers), time.Minute)
 	if st.Cache.Charged != st.Native.Size || st.Native.Size == 0 {
 		t.Errorf("native copies take %d bytes but the cache has %d charged", st.Native.Size, st.Cache.Charged)
+	}
+	for _, l := range st.Layers {
+		if l.Fill.State != fetch.FillComplete || l.Native != layerstore.NativeReady {
+			t.Errorf("layer %s: fill %+v, native %q; want complete and ready", l.Digest, l.Fill, l.Native)
+		}
+	}
+	out, err := env.EnvsnapCLI("status", "--address", env.SnapshotterSocket)
+	if err != nil {
+		t.Fatalf("status: %v\n%s", err, out)
+	}
+	for _, l := range img.Layers {
+		if !regexp.MustCompile(`(?m)^` + l.Digest.Encoded()[:12] + `\s.*\s100\.0%\s+complete\s+ready\s`).MatchString(out) {
+			t.Errorf("status does not show layer %s complete with its native copy ready:\n%s", l.Digest, out)
+		}
 	}
 
 	nativeRoot := filepath.Join(env.EnvsnapRoot, "native")
