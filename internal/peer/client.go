@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/textproto"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -95,6 +96,7 @@ type Client struct {
 	life    map[string]*lifeTime // peer -> how long it takes to show life
 	selfFor []string             // member list selfAddr was computed for
 	self    string
+	keptFor []string // member list bad and life were last pruned to
 }
 
 // NewClient returns a client of the peers members lists.
@@ -162,6 +164,10 @@ func (c *Client) live() (live []string, self string) {
 		}
 		self = c.self
 	}
+	if !sameList(c.keptFor, all) {
+		c.keptFor = all
+		c.forgetOthers(all)
+	}
 	live = make([]string, 0, len(all))
 	for _, m := range all {
 		if until, ok := c.bad[m]; ok && m != self {
@@ -173,6 +179,23 @@ func (c *Client) live() (live []string, self string) {
 		live = append(live, m)
 	}
 	return live, self
+}
+
+// forgetOthers drops what the client remembers of peers that are no
+// longer members: with members discovered by DNS, every pod a node ever
+// saw (each rollout brings new addresses) would otherwise stay in bad and
+// life for the daemon's lifetime. Called with c.mu held.
+func (c *Client) forgetOthers(members []string) {
+	for p := range c.bad {
+		if !slices.Contains(members, p) {
+			delete(c.bad, p)
+		}
+	}
+	for p := range c.life {
+		if !slices.Contains(members, p) {
+			delete(c.life, p)
+		}
+	}
 }
 
 func sameList(a, b []string) bool {

@@ -10,6 +10,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"math/big"
@@ -17,7 +18,9 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -639,5 +642,59 @@ func TestFailoverToNextOwner(t *testing.T) {
 	}
 	if bad := c.BadPeers(); len(bad) != 1 || bad[0] != dead {
 		t.Errorf("bad peers %v, want [%s]", bad, dead)
+	}
+}
+
+// changingMembers is a member list the test replaces, as DNS discovery
+// does when pods come and go.
+type changingMembers struct {
+	mu   sync.Mutex
+	list []string
+}
+
+func (m *changingMembers) Members() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.list
+}
+
+func (m *changingMembers) set(list ...string) {
+	m.mu.Lock()
+	m.list = list
+	m.mu.Unlock()
+}
+
+// TestClientForgetsFormerMembers: what the client learnt of a peer (its
+// bad mark, how long it takes to show life) goes when the peer leaves
+// the member list, and stays for peers that remain.
+func TestClientForgetsFormerMembers(t *testing.T) {
+	members := &changingMembers{}
+	members.set("10.0.0.1:9167", "10.0.0.2:9167", "10.0.0.3:9167")
+	c, err := NewClient(members, Auth{Token: writeToken(t, "a-token-of-enough-length")}, Options{Self: "10.0.0.1:9167"}, NewMetrics())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.live()
+	ctx := context.Background()
+	for _, p := range []string{"10.0.0.2:9167", "10.0.0.3:9167"} {
+		c.observe(p, 40*time.Millisecond)
+		c.markBad(ctx, p, errors.New("refused"))
+	}
+	members.set("10.0.0.1:9167", "10.0.0.2:9167", "10.0.0.4:9167")
+	live, _ := c.live()
+	if slices.Contains(live, "10.0.0.2:9167") || !slices.Contains(live, "10.0.0.4:9167") {
+		t.Errorf("live %v: want the new member and not the one still marked bad", live)
+	}
+	c.mu.Lock()
+	_, badGone := c.bad["10.0.0.3:9167"]
+	_, lifeGone := c.life["10.0.0.3:9167"]
+	_, badKept := c.bad["10.0.0.2:9167"]
+	_, lifeKept := c.life["10.0.0.2:9167"]
+	c.mu.Unlock()
+	if badGone || lifeGone {
+		t.Errorf("a former member is still remembered: bad %v, life %v", badGone, lifeGone)
+	}
+	if !badKept || !lifeKept {
+		t.Errorf("a member's bad mark (%v) or life time (%v) was forgotten", badKept, lifeKept)
 	}
 }
