@@ -56,25 +56,21 @@ func (s FillState) String() string { return fillStateNames[s] }
 func (s FillState) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
 // UnmarshalText reads a name MarshalText wrote.
-func (s *FillState) UnmarshalText(b []byte) error {
-	i := slices.Index(fillStateNames[:], string(b))
-	if i < 0 {
-		return fmt.Errorf("unknown fill state %q", b)
-	}
-	*s = FillState(i)
-	return nil
-}
+func (s *FillState) UnmarshalText(b []byte) error { return unmarshalName(s, fillStateNames[:], b) }
 
 // MarshalText makes the reason its name in JSON.
 func (h FillHold) MarshalText() ([]byte, error) { return []byte(h.String()), nil }
 
 // UnmarshalText reads a name MarshalText wrote.
-func (h *FillHold) UnmarshalText(b []byte) error {
-	i := slices.Index(fillHoldNames[:], string(b))
+func (h *FillHold) UnmarshalText(b []byte) error { return unmarshalName(h, fillHoldNames[:], b) }
+
+// unmarshalName sets *v to the index of name b in names.
+func unmarshalName[T ~int | ~int32](v *T, names []string, b []byte) error {
+	i := slices.Index(names, string(b))
 	if i < 0 {
-		return fmt.Errorf("unknown fill hold %q", b)
+		return fmt.Errorf("unknown name %q (one of %q)", b, names)
 	}
-	*h = FillHold(i)
+	*v = T(i)
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"github.com/envsnap/envsnap/internal/prereq"
+	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -118,8 +119,15 @@ func buildTar(t testing.TB, files []tarFile) []byte {
 // new chunk cache, as a completed background fill leaves it.
 func cachedLayer(t testing.TB, tarStream []byte) (blob []byte, toc *layerfmt.TOC, cache *chunkcache.Cache) {
 	t.Helper()
+	return cacheLayer(t, bytes.NewReader(tarStream), layerfmt.WithChunkSize(64<<10))
+}
+
+// cacheLayer converts tarStream with opts and puts every frame of the blob
+// into a new chunk cache.
+func cacheLayer(t testing.TB, tarStream io.Reader, opts ...layerfmt.WriteOption) (blob []byte, toc *layerfmt.TOC, cache *chunkcache.Cache) {
+	t.Helper()
 	var b bytes.Buffer
-	res, err := layerfmt.Convert(context.Background(), &b, bytes.NewReader(tarStream), layerfmt.WithChunkSize(64<<10))
+	res, err := layerfmt.Convert(context.Background(), &b, tarStream, opts...)
 	if err != nil {
 		t.Fatalf("convert: %v", err)
 	}
@@ -127,7 +135,7 @@ func cachedLayer(t testing.TB, tarStream []byte) (blob []byte, toc *layerfmt.TOC
 	if err != nil {
 		t.Fatalf("read TOC: %v", err)
 	}
-	cache, err = chunkcache.Open(t.TempDir(), 1<<30)
+	cache, err = chunkcache.Open(t.TempDir(), 4<<30)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,7 +3,6 @@
 package native
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -37,26 +36,7 @@ func workloadLayer(t *testing.T, path string) ([]byte, *layerfmt.TOC, *chunkcach
 		t.Fatalf("%v (the benchmark workload: run bench/workload/build.sh --small, or make bench, once)", err)
 	}
 	defer f.Close()
-	var b bytes.Buffer
-	res, err := layerfmt.Convert(context.Background(), &b, f)
-	if err != nil {
-		t.Fatalf("convert %s: %v", path, err)
-	}
-	toc, err := layerfmt.ReadTOC(context.Background(), bytes.NewReader(b.Bytes()), int64(b.Len()), res.TOCDigest)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cache, err := chunkcache.Open(t.TempDir(), 4<<30)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for k := range toc.NumFrames() {
-		fr := toc.Frame(k)
-		if err := cache.Put(fr.Digest, b.Bytes()[fr.Offset:fr.Offset+fr.CompressedSize]); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return b.Bytes(), toc, cache
+	return cacheLayer(t, f)
 }
 
 // countingSource passes reads to a layer's read path and counts the
