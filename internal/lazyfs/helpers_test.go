@@ -5,10 +5,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -192,13 +193,34 @@ func cleanupMount(t testing.TB, mnt string, srv *Server) {
 }
 
 // abortConnection fails every request of a FUSE connection, so that a
-// failed test leaves no process stuck in the kernel. It needs fusectl
-// mounted at /sys/fs/fuse/connections.
+// failed test leaves no process stuck in the kernel. It writes the
+// connection's abort file in fusectl, mounting fusectl on a directory of
+// its own for the write when it is not at /sys/fs/fuse/connections
+// (these machines do not mount it).
 func abortConnection(t testing.TB, dev uint64) {
 	t.Helper()
-	p := fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", unix.Minor(dev))
-	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
-		t.Logf("abort FUSE connection: %v (mount fusectl to let failed tests clean up)", err)
+	dir := "/sys/fs/fuse/connections"
+	conn := strconv.FormatUint(uint64(unix.Minor(dev)), 10)
+	if _, err := os.Stat(filepath.Join(dir, conn)); err != nil {
+		tmp, err := os.MkdirTemp("", "fusectl-")
+		if err != nil {
+			t.Logf("abort FUSE connection %s: %v", conn, err)
+			return
+		}
+		defer os.Remove(tmp)
+		if err := unix.Mount("fusectl", tmp, "fusectl", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+			t.Logf("abort FUSE connection %s: mount fusectl: %v", conn, err)
+			return
+		}
+		defer func() {
+			if err := unix.Unmount(tmp, 0); err != nil {
+				t.Errorf("unmount fusectl at %s: %v", tmp, err)
+			}
+		}()
+		dir = tmp
+	}
+	if err := os.WriteFile(filepath.Join(dir, conn, "abort"), []byte("1"), 0); err != nil {
+		t.Logf("abort FUSE connection %s: %v", conn, err)
 	}
 }
 
