@@ -394,9 +394,13 @@ func (l *Layer) readFrame(ctx context.Context, c layerfmt.Chunk) (*frame, error)
 	}
 
 	l.flights.waiting.Add(1)
+	waitStart := time.Now()
 	defer func() {
 		l.flights.waiting.Add(-1)
 		l.flights.noteWait()
+		if m := l.o.metrics; m != nil {
+			m.readWait.Observe(time.Since(waitStart).Seconds())
+		}
 	}()
 	for {
 		f := l.join(ctx, c)

@@ -293,7 +293,8 @@ func TestLayerDeadline(t *testing.T) {
 
 func TestLayerFill(t *testing.T) {
 	checkGoroutines(t)
-	m, err := NewMetrics(prometheus.NewPedanticRegistry())
+	reg := prometheus.NewPedanticRegistry()
+	m, err := NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,6 +326,35 @@ func TestLayerFill(t *testing.T) {
 	if v := testutil.ToFloat64(m.cacheBytes.WithLabelValues(label)); v == 0 {
 		t.Error("cache bytes not counted")
 	}
+	// Reads of a filled layer never waited; one that misses does.
+	if n, _ := readWaits(t, reg); n != 0 {
+		t.Errorf("%d read waits counted for a layer the fill completed first", n)
+	}
+	other := newLayerFixture(t, nil, standardFiles(), WithMetrics(m), WithFill(false), WithReadAhead(0))
+	other.reg.setLatency(50 * time.Millisecond)
+	if _, err := readChunk(other.layer, other.chunksOf(t, "b.txt")[0]); err != nil {
+		t.Fatal(err)
+	}
+	if n, sum := readWaits(t, reg); n != 1 || sum < 0.05 {
+		t.Errorf("read waits after one miss on a 50 ms registry: %d, %.3fs in all; want 1, >= 0.05s", n, sum)
+	}
+}
+
+// readWaits returns the count and sum of envsnap_fetch_read_wait_seconds.
+func readWaits(t *testing.T, reg prometheus.Gatherer) (uint64, float64) {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "envsnap_fetch_read_wait_seconds" {
+			h := mf.GetMetric()[0].GetHistogram()
+			return h.GetSampleCount(), h.GetSampleSum()
+		}
+	}
+	t.Fatal("envsnap_fetch_read_wait_seconds is not registered")
+	return 0, 0
 }
 
 func waitFilled(t *testing.T, l *Layer) {
