@@ -988,6 +988,8 @@ func TestFillStatusWithoutFill(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A fetched chunk reaches the cache after its readers have it.
+	waitFilled(t, f.layer)
 	if st := f.layer.FillStatus(); st.State != FillComplete {
 		t.Errorf("fill status with every chunk read %+v, want complete", st)
 	}
