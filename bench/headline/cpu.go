@@ -5,7 +5,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/prometheus/procfs"
+	"github.com/envsnap/envsnap/internal/nodecpu"
 )
 
 // cpuSample is the CPU time the node and the bench's daemons had used at
@@ -28,11 +28,8 @@ func (b *bench) sampleCPU() cpuSample {
 		delete(s.daemons, "self")
 		s.daemons["bench"] = self
 	}
-	if fs, err := procfs.NewDefaultFS(); err == nil {
-		if st, err := fs.Stat(); err == nil {
-			t := st.CPUTotal
-			s.busy = t.User + t.Nice + t.System + t.IRQ + t.SoftIRQ + t.Steal
-		}
+	if node, err := nodecpu.Read(); err == nil {
+		s.busy = node.Busy
 	}
 	return s
 }

@@ -4,8 +4,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/nodecpu"
 )
 
 // cpuSampleEvery is how old the CPU reading the fill decides on may get:
@@ -24,11 +25,7 @@ type cpuCounters struct {
 
 // readCPUCounters reads /proc/stat and this process's rusage.
 func readCPUCounters() (cpuCounters, error) {
-	fs, err := procfs.NewDefaultFS()
-	if err != nil {
-		return cpuCounters{}, err
-	}
-	st, err := fs.Stat()
+	node, err := nodecpu.Read()
 	if err != nil {
 		return cpuCounters{}, err
 	}
@@ -36,12 +33,10 @@ func readCPUCounters() (cpuCounters, error) {
 	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
 		return cpuCounters{}, err
 	}
-	t := st.CPUTotal
-	busy := t.User + t.Nice + t.System + t.IRQ + t.SoftIRQ + t.Steal
 	return cpuCounters{
-		cores: len(st.CPU),
-		busy:  busy,
-		total: busy + t.Idle + t.Iowait,
+		cores: node.Cores,
+		busy:  node.Busy,
+		total: node.Total,
 		self:  time.Duration(ru.Utime.Nano() + ru.Stime.Nano()).Seconds(),
 	}, nil
 }
