@@ -17,36 +17,11 @@ import (
 // would), and the mount is gone.
 func TestAbort(t *testing.T) {
 	requireFUSE(t)
-	mnt := t.TempDir()
-	fd, err := mountFUSE(mnt, "lazyfs-abort-test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		unix.Close(fd) // the last descriptor: ends the connection if Abort did not
-		_ = forceUnmount(mnt)
-	})
-	done := make(chan error, 1)
-	go func() {
-		var st unix.Stat_t
-		done <- unix.Stat(mnt+"/x", &st)
-	}()
-	select {
-	case err := <-done:
-		t.Fatalf("a request no server read was answered: %v", err)
-	case <-time.After(200 * time.Millisecond):
-	}
+	mnt, waiting := stuckRequest(t, "lazyfs-abort-test")
 	if err := Abort(mnt); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if !errors.Is(err, unix.ENOTCONN) {
-			t.Fatalf("waiting request after Abort: %v, want ENOTCONN", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the waiting request still waits after Abort")
-	}
+	requireENOTCONN(t, waiting, "Abort")
 	var st, parent unix.Stat_t
 	if err := unix.Stat(mnt, &st); err != nil {
 		t.Fatalf("mountpoint after Abort: %v", err)
@@ -61,16 +36,31 @@ func TestAbort(t *testing.T) {
 // request with ENOTCONN and leaves no fusectl mount behind.
 func TestAbortConnectionHelper(t *testing.T) {
 	requireFUSE(t)
-	mnt := t.TempDir()
-	fd, err := mountFUSE(mnt, "lazyfs-abort-helper-test")
+	mnt, waiting := stuckRequest(t, "lazyfs-abort-helper-test")
+	dev := mountDev(t, mnt)
+	before := fusectlMounts(t)
+	abortConnection(t, dev)
+	requireENOTCONN(t, waiting, "the abort")
+	if after := fusectlMounts(t); after != before {
+		t.Errorf("%d fusectl mounts after the abort, %d before", after, before)
+	}
+}
+
+// stuckRequest mounts a FUSE file system no server reads and sends it a
+// request from another goroutine: the returned channel gets that
+// request's result. The connection's descriptor is closed, and the mount
+// forced off, at cleanup.
+func stuckRequest(t *testing.T, name string) (mnt string, waiting <-chan error) {
+	t.Helper()
+	mnt = t.TempDir()
+	fd, err := mountFUSE(mnt, name)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		unix.Close(fd)
+		unix.Close(fd) // the last descriptor: ends the connection if nothing else did
 		_ = forceUnmount(mnt)
 	})
-	dev := mountDev(t, mnt)
 	done := make(chan error, 1)
 	go func() {
 		var st unix.Stat_t
@@ -81,18 +71,20 @@ func TestAbortConnectionHelper(t *testing.T) {
 		t.Fatalf("a request no server read was answered: %v", err)
 	case <-time.After(200 * time.Millisecond):
 	}
-	before := fusectlMounts(t)
-	abortConnection(t, dev)
+	return mnt, done
+}
+
+// requireENOTCONN fails the test unless the stuck request ends with
+// ENOTCONN after what aborted its connection.
+func requireENOTCONN(t *testing.T, waiting <-chan error, after string) {
+	t.Helper()
 	select {
-	case err := <-done:
+	case err := <-waiting:
 		if !errors.Is(err, unix.ENOTCONN) {
-			t.Fatalf("waiting request after the abort: %v, want ENOTCONN", err)
+			t.Fatalf("waiting request after %s: %v, want ENOTCONN", after, err)
 		}
 	case <-time.After(10 * time.Second):
-		t.Fatal("the waiting request still waits after the abort")
-	}
-	if after := fusectlMounts(t); after != before {
-		t.Errorf("%d fusectl mounts after the abort, %d before", after, before)
+		t.Fatalf("the waiting request still waits after %s", after)
 	}
 }
 
