@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/opencontainers/go-digest"
 )
 
@@ -197,5 +198,40 @@ func TestNoteEnvironment(t *testing.T) {
 	}
 	if n1, n2 := fsys.count(mp1), fsys.count(mp2); n1 != 3 || n2 != 2 {
 		t.Fatalf("two containers and a view: %d and %d environments noted, want 3 and 2", n1, n2)
+	}
+}
+
+// TestNoteEnvironmentAfterRestart: a restarted snapshotter tells the data
+// plane about the containers and views that outlived its predecessor, and
+// not about an unpack left unfinished.
+func TestNoteEnvironmentAfterRestart(t *testing.T) {
+	fake := newFakeFS()
+	fsys := &observerFS{fakeFS: fake, notes: map[string]int{}}
+	s, root := newTestSnapshotter(t, fsys)
+	ctx := testContext(t)
+	l1, l2 := layerDigest(1), layerDigest(2)
+	prepareLazy(t, s, "c1", "", l1)
+	prepareLazy(t, s, "c2", "c1", l2)
+	if _, err := s.Prepare(ctx, "rootfs-1", "c2"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.View(ctx, "view", "c1"); err != nil {
+		t.Fatal(err)
+	}
+	// An unpack of a layer that is not lazy, cut short by the restart.
+	if _, err := s.Prepare(ctx, "extract-3", "c2", snapshots.WithLabels(map[string]string{snapshots.LabelSnapshotRef: "c3"})); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+
+	restarted := &observerFS{fakeFS: fake, notes: map[string]int{}}
+	s2, err := New(ctx, root, restarted)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s2.Close() })
+	mp1, mp2 := s2.layerMountpoint(l1), s2.layerMountpoint(l2)
+	if n1, n2 := restarted.count(mp1), restarted.count(mp2); n1 != 2 || n2 != 1 {
+		t.Fatalf("after a restart with a container and a view: %d and %d environments noted, want 2 and 1", n1, n2)
 	}
 }

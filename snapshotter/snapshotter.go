@@ -133,7 +133,8 @@ type NativeLayers interface {
 // how many environments use each layer it serves: NoteEnvironment is
 // called with a layer's mountpoint each time an active snapshot (not an
 // unpack's) or a view is prepared over it, before native copies replace
-// its lower directories. The layer store finishes a layer more than one
+// its lower directories, and once for each such snapshot that exists
+// when New restores the layers. The layer store finishes a layer more than one
 // environment uses first (fetch.FillPolicy.FreeCPU).
 type EnvironmentObserver interface {
 	NoteEnvironment(mountpoint string)
@@ -249,6 +250,10 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		return nil, err
 	}
 	if err := s.restoreCaps(ctx); err != nil {
+		ov.Close()
+		return nil, err
+	}
+	if err := s.restoreEnvironments(ctx); err != nil {
 		ov.Close()
 		return nil, err
 	}
@@ -821,6 +826,37 @@ func (s *Snapshotter) noteEnvironment(mounts []mount.Mount) {
 			}
 		}
 	}
+}
+
+// restoreEnvironments tells an EnvironmentObserver FileSystem, once the
+// layers are mounted again, about the environments that outlived the
+// previous daemon: the counts lived in its memory, and without them a
+// layer every running container shares would be filled and copied as if
+// one environment used it.
+func (s *Snapshotter) restoreEnvironments(ctx context.Context) error {
+	if _, ok := s.fs.(EnvironmentObserver); !ok {
+		return nil
+	}
+	var keys []string
+	err := s.Snapshotter.Walk(ctx, func(ctx context.Context, info snapshots.Info) error {
+		if (info.Kind == snapshots.KindActive || info.Kind == snapshots.KindView) && info.Labels[snapshots.LabelSnapshotRef] == "" {
+			keys = append(keys, info.Name)
+		}
+		return nil
+	})
+	if err != nil && !errdefs.IsNotFound(err) {
+		return fmt.Errorf("walk environments' snapshots: %w", err)
+	}
+	for _, key := range keys {
+		mounts, err := s.Snapshotter.Mounts(ctx, key)
+		if err != nil {
+			// Removed since the walk, or broken: it is no environment to count.
+			log.G(ctx).WithError(err).WithField("key", key).Warn("environment not counted for its layers after restart")
+			continue
+		}
+		s.noteEnvironment(mounts)
+	}
+	return nil
 }
 
 // layerOfMountpoint is the inverse of layerMountpoint.

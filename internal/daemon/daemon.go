@@ -395,7 +395,8 @@ type LayerStatus struct {
 	BlobSize     int64   `json:"blob_size"`
 	FetchedBytes int64   `json:"fetched_bytes"`
 	FetchedPct   float64 `json:"fetched_percent"`
-	// Environments prepared over the layer since it was mounted: while
+	// Environments prepared over the layer since it was mounted (after a
+	// restart, those whose snapshots still exist): while
 	// there is one, its fill and its native copy wait for idle CPU
 	// (fetch.FillPolicy.FreeCPU).
 	Environments int `json:"environments"`

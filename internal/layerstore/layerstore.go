@@ -764,7 +764,8 @@ type LayerStatus struct {
 	// are in the node cache.
 	CachedBytes, TotalBytes int64
 	// Environments prepared over the layer since it was mounted
-	// (NoteEnvironment): from the second on, neither its fill nor its
+	// (NoteEnvironment; after a restart, those whose snapshots still
+	// exist): from the second on, neither its fill nor its
 	// native copy waits for idle CPU.
 	Environments int
 	// Fill is what the layer's background fill is doing.

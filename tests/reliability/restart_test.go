@@ -157,6 +157,11 @@ echo done`
 			if !l.Mounted {
 				t.Errorf("%s: layer %s not mounted: %s", what, l.Digest, l.Error)
 			}
+			// The running container is still an environment of every
+			// layer: its count decides how the layer is filled.
+			if l.Environments != 1 {
+				t.Errorf("%s: layer %s counts %d environments, want the running container's 1", what, l.Digest, l.Environments)
+			}
 		}
 		if n := lazySnapshots(t, env); n != len(img.Layers) {
 			t.Errorf("%s: %d lazy snapshots, want %d", what, n, len(img.Layers))
