@@ -6,8 +6,9 @@ import (
 	"time"
 )
 
-// TestReadCountsBusyTime: a core kept spinning shows as busy time, and the
-// counters add up.
+// TestReadCountsBusyTime: a core kept spinning shows as busy time. (Two
+// readings' differences are not compared field by field: the kernel may
+// move iowait backwards, seen once in a clean-clone run.)
 func TestReadCountsBusyTime(t *testing.T) {
 	before, err := Read()
 	if err != nil {
@@ -28,8 +29,5 @@ func TestReadCountsBusyTime(t *testing.T) {
 	}
 	if spun := after.Busy - before.Busy; spun < 0.1 {
 		t.Errorf("300 ms of spinning added %.3f s of busy time", spun)
-	}
-	if after.Total-before.Total < after.Busy-before.Busy {
-		t.Errorf("busy time grew by more than the total")
 	}
 }
