@@ -3,6 +3,7 @@ package envsnapshot
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -10,7 +11,6 @@ import (
 	"maps"
 	"os"
 	"path"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -21,6 +21,8 @@ import (
 	"github.com/containerd/errdefs"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/beneath"
 )
 
 // precopySlack is how long before a pre-copy started a file must have
@@ -82,58 +84,72 @@ func (c *fileData) writeTo(w io.Writer, size int64) error {
 	return pad(size)
 }
 
-// readContent reads the first st.Size bytes of the regular file at p into
-// memory; only the data extents (SEEK_DATA, SEEK_HOLE) of a file with
-// fewer blocks than its size, so a mostly empty file costs what it holds,
-// not its length. A file that is no longer regular, or that is shorter
-// than st says, is an error.
-func readContent(p string, st *syscall.Stat_t) (*fileData, error) {
-	// A bare descriptor: thousands of small files, and an *os.File
-	// costs a system call and a finalizer each on top of the open.
-	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+// readChunk bounds one read of a file's data, so that a cancelled
+// snapshot stops within one chunk's read.
+const readChunk = 8 << 20
+
+// readFile reads x, a regular file, into memory: its xattrs, then its
+// data (readContent).
+func readFile(ctx context.Context, x *beneath.Entry) (map[string]string, *fileData, error) {
+	xattrs, _, err := readXattrs(x)
 	if err != nil {
-		return nil, &os.PathError{Op: "open", Path: p, Err: err}
+		return nil, nil, fmt.Errorf("%s: %w", x.Rel(), err)
 	}
-	defer unix.Close(fd)
+	data, err := readContent(ctx, x)
+	return xattrs, data, err
+}
+
+// readContent reads the first x.Stat().Size bytes of x, a regular file,
+// into memory; only the data extents (SEEK_DATA, SEEK_HOLE) of a file
+// with fewer blocks than its size, so a mostly empty file costs what it
+// holds, not its length. A file that is shorter than its stat says is an
+// error (io.ErrUnexpectedEOF).
+func readContent(ctx context.Context, x *beneath.Entry) (*fileData, error) {
+	st := x.Stat()
 	c := &fileData{size: st.Size}
+	if st.Size == 0 {
+		return c, nil
+	}
+	f, err := x.OpenFile()
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
 	read := func(off, end int64) error {
 		b := make([]byte, end-off)
-		for n := 0; n < len(b); {
-			k, err := unix.Pread(fd, b[n:], off+int64(n))
-			if errors.Is(err, unix.EINTR) {
-				continue
+		for n := int64(0); n < int64(len(b)); {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			k, err := f.ReadAt(b[n:min(n+readChunk, int64(len(b)))], off+n)
+			n += int64(k)
+			if errors.Is(err, io.EOF) {
+				return fmt.Errorf("read %s: %d bytes at %d of a %d-byte file: %w", x.Rel(), n, off, st.Size, io.ErrUnexpectedEOF)
 			}
 			if err != nil {
-				return &os.PathError{Op: "read", Path: p, Err: err}
+				return err
 			}
-			if k == 0 {
-				return fmt.Errorf("read %s: %d bytes at %d of a %d-byte file: %w", p, n, off, st.Size, io.ErrUnexpectedEOF)
-			}
-			n += k
 		}
 		c.ext = append(c.ext, extent{off, b})
 		return nil
-	}
-	if st.Size == 0 {
-		return c, nil
 	}
 	if st.Blocks*512 >= st.Size {
 		return c, read(0, st.Size)
 	}
 	for off := int64(0); off < st.Size; {
-		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		data, err := f.Seek(off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
 			break // holes up to the end
 		}
 		if err != nil {
-			return nil, fmt.Errorf("seek data in %s from %d: %w", p, off, err)
+			return nil, fmt.Errorf("seek data from %d: %w", off, err)
 		}
 		if data >= st.Size {
 			break
 		}
-		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		hole, err := f.Seek(data, unix.SEEK_HOLE)
 		if err != nil {
-			return nil, fmt.Errorf("seek hole in %s from %d: %w", p, data, err)
+			return nil, fmt.Errorf("seek hole from %d: %w", data, err)
 		}
 		hole = min(hole, st.Size)
 		if err := read(data, hole); err != nil {
@@ -145,8 +161,9 @@ func readContent(p string, st *syscall.Stat_t) (*fileData, error) {
 }
 
 // precopied is what a pre-copy read while the container ran: for each
-// regular file with one name, what lstat said before its xattrs and data
-// were read, and those.
+// regular file with one name, what fstat of its descriptor said before
+// its xattrs and data were read through it, those, and the directory it
+// was found in (with every directory above it).
 type precopied struct {
 	start time.Time
 	files map[string]*preFile
@@ -156,19 +173,25 @@ type preFile struct {
 	st     syscall.Stat_t
 	xattrs map[string]string
 	data   *fileData
+	dir    *beneath.Dir
 }
 
-// unchanged reports whether the pre-copy holds rel's current data and
-// metadata: a regular file whose inode, size, mode, mtime and ctime are
-// those the pre-copy saw, and whose ctime is older than the pre-copy's
-// start (less precopySlack), cannot have changed since (every write,
-// truncate, chmod, chown, xattr change or link moves ctime).
-func (pre *precopied) unchanged(rel string, st *syscall.Stat_t) (*preFile, bool) {
+// unchanged reports whether the pre-copy holds the current data and
+// metadata of rel, found in dir and stated as st: a regular file whose
+// inode, size, mode, mtime and ctime are those the pre-copy saw, and
+// whose ctime is older than the pre-copy's start (less precopySlack),
+// cannot have changed since (every write, truncate, chmod, chown, xattr
+// change or link moves ctime). Its path must also go through the same
+// directories as the pre-copy's did (beneath.SameDirs): the data was read
+// through the file's own descriptor, so this only proves again what the
+// inode check already does, that no directory swapped in between the
+// walks could have lent the pre-copy another file.
+func (pre *precopied) unchanged(rel string, dir *beneath.Dir, st *syscall.Stat_t) (*preFile, bool) {
 	if pre == nil {
 		return nil, false
 	}
 	f, ok := pre.files[rel]
-	if !ok {
+	if !ok || !beneath.SameDirs(f.dir, dir) {
 		return nil, false
 	}
 	old := &f.st
@@ -187,16 +210,16 @@ func tooLarge(maxData int64) error {
 	return fmt.Errorf("%w: over %d bytes of file data: %w", ErrDiffTooLarge, maxData, errdefs.ErrResourceExhausted)
 }
 
-// precopy reads the regular files of upper into memory while the
-// container still runs, with their xattrs, recording what lstat said of
-// each before they were read, so that capture, frozen, keeps the
-// unchanged ones (with one name) instead of reading them again. Entries
-// that vanish while it walks are skipped. More than maxData bytes of file
-// data (0: no cap), all names counted, fail with ErrDiffTooLarge before
-// anything is frozen; any other error makes the caller read everything
-// while frozen.
-func precopy(upper string, maxData int64) (*precopied, error) {
-	s, err := startPrecopy(upper, maxData)
+// precopy reads the regular files beneath root into memory while the
+// container still runs, with their xattrs, recording what fstat of each
+// one's descriptor said before they were read through it, so that
+// capture, frozen, keeps the unchanged ones (with one name) instead of
+// reading them again. Entries that vanish or change while it walks are
+// left to the frozen pass. More than maxData bytes of file data (0: no
+// cap), all names counted, fail with ErrDiffTooLarge before anything is
+// frozen; any other error makes the caller read everything while frozen.
+func precopy(ctx context.Context, root *beneath.Dir, maxData int64) (*precopied, error) {
+	s, err := startPrecopy(ctx, root, maxData)
 	if err != nil {
 		return nil, err
 	}
@@ -210,7 +233,6 @@ func precopy(upper string, maxData int64) (*precopied, error) {
 // which only the frozen pass can tell (sameDiff); until then it lets the
 // layer be encoded while the files are still being read.
 type speculation struct {
-	upper   string
 	entries []*upperEntry
 	pre     *precopied
 	g       errgroup.Group
@@ -220,65 +242,47 @@ type speculation struct {
 	broken bool
 }
 
-// startPrecopy walks upper, queues the reads of its regular files and
+// stale reports whether err means that an entry changed while a pre-copy
+// read it: gone, replaced, or truncated.
+func stale(err error) bool {
+	return errors.Is(err, iofs.ErrNotExist) || errors.Is(err, beneath.ErrChanged) || errors.Is(err, io.ErrUnexpectedEOF)
+}
+
+// startPrecopy walks root, queues the reads of its regular files and
 // returns once the walk is done, with the reads running; wait returns
 // the pre-copy when they are done.
-func startPrecopy(upper string, maxData int64) (*speculation, error) {
-	s := &speculation{upper: upper, pre: &precopied{start: time.Now(), files: map[string]*preFile{}}}
+func startPrecopy(ctx context.Context, root *beneath.Dir, maxData int64) (*speculation, error) {
+	s := &speculation{pre: &precopied{start: time.Now(), files: map[string]*preFile{}}}
 	s.g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
 	var total int64
-	err := filepath.WalkDir(upper, func(p string, d iofs.DirEntry, err error) error {
+	err := beneath.Walk(ctx, root, func(d *beneath.Dir, name string) (*beneath.Dir, error) {
+		e, x, sub, err := openEntry(d, name)
 		if err != nil {
-			if errors.Is(err, iofs.ErrNotExist) {
-				s.broken = true
-				return nil
-			}
-			return err
+			// Read again, frozen, where it is an error if it still
+			// is one.
+			s.broken = true
+			return nil, nil
 		}
-		if p == upper {
-			return nil
+		if e == nil {
+			return sub, nil
 		}
-		rel, err := filepath.Rel(upper, p)
-		if err != nil {
-			return err
+		s.entries = append(s.entries, e)
+		if x == nil {
+			return sub, nil
 		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			if errors.Is(err, iofs.ErrNotExist) {
-				s.broken = true
-				return nil
-			}
-			return fmt.Errorf("stat %s: %w", rel, err)
-		}
-		if !fi.Mode().IsRegular() {
-			e, err := describeEntry(p, rel, fi)
-			if err != nil {
-				// Read again, frozen, where it is an error if it still
-				// is one.
-				s.broken = true
-				return nil
-			}
-			if e != nil {
-				s.entries = append(s.entries, e)
-			}
-			return nil
-		}
-		st := fi.Sys().(*syscall.Stat_t)
+		st := x.Stat()
 		total += st.Size
 		if maxData > 0 && total > maxData {
-			return tooLarge(maxData)
+			x.Close()
+			return nil, tooLarge(maxData)
 		}
-		e := &upperEntry{rel: rel, fi: fi, ready: make(chan struct{})}
-		s.entries = append(s.entries, e)
+		e.ready = make(chan struct{})
 		s.g.Go(func() error {
 			defer close(e.ready)
+			defer x.Close()
 			var err error
-			if e.xattrs, _, err = readXattrs(p); err == nil {
-				e.data, err = readContent(p, st)
-			}
-			if errors.Is(err, iofs.ErrNotExist) || errors.Is(err, unix.ELOOP) || errors.Is(err, io.ErrUnexpectedEOF) {
-				// Gone, replaced by a symlink, or truncated while read:
-				// it changed, and is read frozen.
+			e.xattrs, e.data, err = readFile(ctx, x)
+			if stale(err) {
 				e.readErr = errStale
 				s.mu.Lock()
 				s.broken = true
@@ -287,20 +291,20 @@ func startPrecopy(upper string, maxData int64) (*speculation, error) {
 			}
 			if err != nil {
 				e.readErr = err
-				return fmt.Errorf("%s: %w", filepath.ToSlash(rel), err)
+				return fmt.Errorf("%s: %w", e.rel, err)
 			}
 			if st.Nlink == 1 {
 				s.mu.Lock()
-				s.pre.files[rel] = &preFile{st: *st, xattrs: e.xattrs, data: e.data}
+				s.pre.files[e.rel] = &preFile{st: *st, xattrs: e.xattrs, data: e.data, dir: d}
 				s.mu.Unlock()
 			}
 			return nil
 		})
-		return nil
+		return nil, nil
 	})
 	if err != nil {
 		_ = s.g.Wait()
-		return nil, fmt.Errorf("pre-copy upper %s: %w", upper, err)
+		return nil, fmt.Errorf("pre-copy of the writable layer: %w", err)
 	}
 	sortEntries(s.entries)
 	return s, nil
@@ -312,7 +316,7 @@ var errStale = errors.New("changed while the pre-copy read it")
 // wait waits for the pre-copy's reads.
 func (s *speculation) wait() (*precopied, error) {
 	if err := s.g.Wait(); err != nil {
-		return nil, fmt.Errorf("pre-copy upper %s: %w", s.upper, err)
+		return nil, fmt.Errorf("pre-copy of the writable layer: %w", err)
 	}
 	return s.pre, nil
 }
@@ -380,83 +384,88 @@ type captured struct {
 	Reused, Copied int
 }
 
-// capture reads all of upper that a diff holds into memory: what
-// WriteUpperTar would write of it, without a file left to read. With
-// pre == nil the result is exact only if nothing writes to upper
-// meanwhile: it is what runs while the container is frozen, with a few
-// workers reading file data.
+// capture reads all of the upper directory beneath root that a diff
+// holds into memory: what WriteUpperTar would write of it, without a file
+// left to read. With pre == nil the result is exact only if nothing
+// writes to upper meanwhile: it is what runs while the container is
+// frozen, with a few workers reading file data.
 //
 // With pre (read by precopy while the container ran), a regular file
-// that pre.unchanged says cannot have changed since is taken from the
-// pre-copy, data and xattrs; every other file (changed, new, with
-// several names, or in dirty: mapped shared and writable by a process of
-// the container) is read again, and everything else (directories,
-// symlinks, devices, whiteouts) is read here. More than maxData bytes of
-// file data (0: no cap) fail with ErrDiffTooLarge.
-func capture(upper string, pre *precopied, dirty *mapped, maxData int64) (*captured, error) {
+// that pre.unchanged says cannot have changed since, reached through the
+// same directories, is taken from the pre-copy, data and xattrs; every
+// other file (changed, new, with several names, or in dirty: mapped
+// shared and writable by a process of the container) is read again, and
+// everything else (directories, symlinks, devices, whiteouts) is read
+// here. More than maxData bytes of file data (0: no cap) fail with
+// ErrDiffTooLarge.
+func capture(ctx context.Context, root *beneath.Dir, pre *precopied, dirty *mapped, maxData int64) (*captured, error) {
 	out := &captured{}
 	var g errgroup.Group
 	g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
 	first := map[inode]*upperEntry{}
 	var later []*upperEntry // further names of an inode already read
 	var total int64
-	err := filepath.WalkDir(upper, func(p string, d iofs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if p == upper {
-			return nil
-		}
-		rel, err := filepath.Rel(upper, p)
-		if err != nil {
-			return err
-		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			return fmt.Errorf("stat %s: %w", rel, err)
-		}
-		st := fi.Sys().(*syscall.Stat_t)
-		if !fi.Mode().IsRegular() {
-			e, err := describeEntry(p, rel, fi)
-			if e != nil {
-				out.entries = append(out.entries, e)
-			}
-			return err
-		}
-		total += st.Size
+	addData := func(size int64) error {
+		total += size
 		if maxData > 0 && total > maxData {
 			return tooLarge(maxData)
 		}
-		e := &upperEntry{rel: rel, fi: fi}
+		return nil
+	}
+	err := beneath.Walk(ctx, root, func(d *beneath.Dir, name string) (*beneath.Dir, error) {
+		st, err := d.Lstat(name)
+		if err != nil {
+			return nil, err
+		}
+		rel := d.Join(name)
+		if st.Mode&unix.S_IFMT == unix.S_IFREG && st.Nlink == 1 {
+			if f, ok := pre.unchanged(rel, d, st); ok && !dirty.has(rel, inode{st.Dev, st.Ino}) {
+				if err := addData(st.Size); err != nil {
+					return nil, err
+				}
+				out.entries = append(out.entries, &upperEntry{rel: rel, fi: beneath.FileInfo(name, st), xattrs: f.xattrs, data: f.data})
+				out.Reused++
+				return nil, nil
+			}
+		}
+		e, x, sub, err := openEntry(d, name)
+		if err != nil || e == nil {
+			return sub, err
+		}
 		out.entries = append(out.entries, e)
-		key := inode{st.Dev, st.Ino}
+		if x == nil {
+			return sub, nil
+		}
+		// What is read is the file the descriptor holds, stated through
+		// it.
+		st = x.Stat()
+		if err := addData(st.Size); err != nil {
+			x.Close()
+			return nil, err
+		}
 		if st.Nlink > 1 {
+			key := inode{st.Dev, st.Ino}
 			if _, ok := first[key]; ok {
 				later = append(later, e)
-				return nil
+				x.Close()
+				return nil, nil
 			}
 			first[key] = e
-		} else if f, ok := pre.unchanged(rel, st); ok && !dirty.has(rel, key) {
-			e.xattrs, e.data = f.xattrs, f.data
-			out.Reused++
-			return nil
 		}
 		out.Copied++
 		g.Go(func() error {
+			defer x.Close()
 			var err error
-			if e.xattrs, _, err = readXattrs(p); err != nil {
-				return fmt.Errorf("%s: %w", filepath.ToSlash(rel), err)
-			}
-			e.data, err = readContent(p, st)
+			e.xattrs, e.data, err = readFile(ctx, x)
 			return err
 		})
-		return nil
+		return nil, nil
 	})
 	if werr := g.Wait(); err == nil {
 		err = werr
 	}
 	if err != nil {
-		return nil, fmt.Errorf("read upper %s: %w", upper, err)
+		return nil, fmt.Errorf("read the writable layer: %w", err)
 	}
 	for _, e := range later {
 		st := e.fi.Sys().(*syscall.Stat_t)
@@ -539,16 +548,4 @@ func (m *mapped) parse(r io.Reader) error {
 		}
 	}
 	return sc.Err()
-}
-
-// openFile opens p as os.OpenFile does, without trying to register the
-// descriptor with the runtime's poller: for a regular file that fails
-// anyway, after four fcntl calls and an epoll_ctl, which were a third of
-// the system calls of copying or reading thousands of small files.
-func openFile(p string, flag int, perm uint32) (*os.File, error) {
-	fd, err := unix.Open(p, flag|unix.O_CLOEXEC, perm)
-	if err != nil {
-		return nil, &os.PathError{Op: "open", Path: p, Err: err}
-	}
-	return os.NewFile(uintptr(fd), p), nil
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"os"
 	"path"
 	"path/filepath"
 	"sort"
@@ -16,9 +15,10 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/pkg/archive/tarheader"
-	"github.com/containerd/continuity/sysx"
 	"github.com/containerd/errdefs"
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/beneath"
 )
 
 // OCI whiteout names (image-spec layer.md, "Whiteouts").
@@ -58,7 +58,12 @@ type DiffStats struct {
 // upper alone cannot express: such an upper is refused (both features are
 // off unless the kernel or the mount enables them).
 func WriteUpperTar(ctx context.Context, w io.Writer, dir string, maxData int64) (DiffStats, error) {
-	entries, err := scanUpper(ctx, dir)
+	root, err := beneath.OpenRoot(dir)
+	if err != nil {
+		return DiffStats{}, err
+	}
+	defer root.Close()
+	entries, err := scanUpper(ctx, root)
 	if err != nil {
 		return DiffStats{}, err
 	}
@@ -88,73 +93,80 @@ type upperEntry struct {
 	opaque bool
 	link   string // a symlink's target
 	// A regular file's data: data when it was read into memory (see
-	// capture), else read from path as the diff is written.
+	// capture), else read from beneath root as the diff is written.
 	data *fileData
-	path string
+	root *beneath.Dir
 	// ready, when set, is closed once data (or readErr) is in place: the
 	// entry's read may still be running (see speculation).
 	ready   chan struct{}
 	readErr error
 }
 
-// scanUpper lists dir's entries in lexical order with what a diff needs
-// of each but the data of regular files.
-func scanUpper(ctx context.Context, dir string) ([]*upperEntry, error) {
+// scanUpper lists root's entries in lexical order with what a diff needs
+// of each but the data of regular files, which writeDiff reads beneath
+// root, checking that each is still the file scanned.
+func scanUpper(ctx context.Context, root *beneath.Dir) ([]*upperEntry, error) {
 	var entries []*upperEntry
-	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
+	err := beneath.Walk(ctx, root, func(d *beneath.Dir, name string) (*beneath.Dir, error) {
+		e, x, sub, err := openEntry(d, name)
+		if x != nil {
+			e.xattrs, _, err = readXattrs(x)
+			x.Close()
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", e.rel, err)
+			}
+			e.root = root
 		}
-		if err := ctx.Err(); err != nil {
-			return err
+		if e != nil {
+			entries = append(entries, e)
 		}
-		if p == dir {
-			return nil
-		}
-		rel, err := filepath.Rel(dir, p)
-		if err != nil {
-			return err
-		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			return fmt.Errorf("stat %s: %w", rel, err)
-		}
-		e, err := describeEntry(p, rel, fi)
-		if err != nil || e == nil {
-			return err
-		}
-		e.path = p
-		entries = append(entries, e)
-		return nil
+		return sub, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("walk %s: %w", dir, err)
+		return nil, fmt.Errorf("walk upper: %w", err)
 	}
 	sortEntries(entries)
 	return entries, nil
 }
 
-// describeEntry reads the xattrs and symlink target of the entry at p,
-// stated as fi. It returns nil for what a diff leaves out (sockets).
-func describeEntry(p, rel string, fi fs.FileInfo) (*upperEntry, error) {
-	e := &upperEntry{rel: rel, fi: fi}
+// openEntry opens d's entry name, through one descriptor, and reads what a
+// diff needs of it but a regular file's: its stat, xattrs, opaque marker
+// and symlink target. It returns a nil entry for what a diff leaves out
+// (sockets); for a directory, the directory opened from that descriptor,
+// to walk; for a regular file, the descriptor itself, open, for the
+// caller to read (readFile) and close.
+func openEntry(d *beneath.Dir, name string) (e *upperEntry, file *beneath.Entry, sub *beneath.Dir, err error) {
+	x, err := d.Open(name)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	fi := x.Info()
 	mode := fi.Mode()
+	if mode.IsRegular() {
+		return &upperEntry{rel: x.Rel(), fi: fi}, x, nil, nil
+	}
+	defer x.Close()
+	e = &upperEntry{rel: x.Rel(), fi: fi}
 	switch {
 	case mode&fs.ModeSocket != 0:
-		return nil, nil
+		return nil, nil, nil, nil
 	case isWhiteout(fi):
-		return e, nil
+		return e, nil, nil, nil
 	}
-	var err error
-	if e.xattrs, e.opaque, err = readXattrs(p); err != nil {
-		return nil, fmt.Errorf("%s: %w", filepath.ToSlash(rel), err)
+	if e.xattrs, e.opaque, err = readXattrs(x); err != nil {
+		return nil, nil, nil, fmt.Errorf("%s: %w", e.rel, err)
 	}
-	if mode&fs.ModeSymlink != 0 {
-		if e.link, err = os.Readlink(p); err != nil {
-			return nil, fmt.Errorf("readlink %s: %w", filepath.ToSlash(rel), err)
+	switch {
+	case mode&fs.ModeSymlink != 0:
+		if e.link, err = x.Readlink(); err != nil {
+			return nil, nil, nil, err
+		}
+	case mode.IsDir():
+		if sub, err = x.OpenDir(); err != nil {
+			return nil, nil, nil, err
 		}
 	}
-	return e, nil
+	return e, nil, sub, nil
 }
 
 // isWhiteout reports whether fi is overlay's whiteout, a character device
@@ -181,7 +193,11 @@ func writeDiff(ctx context.Context, tw tarSink, entries []*upperEntry, maxData i
 		}
 		name := filepath.ToSlash(e.rel)
 		if e.ready != nil {
-			<-e.ready
+			select {
+			case <-e.ready:
+			case <-ctx.Done():
+				return st, ctx.Err()
+			}
 			if e.readErr != nil {
 				return st, fmt.Errorf("read %s: %w", name, e.readErr)
 			}
@@ -243,7 +259,7 @@ func writeDiff(ctx context.Context, tw tarSink, entries []*upperEntry, maxData i
 			if e.data != nil {
 				err = e.data.writeTo(tw, hdr.Size)
 			} else {
-				err = copyFile(tw, e.path, hdr.Size)
+				err = copyFile(ctx, tw, e.root, e.rel, sys)
 			}
 			if err != nil {
 				return st, fmt.Errorf("copy %s: %w", name, err)
@@ -267,29 +283,49 @@ func whiteoutHeader(name string) *tar.Header {
 	return &tar.Header{Typeflag: tar.TypeReg, Name: name, Mode: 0o644, ModTime: epoch, Format: tar.FormatPAX}
 }
 
-// copyFile copies exactly size bytes of p: a file that changed size since
-// it was stated is an inconsistent source, not something to paper over.
-func copyFile(w io.Writer, p string, size int64) error {
-	f, err := openFile(p, unix.O_RDONLY, 0)
+// copyFile copies the regular file at rel beneath root, which must still
+// be the inode st describes, and exactly st.Size bytes of it: a file that
+// changed since it was stated is an inconsistent source, not something to
+// paper over.
+func copyFile(ctx context.Context, w io.Writer, root *beneath.Dir, rel string, st *syscall.Stat_t) error {
+	x, err := root.Lookup(rel)
+	if err != nil {
+		return err
+	}
+	defer x.Close()
+	if now := x.Stat(); now.Dev != st.Dev || now.Ino != st.Ino {
+		return fmt.Errorf("%s: another file than the one listed: %w", rel, beneath.ErrChanged)
+	}
+	f, err := x.OpenFile()
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	n, err := io.Copy(w, io.LimitReader(f, size))
-	if err != nil {
-		return err
-	}
-	if n != size {
-		return fmt.Errorf("file shrank from %d to %d bytes while being read", size, n)
+	buf := make([]byte, min(st.Size, 1<<20))
+	for off := int64(0); off < st.Size; {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n, err := f.ReadAt(buf[:min(int64(len(buf)), st.Size-off)], off)
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("file shrank from %d to %d bytes while being read", st.Size, off+int64(n))
+		}
+		if err != nil {
+			return err
+		}
+		if _, err := w.Write(buf[:n]); err != nil {
+			return err
+		}
+		off += int64(n)
 	}
 	return nil
 }
 
-// readXattrs returns p's extended attributes without overlay's own, and
-// whether p is an opaque directory. Overlay features whose state lives in
+// readXattrs returns x's extended attributes without overlay's own, and
+// whether x is an opaque directory. Overlay features whose state lives in
 // lower layers are refused (see WriteUpperTar).
-func readXattrs(p string) (map[string]string, bool, error) {
-	keys, err := sysx.LListxattr(p)
+func readXattrs(x *beneath.Entry) (map[string]string, bool, error) {
+	keys, err := x.ListXattrs()
 	if err != nil {
 		if errors.Is(err, unix.ENOTSUP) {
 			return nil, false, nil
@@ -299,7 +335,7 @@ func readXattrs(p string) (map[string]string, bool, error) {
 	var out map[string]string
 	opaque := false
 	for _, k := range keys {
-		v, err := sysx.LGetxattr(p, k)
+		v, err := x.GetXattr(k)
 		if err != nil {
 			if errors.Is(err, unix.ENODATA) {
 				continue // removed since it was listed

@@ -13,13 +13,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/pkg/archive"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/beneath"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/layerfmt"
 )
@@ -252,7 +252,7 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 	// The envsnap encoding keeps it all, and the upper read into memory
 	// gives the same bytes.
 	reader(t, diff.Bytes())
-	tree, err := capture(upper, nil, nil, 0)
+	tree, err := capture(context.Background(), rootOf(t, upper), nil, nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -279,7 +279,7 @@ func TestUpperTarMatchesOverlay(t *testing.T) {
 			t.Errorf("sparse file held in memory: %+v; want only its data extents", e.data)
 		}
 	}
-	if _, err := capture(upper, nil, nil, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
+	if _, err := capture(context.Background(), rootOf(t, upper), nil, nil, 1<<20); !errors.Is(err, ErrDiffTooLarge) {
 		t.Errorf("reading 8 MiB of sparse file under a 1 MiB cap: err %v, want ErrDiffTooLarge", err)
 	}
 
@@ -313,23 +313,23 @@ func TestPrecopy(t *testing.T) {
 
 	// Everything was written just now: nothing is older than the pre-copy
 	// by precopySlack, so nothing is reused.
-	pre, err := precopy(upper, 0)
+	pre, err := precopy(context.Background(), rootOf(t, upper), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := capture(upper, pre, nil, 0)
+	st, err := capture(context.Background(), rootOf(t, upper), pre, nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Reused != 0 {
 		t.Errorf("files written %s before the pre-copy were reused: reused %d, read %d", precopySlack, st.Reused, st.Copied)
 	}
-	if _, err := precopy(upper, 10); !errors.Is(err, ErrDiffTooLarge) {
+	if _, err := precopy(context.Background(), rootOf(t, upper), 10); !errors.Is(err, ErrDiffTooLarge) {
 		t.Errorf("pre-copy of more than 10 bytes of file data under a 10-byte cap: err %v, want ErrDiffTooLarge", err)
 	}
 
 	// As if the files had been written long before the pre-copy.
-	pre, err = precopy(upper, 0)
+	pre, err = precopy(context.Background(), rootOf(t, upper), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -374,7 +374,7 @@ func TestPrecopy(t *testing.T) {
 	if err := os.Symlink("keep", filepath.Join(upper, "s")); err != nil {
 		t.Fatal(err)
 	}
-	st, err = capture(upper, pre, nil, 0)
+	st, err = capture(context.Background(), rootOf(t, upper), pre, nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,12 +428,12 @@ func TestPrecopy(t *testing.T) {
 	if !dirty.inodes[inode{sys.Dev, sys.Ino}] {
 		t.Fatalf("mappedShared misses a shared writable mapping of d/keep2 (%d inodes)", len(dirty.inodes))
 	}
-	pre, err = precopy(upper, 0)
+	pre, err = precopy(context.Background(), rootOf(t, upper), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pre.start = pre.start.Add(2 * precopySlack)
-	if st, err = capture(upper, pre, dirty, 0); err != nil {
+	if st, err = capture(context.Background(), rootOf(t, upper), pre, dirty, 0); err != nil {
 		t.Fatal(err)
 	}
 	if st.Reused != 6 {
@@ -442,7 +442,7 @@ func TestPrecopy(t *testing.T) {
 	// A write through the mapping after the pre-copy moves neither mtime
 	// nor ctime once the page is dirty: the diff must still hold it.
 	copy(m, "MAPPED")
-	if st, err = capture(upper, pre, dirty, 0); err != nil {
+	if st, err = capture(context.Background(), rootOf(t, upper), pre, dirty, 0); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(want(), diffOf(st)) {
@@ -541,33 +541,46 @@ func TestUpperTarRefusesLowerState(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
 			t.Errorf("%s: err %v, want a refusal", attr, err)
 		}
-		if _, err := capture(upper, nil, nil, 0); err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
+		if _, err := capture(context.Background(), rootOf(t, upper), nil, nil, 0); err == nil || !strings.Contains(err.Error(), "redirect_dir or metacopy") {
 			t.Errorf("%s, read into memory: err %v, want a refusal", attr, err)
 		}
 	}
 }
 
-// TestReadContentShrunk: a file truncated between its lstat and its read
+// TestReadContentShrunk: a file truncated between its stat and its read
 // is reported as such (the pre-copy then leaves it to the frozen pass),
 // never padded or cut to fit.
 func TestReadContentShrunk(t *testing.T) {
-	p := filepath.Join(t.TempDir(), "f")
+	dir := t.TempDir()
+	p := filepath.Join(dir, "f")
 	if err := os.WriteFile(p, bytes.Repeat([]byte("x"), 10000), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	var sys syscall.Stat_t
-	if err := syscall.Lstat(p, &sys); err != nil {
+	x, err := rootOf(t, dir).Open("f")
+	if err != nil {
 		t.Fatal(err)
 	}
-	if c, err := readContent(p, &sys); err != nil || c.bytes() != 10000 {
+	defer x.Close()
+	if c, err := readContent(context.Background(), x); err != nil || c.bytes() != 10000 {
 		t.Fatalf("read %v, err %v; want 10000 bytes", c, err)
 	}
 	if err := os.Truncate(p, 100); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := readContent(p, &sys); !errors.Is(err, io.ErrUnexpectedEOF) {
+	if _, err := readContent(context.Background(), x); !errors.Is(err, io.ErrUnexpectedEOF) {
 		t.Errorf("file shrunk since its stat: err %v, want io.ErrUnexpectedEOF", err)
 	}
+}
+
+// rootOf opens dir as the root of a confined walk, for the test's life.
+func rootOf(t *testing.T, dir string) *beneath.Dir {
+	t.Helper()
+	root, err := beneath.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { root.Close() })
+	return root
 }
 
 // TestSpeculation: the layer encoded from a pre-copy while it is read is
@@ -600,7 +613,7 @@ func TestSpeculation(t *testing.T) {
 	// the layer it would push must then be the frozen read's.
 	round := func(change func()) bool {
 		t.Helper()
-		s, err := startPrecopy(upper, 0)
+		s, err := startPrecopy(context.Background(), rootOf(t, upper), 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -610,7 +623,7 @@ func TestSpeculation(t *testing.T) {
 		}
 		pre.start = pre.start.Add(2 * precopySlack)
 		change()
-		frozen, err := capture(upper, pre, nil, 0)
+		frozen, err := capture(context.Background(), rootOf(t, upper), pre, nil, 0)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -29,6 +29,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/envsnap/envsnap/internal/beneath"
 	"github.com/envsnap/envsnap/internal/envlet/cgroupfs"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/group"
@@ -197,6 +198,14 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		return nil, err
 	}
 	res := &Result{Ref: target}
+	// Every read of the writable layer resolves beneath this descriptor
+	// (see internal/beneath): the container owns what is in it, and may
+	// swap any name for a symlink to a host path while it is read.
+	root, err := beneath.OpenRoot(src.upper)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: open writable layer: %w", id, err)
+	}
+	defer root.Close()
 	tmp, err := os.MkdirTemp(o.TempDir, "envsnap-snapshot-")
 	if err != nil {
 		return nil, err
@@ -282,7 +291,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 			speculating = false
 		}
 	}
-	tree, spec, err := readUpper(ctx, src, o, res, speculate)
+	tree, spec, err := readUpper(ctx, root, src, o, res, speculate)
 	<-started
 	if err != nil || upErr != nil {
 		dropSpec()
@@ -319,7 +328,7 @@ func Take(ctx context.Context, c *client.Client, id, target string, o Options) (
 		if tree != nil {
 			entries = tree.entries
 		} else {
-			entries, err = scanUpper(ctx, src.upper) // read in place
+			entries, err = scanUpper(ctx, root) // read in place
 		}
 		if err == nil {
 			diff, res.Diff, err = encodeDiff(ctx, diffPath, sink, entries, o.MaxDiffSize)
@@ -638,7 +647,7 @@ func writableDir(mounts []mount.Mount) (string, error) {
 // speculate, if set, is handed the pre-copy as soon as its walk is done,
 // its reads still running (see speculation); the speculation is returned
 // with the frozen read, for the caller to check.
-func readUpper(ctx context.Context, src *source, o Options, res *Result, speculate func(*speculation)) (tree *captured, spec *speculation, err error) {
+func readUpper(ctx context.Context, root *beneath.Dir, src *source, o Options, res *Result, speculate func(*speculation)) (tree *captured, spec *speculation, err error) {
 	task, err := src.container.Task(ctx, nil)
 	if errdefs.IsNotFound(err) {
 		return nil, nil, nil
@@ -656,7 +665,7 @@ func readUpper(ctx context.Context, src *source, o Options, res *Result, specula
 	}
 	read := func(pre *precopied, dirty *mapped) (*captured, error) {
 		t := time.Now()
-		tree, err := capture(src.upper, pre, dirty, o.MaxDiffSize)
+		tree, err := capture(ctx, root, pre, dirty, o.MaxDiffSize)
 		res.Copy = time.Since(t)
 		if tree != nil {
 			res.FilesCopied, res.FilesReused = tree.Copied, tree.Reused
@@ -669,7 +678,7 @@ func readUpper(ctx context.Context, src *source, o Options, res *Result, specula
 		return tree, nil, err
 	}
 	t := time.Now()
-	spec, err = startPrecopy(src.upper, o.MaxDiffSize)
+	spec, err = startPrecopy(ctx, root, o.MaxDiffSize)
 	var pre *precopied
 	if err == nil {
 		if speculate != nil {
