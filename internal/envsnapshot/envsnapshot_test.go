@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"github.com/envsnap/envsnap/internal/prereq"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -676,5 +677,113 @@ func writeUpperFile(t *testing.T, upper, name, data string) {
 	}
 	if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// swapLoop exchanges the names a and b (renameat2 RENAME_EXCHANGE) as fast
+// as it can until the test ends, as a hostile container does to its own
+// writable layer while it is snapshotted.
+func swapLoop(t *testing.T, pairs ...[2]string) {
+	t.Helper()
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			for _, p := range pairs {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := unix.Renameat2(unix.AT_FDCWD, p[0], unix.AT_FDCWD, p[1], unix.RENAME_EXCHANGE); err != nil {
+					t.Errorf("exchange %s and %s: %v", p[0], p[1], err)
+					return
+				}
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-done })
+}
+
+// TestCaptureSwapRace: while directories holding secret.txt are swapped
+// with symlinks to a host directory holding its own secret.txt, neither
+// the pre-copy nor the frozen pass over it ever reads a byte of the
+// host's file; while regular files are swapped with FIFOs and sockets,
+// both finish.
+func TestCaptureSwapRace(t *testing.T) {
+	base := t.TempDir()
+	upper, host := filepath.Join(base, "upper"), filepath.Join(base, "host")
+	const hostSecret = "HOST-SECRET-BYTES"
+	if err := os.MkdirAll(host, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(host, "secret.txt"), []byte(hostSecret), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var pairs [][2]string
+	for i := range 8 {
+		d, l := filepath.Join(upper, fmt.Sprintf("d%d", i)), filepath.Join(upper, fmt.Sprintf("l%d", i))
+		writeUpperFile(t, upper, fmt.Sprintf("d%d/secret.txt", i), "inside")
+		if err := os.Symlink(host, l); err != nil {
+			t.Fatal(err)
+		}
+		pairs = append(pairs, [2]string{d, l})
+		f, p := filepath.Join(upper, fmt.Sprintf("f%d", i)), filepath.Join(upper, fmt.Sprintf("p%d", i))
+		writeUpperFile(t, upper, fmt.Sprintf("f%d", i), "regular")
+		if i%2 == 0 {
+			if err := unix.Mkfifo(p, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			s, err := net.Listen("unix", p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+		}
+		pairs = append(pairs, [2]string{f, p})
+	}
+	swapLoop(t, pairs...)
+	check := func(what string, entries []*upperEntry) {
+		t.Helper()
+		for _, e := range entries {
+			if e.data != nil && strings.Contains(string(e.data.flat()), hostSecret) {
+				t.Fatalf("%s: %s holds the host's secret.txt", what, e.rel)
+			}
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 200 {
+			root := rootOf(t, upper)
+			s, err := startPrecopy(ctx, root, 0)
+			if err != nil {
+				t.Errorf("pre-copy: %v", err)
+				return
+			}
+			pre, err := s.wait()
+			if err != nil {
+				t.Errorf("pre-copy: %v", err)
+				return
+			}
+			check("pre-copy", s.entries)
+			pre.start = pre.start.Add(2 * precopySlack) // reuse whatever looks unchanged
+			// Not frozen: the swaps go on during this pass too.
+			tree, err := capture(ctx, root, pre, nil, 0)
+			if err != nil {
+				t.Errorf("capture: %v", err)
+				return
+			}
+			check("capture", tree.entries)
+		}
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatal("200 pre-copies and captures did not finish in 2 minutes: blocked")
 	}
 }

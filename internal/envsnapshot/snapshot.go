@@ -690,6 +690,10 @@ func readUpper(ctx context.Context, root *beneath.Dir, src *source, o Options, r
 	if errors.Is(err, ErrDiffTooLarge) {
 		return nil, spec, err
 	}
+	if cerr := ctx.Err(); cerr != nil {
+		// Cancelled: nothing is frozen yet, and nothing will be.
+		return nil, spec, fmt.Errorf("pre-copy of the writable layer: %w", cerr)
+	}
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("pre-copy of the writable layer failed; reading all of it while frozen")
 		pre = nil
