@@ -740,7 +740,8 @@ func TestCaptureSwapRace(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer s.Close()
+			// Closing unlinks it: only once the swaps have stopped.
+			t.Cleanup(func() { s.Close() })
 		}
 		pairs = append(pairs, [2]string{f, p})
 	}

@@ -9,6 +9,13 @@
 //	agent tcp ADDR...      TCP connections (host:port), 2 s each
 //	agent arbiter PATH...  a forged arbiter request (List) on each socket
 //	agent forkbomb         a fork bomb that keeps the pids limit saturated
+//	agent swap DIR NAME TARGET N
+//	                       in DIR, N directories dI holding a file NAME, each
+//	                       exchanged (renameat2 RENAME_EXCHANGE) in a loop
+//	                       with a symlink lI -> TARGET; never returns
+//	agent swapfifo DIR N   in DIR, N regular files fI exchanged in a loop
+//	                       with FIFOs pI (even I) or listening unix
+//	                       sockets pI (odd I); never returns
 package main
 
 import (
@@ -34,6 +41,14 @@ import (
 func main() {
 	if len(os.Args) == 2 && os.Args[1] == "forkbomb" {
 		forkbomb()
+		return
+	}
+	if len(os.Args) == 6 && os.Args[1] == "swap" {
+		swap(os.Args[2], os.Args[3], os.Args[4], os.Args[5])
+		return
+	}
+	if len(os.Args) == 4 && os.Args[1] == "swapfifo" {
+		swapFIFO(os.Args[2], os.Args[3])
 		return
 	}
 	if len(os.Args) == 4 && os.Args[1] == "ioctls" {
@@ -73,8 +88,75 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: agent forkbomb | ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH...")
+	fmt.Fprintln(os.Stderr, "usage: agent forkbomb | ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH... | swap DIR NAME TARGET N | swapfifo DIR N")
 	os.Exit(2)
+}
+
+// swap is the snapshot race of docs/snapshots.md's threat: a name the
+// snapshot reads as a directory holding name becomes, for a moment, a
+// symlink to target, a host path; a reader that resolves the directory
+// by name again follows it onto the host.
+func swap(dir, name, target, count string) {
+	n := mustCount(count)
+	var pairs [][2]string
+	for i := range n {
+		d, l := fmt.Sprintf("%s/d%d", dir, i), fmt.Sprintf("%s/l%d", dir, i)
+		must(os.MkdirAll(d, 0o755))
+		must(os.WriteFile(d+"/"+name, []byte(fmt.Sprintf("inside %d\n", i)), 0o644))
+		must(os.Symlink(target, l))
+		pairs = append(pairs, [2]string{d, l})
+	}
+	exchange(pairs)
+}
+
+// swapFIFO swaps regular files with FIFOs, which a blocking open waits on
+// for a writer that never comes, and with sockets, which cannot be
+// opened at all.
+func swapFIFO(dir, count string) {
+	n := mustCount(count)
+	must(os.MkdirAll(dir, 0o755))
+	var pairs [][2]string
+	for i := range n {
+		f, p := fmt.Sprintf("%s/f%d", dir, i), fmt.Sprintf("%s/p%d", dir, i)
+		must(os.WriteFile(f, []byte(fmt.Sprintf("regular %d\n", i)), 0o644))
+		if i%2 == 0 {
+			must(unix.Mkfifo(p, 0o644))
+		} else {
+			l, err := net.Listen("unix", p)
+			must(err)
+			defer l.Close()
+		}
+		pairs = append(pairs, [2]string{f, p})
+	}
+	exchange(pairs)
+}
+
+// exchange swaps each pair's names, round after round, for ever.
+func exchange(pairs [][2]string) {
+	for {
+		for _, p := range pairs {
+			if err := unix.Renameat2(unix.AT_FDCWD, p[0], unix.AT_FDCWD, p[1], unix.RENAME_EXCHANGE); err != nil {
+				report("renameat2 "+p[0], err)
+				os.Exit(1)
+			}
+		}
+	}
+}
+
+func mustCount(s string) int {
+	var n int
+	if _, err := fmt.Sscan(s, &n); err != nil || n < 1 {
+		fmt.Fprintf(os.Stderr, "bad count %q\n", s)
+		os.Exit(2)
+	}
+	return n
+}
+
+func must(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
 }
 
 // forkbomb lights busybox's fork bomb and then keeps the pids limit
