@@ -7,8 +7,8 @@
 // The invariant: every name is resolved relative to a descriptor of a
 // directory inside the tree, one component at a time, with openat2(2) and
 // RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
-// RESOLVE_NO_XDEV, or with fstatat(2) and AT_SYMLINK_NOFOLLOW on one
-// component checked to be on the tree's device. A symlink is never
+// RESOLVE_NO_XDEV, or with statx(2) and AT_SYMLINK_NOFOLLOW on one
+// component checked to be no mount point and on the tree's device. A symlink is never
 // followed (it is an entry to describe, not a way to somewhere), ".."
 // cannot climb above the descriptor, and a mount point inside the tree is
 // refused (EXDEV), so a directory swapped for a symlink to a host path
@@ -17,17 +17,21 @@
 // descriptor: what is stated, listed, read and compared is one inode,
 // whatever happens to its name afterwards.
 //
-// Entries are opened O_PATH: that never blocks and never runs a device
-// driver's open, whatever the name has become (a FIFO, a socket, a
-// device node). Only a regular file is opened for reading, by reopening
-// its O_PATH descriptor through /proc/self/fd (which opens exactly the
-// inode the descriptor holds, no name is looked up again) with
-// O_NONBLOCK, and checked again with fstat. Extended attributes and link
-// targets are read through the O_PATH descriptor as well
-// (/proc/self/fd/N with getxattr(2) and listxattr(2), which land on that
-// inode even for a symlink; readlinkat(2) with an empty name): fgetxattr(2)
-// refuses O_PATH descriptors, and opening a symlink or a device to get a
-// readable descriptor is exactly what must not happen.
+// Directories are opened O_RDONLY | O_DIRECTORY | O_NOFOLLOW, which fails
+// before any driver's open for anything but a directory. Other entries
+// are opened O_PATH: that never blocks and never runs a device driver's
+// open, whatever the name has become (a FIFO, a socket, a device node).
+// Only a regular file is opened for reading, by reopening its O_PATH
+// descriptor through /proc/self/fd (which opens exactly the inode the
+// descriptor holds, no name is looked up again) with O_NONBLOCK, and
+// checked again with fstat. Extended attributes are read through the
+// descriptor of a directory or a file open for reading (flistxattr(2),
+// fgetxattr(2)), and of anything else through its O_PATH descriptor:
+// /proc/self/fd/N with listxattr(2) and getxattr(2), which land on that
+// inode even for a symlink (fgetxattr refuses O_PATH descriptors, and
+// opening a symlink or a device to get a readable one is exactly what
+// must not happen). A symlink's target is read with readlinkat(2) and an
+// empty name on its own descriptor.
 //
 // The root itself is opened by path and trusted: it is the caller's.
 //
@@ -47,7 +51,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/containerd/continuity/sysx"
 	"golang.org/x/sys/unix"
 )
 
@@ -141,6 +144,46 @@ func (d *Dir) pathErr(op, name string, err error) error {
 	return &os.PathError{Op: op, Path: d.root + "/" + d.Join(name), Err: err}
 }
 
+// Info is d's stat as an fs.FileInfo.
+func (d *Dir) Info() fs.FileInfo { return FileInfo(d.name, &d.st) }
+
+// OpenDir opens d's entry name, which must be one component and a
+// directory, without following it, for listing and for opening its
+// entries.
+func (d *Dir) OpenDir(name string) (*Dir, error) {
+	if err := validName(name); err != nil {
+		return nil, d.pathErr("open", name, err)
+	}
+	fd, err := d.openat2(name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	sub := &Dir{fd: fd, name: name, rel: d.Join(name), parent: d, root: d.root}
+	if err := fstat(fd, &sub.st); err != nil {
+		unix.Close(fd)
+		return nil, d.pathErr("stat", name, err)
+	}
+	return sub, nil
+}
+
+// ListXattrs lists d's extended attributes.
+func (d *Dir) ListXattrs() ([]string, error) {
+	keys, err := listXattrs(func(b []byte) (int, error) { return unix.Flistxattr(d.fd, b) })
+	if err != nil {
+		return nil, &os.PathError{Op: "listxattr", Path: d.root + "/" + d.rel, Err: err}
+	}
+	return keys, nil
+}
+
+// GetXattr reads d's extended attribute key.
+func (d *Dir) GetXattr(key string) ([]byte, error) {
+	v, err := getXattr(func(b []byte) (int, error) { return unix.Fgetxattr(d.fd, key, b) })
+	if err != nil {
+		return nil, &os.PathError{Op: "getxattr " + key, Path: d.root + "/" + d.rel, Err: err}
+	}
+	return v, nil
+}
+
 // Names lists d's entries (without "." and ".."), in the order the
 // file system gives them.
 func (d *Dir) Names() ([]string, error) {
@@ -173,15 +216,16 @@ func validName(name string) error {
 	return nil
 }
 
-// Lstat states d's entry name without following it, and refuses one on
-// another device (a mount point inside the tree).
+// Lstat states d's entry name without following it, and refuses a mount
+// point (statx(2)'s STATX_ATTR_MOUNT_ROOT, also for a bind mount of the
+// tree's own file system) and anything on another device.
 func (d *Dir) Lstat(name string) (*syscall.Stat_t, error) {
 	if err := validName(name); err != nil {
 		return nil, d.pathErr("lstat", name, err)
 	}
-	var st unix.Stat_t
+	var x unix.Statx_t
 	for {
-		err := unix.Fstatat(d.fd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+		err := unix.Statx(d.fd, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_SYNC_AS_STAT, unix.STATX_BASIC_STATS, &x)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -190,12 +234,35 @@ func (d *Dir) Lstat(name string) (*syscall.Stat_t, error) {
 		}
 		break
 	}
-	s := sysStat(&st)
-	if s.Dev != d.st.Dev {
+	s := statxStat(&x)
+	if x.Attributes_mask&x.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0 || s.Dev != d.st.Dev {
 		return nil, d.pathErr("lstat", name, unix.EXDEV)
 	}
 	return &s, nil
 }
+
+// statxStat is what stat(2) says, from what statx(2) said: the same
+// device encoding (makedev) and times.
+func statxStat(x *unix.Statx_t) syscall.Stat_t {
+	s := syscall.Stat_t{
+		Dev: unix.Mkdev(x.Dev_major, x.Dev_minor), Ino: x.Ino, Mode: uint32(x.Mode), Uid: x.Uid, Gid: x.Gid,
+		Rdev: unix.Mkdev(x.Rdev_major, x.Rdev_minor), Size: int64(x.Size), Blocks: int64(x.Blocks),
+	}
+	setInt(&s.Nlink, x.Nlink)
+	setInt(&s.Blksize, x.Blksize)
+	for _, t := range []struct {
+		dst *syscall.Timespec
+		src unix.StatxTimestamp
+	}{{&s.Atim, x.Atime}, {&s.Mtim, x.Mtime}, {&s.Ctim, x.Ctime}} {
+		setInt(&t.dst.Sec, t.src.Sec)
+		setInt(&t.dst.Nsec, t.src.Nsec)
+	}
+	return s
+}
+
+// setInt converts between the integer types that differ by architecture
+// in syscall.Stat_t.
+func setInt[T, F ~int32 | ~int64 | ~uint32 | ~uint64](dst *T, v F) { *dst = T(v) }
 
 // Entry is one entry of a tree held by an O_PATH descriptor: whatever
 // its name becomes, Stat, Readlink, the xattrs and OpenFile are of the
@@ -235,20 +302,26 @@ func (d *Dir) Lookup(rel string) (*Entry, error) {
 // could otherwise make endless.
 const openRetries = 100
 
-// open opens path beneath d, an entry called name (its last component).
-func (d *Dir) open(path, name string) (*Entry, error) {
-	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: resolve}
-	var fd int
+// openat2 opens path beneath d with flags, confined.
+func (d *Dir) openat2(path string, flags uint64) (int, error) {
+	how := unix.OpenHow{Flags: flags, Resolve: resolve}
 	for try := 0; ; try++ {
-		var err error
-		fd, err = unix.Openat2(d.fd, path, &how)
+		fd, err := unix.Openat2(d.fd, path, &how)
 		if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) && try < openRetries {
 			continue
 		}
 		if err != nil {
-			return nil, d.pathErr("open", path, err)
+			return -1, d.pathErr("open", path, err)
 		}
-		break
+		return fd, nil
+	}
+}
+
+// open opens path beneath d, an entry called name (its last component).
+func (d *Dir) open(path, name string) (*Entry, error) {
+	fd, err := d.openat2(path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC)
+	if err != nil {
+		return nil, err
 	}
 	e := &Entry{fd: fd, rel: d.Join(path), dir: d, name: name}
 	if err := fstat(fd, &e.st); err != nil {
@@ -303,7 +376,8 @@ func (e *Entry) Readlink() (string, error) {
 
 // ListXattrs lists e's extended attributes.
 func (e *Entry) ListXattrs() ([]string, error) {
-	keys, err := sysx.Listxattr(e.proc())
+	p := e.proc()
+	keys, err := listXattrs(func(b []byte) (int, error) { return unix.Listxattr(p, b) })
 	if err != nil {
 		return nil, e.err("listxattr", err)
 	}
@@ -312,11 +386,56 @@ func (e *Entry) ListXattrs() ([]string, error) {
 
 // GetXattr reads e's extended attribute key.
 func (e *Entry) GetXattr(key string) ([]byte, error) {
-	v, err := sysx.Getxattr(e.proc(), key)
+	p := e.proc()
+	v, err := getXattr(func(b []byte) (int, error) { return unix.Getxattr(p, key, b) })
 	if err != nil {
 		return nil, e.err("getxattr "+key, err)
 	}
 	return v, nil
+}
+
+// listXattrs calls list (a listxattr(2)) with a buffer that fits.
+func listXattrs(list func([]byte) (int, error)) ([]string, error) {
+	b, err := xattrCall(list)
+	if err != nil {
+		return nil, err
+	}
+	var keys []string
+	for k := range strings.SplitSeq(string(b), "\x00") {
+		if k != "" {
+			keys = append(keys, k)
+		}
+	}
+	return keys, nil
+}
+
+// getXattr calls get (a getxattr(2)) with a buffer that fits.
+func getXattr(get func([]byte) (int, error)) ([]byte, error) { return xattrCall(get) }
+
+// xattrCall sizes the buffer with a call on none, and again while the
+// value grows under it (ERANGE).
+func xattrCall(call func([]byte) (int, error)) ([]byte, error) {
+	for {
+		n, err := call(nil)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		if n == 0 {
+			return nil, nil
+		}
+		b := make([]byte, n)
+		n, err = call(b)
+		if errors.Is(err, unix.ERANGE) || errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return b[:n], nil
+	}
 }
 
 // reopen opens e's inode for reading, with extra flags, and checks it is
@@ -344,18 +463,6 @@ func (e *Entry) reopen(flags int) (int, error) {
 		return -1, e.err("open", ErrChanged)
 	}
 	return fd, nil
-}
-
-// OpenDir opens e, a directory, for listing and for opening its entries.
-func (e *Entry) OpenDir() (*Dir, error) {
-	if e.st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return nil, e.err("open", unix.ENOTDIR)
-	}
-	fd, err := e.reopen(unix.O_DIRECTORY)
-	if err != nil {
-		return nil, err
-	}
-	return &Dir{fd: fd, st: e.st, name: e.name, rel: e.rel, parent: e.dir, root: e.dir.root}, nil
 }
 
 // File is a regular file of a tree open for reading.
@@ -415,6 +522,30 @@ func (f *File) Seek(off int64, whence int) (int64, error) {
 
 // Close closes f.
 func (f *File) Close() error { return unix.Close(f.fd) }
+
+// Stat is what fstat said of f's entry when it was opened (Entry.Stat).
+func (f *File) Stat() *syscall.Stat_t { return &f.st }
+
+// Rel is f's path from the root.
+func (f *File) Rel() string { return f.rel }
+
+// ListXattrs lists f's extended attributes.
+func (f *File) ListXattrs() ([]string, error) {
+	keys, err := listXattrs(func(b []byte) (int, error) { return unix.Flistxattr(f.fd, b) })
+	if err != nil {
+		return nil, f.err("listxattr", err)
+	}
+	return keys, nil
+}
+
+// GetXattr reads f's extended attribute key.
+func (f *File) GetXattr(key string) ([]byte, error) {
+	v, err := getXattr(func(b []byte) (int, error) { return unix.Fgetxattr(f.fd, key, b) })
+	if err != nil {
+		return nil, f.err("getxattr "+key, err)
+	}
+	return v, nil
+}
 
 // SameDirs reports whether a and b are the same directory reached through
 // the same directories by the same names: the same inode at every level
@@ -511,7 +642,7 @@ func (fi *fileInfo) Mode() fs.FileMode {
 // Walk calls fn for every entry beneath root, depth first: with the
 // directory that holds it (open while fn runs) and its name, in the order
 // the directory lists them. When fn returns a directory, opened from that
-// entry (Entry.OpenDir), Walk walks it next and then closes it. Walk stops
+// entry (Dir.OpenDir), Walk walks it next and then closes it. Walk stops
 // at the first error from fn or from listing a directory, and when ctx is
 // done. It holds one descriptor per level of the directory it walks.
 func Walk(ctx context.Context, root *Dir, fn func(d *Dir, name string) (*Dir, error)) error {

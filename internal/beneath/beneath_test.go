@@ -91,6 +91,18 @@ func walkAll(t *testing.T, root *Dir) map[string]walked {
 	t.Helper()
 	got := map[string]walked{}
 	err := Walk(context.Background(), root, func(d *Dir, name string) (*Dir, error) {
+		st, err := d.Lstat(name)
+		if err != nil {
+			return nil, err
+		}
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			sub, err := d.OpenDir(name)
+			if err != nil {
+				return nil, err
+			}
+			got[sub.Rel()] = walked{mode: sub.Info().Mode(), ino: sub.Stat().Ino}
+			return sub, nil
+		}
 		x, err := d.Open(name)
 		if err != nil {
 			return nil, err
@@ -113,9 +125,6 @@ func walkAll(t *testing.T, root *Dir) map[string]walked {
 				return nil, err
 			}
 			w.contents = string(b)
-		case w.mode.IsDir():
-			got[x.Rel()] = w
-			return x.OpenDir()
 		default:
 			if _, err := x.OpenFile(); !errors.Is(err, ErrNotRegular) {
 				t.Errorf("%s (%s): OpenFile err %v, want ErrNotRegular", x.Rel(), w.mode, err)
@@ -214,8 +223,11 @@ func TestNoWayOut(t *testing.T) {
 	if x.Info().Mode()&fs.ModeSymlink == 0 {
 		t.Errorf("l opened as %s, want the symlink", x.Info().Mode())
 	}
-	if _, err := x.OpenDir(); !errors.Is(err, unix.ENOTDIR) {
-		t.Errorf("OpenDir of a symlink: %v, want ENOTDIR", err)
+	if _, err := root.OpenDir("l"); !errors.Is(err, unix.ENOTDIR) && !errors.Is(err, unix.ELOOP) {
+		t.Errorf("OpenDir of a symlink: %v, want ENOTDIR or ELOOP", err)
+	}
+	if _, err := root.OpenDir("fifo"); !errors.Is(err, unix.ENOTDIR) {
+		t.Errorf("OpenDir of a FIFO: %v, want ENOTDIR", err)
 	}
 	if _, err := x.OpenFile(); !errors.Is(err, ErrNotRegular) {
 		t.Errorf("OpenFile of a symlink: %v, want ErrNotRegular", err)
@@ -244,12 +256,7 @@ func TestNoWayOut(t *testing.T) {
 			t.Errorf("unmount %s: %v", mnt, err)
 		}
 	})
-	a, err := root.Lookup("a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	ad, err := a.OpenDir()
+	ad, err := root.OpenDir("a")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,6 +266,15 @@ func TestNoWayOut(t *testing.T) {
 			x.Close()
 		}
 		t.Errorf("Open of a bind mount point: %v, want EXDEV", err)
+	}
+	if sub, err := ad.OpenDir("b"); !errors.Is(err, unix.EXDEV) {
+		if err == nil {
+			sub.Close()
+		}
+		t.Errorf("OpenDir of a bind mount point: %v, want EXDEV", err)
+	}
+	if _, err := ad.Lstat("b"); !errors.Is(err, unix.EXDEV) {
+		t.Errorf("Lstat of a bind mount point: %v, want EXDEV", err)
 	}
 	if x, err := root.Lookup("a/b/secret.txt"); err == nil {
 		x.Close()
@@ -318,15 +334,10 @@ func TestSameDirs(t *testing.T) {
 		out := map[string]*Dir{}
 		if err := Walk(context.Background(), tr.open(t), func(d *Dir, name string) (*Dir, error) {
 			out[d.Rel()] = d
-			x, err := d.Open(name)
-			if err != nil {
+			if st, err := d.Lstat(name); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
 				return nil, err
 			}
-			defer x.Close()
-			if x.Info().IsDir() {
-				return x.OpenDir()
-			}
-			return nil, nil
+			return d.OpenDir(name)
 		}); err != nil {
 			t.Fatal(err)
 		}

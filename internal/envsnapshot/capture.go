@@ -88,33 +88,33 @@ func (c *fileData) writeTo(w io.Writer, size int64) error {
 // snapshot stops within one chunk's read.
 const readChunk = 8 << 20
 
-// readFile reads x, a regular file, into memory: its xattrs, then its
-// data (readContent).
+// readFile reads x, a regular file, into memory through one descriptor:
+// its xattrs, then its data (readContent).
 func readFile(ctx context.Context, x *beneath.Entry) (map[string]string, *fileData, error) {
-	xattrs, _, err := readXattrs(x)
+	f, err := x.OpenFile()
+	if err != nil {
+		return nil, nil, err
+	}
+	defer f.Close()
+	xattrs, _, err := readXattrs(f)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%s: %w", x.Rel(), err)
 	}
-	data, err := readContent(ctx, x)
+	data, err := readContent(ctx, f)
 	return xattrs, data, err
 }
 
-// readContent reads the first x.Stat().Size bytes of x, a regular file,
-// into memory; only the data extents (SEEK_DATA, SEEK_HOLE) of a file
-// with fewer blocks than its size, so a mostly empty file costs what it
-// holds, not its length. A file that is shorter than its stat says is an
-// error (io.ErrUnexpectedEOF).
-func readContent(ctx context.Context, x *beneath.Entry) (*fileData, error) {
-	st := x.Stat()
+// readContent reads the first f.Stat().Size bytes of f into memory; only
+// the data extents (SEEK_DATA, SEEK_HOLE) of a file with fewer blocks
+// than its size, so a mostly empty file costs what it holds, not its
+// length. A file that is shorter than its stat says is an error
+// (io.ErrUnexpectedEOF).
+func readContent(ctx context.Context, f *beneath.File) (*fileData, error) {
+	st := f.Stat()
 	c := &fileData{size: st.Size}
 	if st.Size == 0 {
 		return c, nil
 	}
-	f, err := x.OpenFile()
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
 	read := func(off, end int64) error {
 		b := make([]byte, end-off)
 		for n := int64(0); n < int64(len(b)); {
@@ -124,7 +124,7 @@ func readContent(ctx context.Context, x *beneath.Entry) (*fileData, error) {
 			k, err := f.ReadAt(b[n:min(n+readChunk, int64(len(b)))], off+n)
 			n += int64(k)
 			if errors.Is(err, io.EOF) {
-				return fmt.Errorf("read %s: %d bytes at %d of a %d-byte file: %w", x.Rel(), n, off, st.Size, io.ErrUnexpectedEOF)
+				return fmt.Errorf("read %s: %d bytes at %d of a %d-byte file: %w", f.Rel(), n, off, st.Size, io.ErrUnexpectedEOF)
 			}
 			if err != nil {
 				return err
@@ -256,7 +256,13 @@ func startPrecopy(ctx context.Context, root *beneath.Dir, maxData int64) (*specu
 	s.g.SetLimit(max(2, runtime.GOMAXPROCS(0)))
 	var total int64
 	err := beneath.Walk(ctx, root, func(d *beneath.Dir, name string) (*beneath.Dir, error) {
-		e, x, sub, err := openEntry(d, name)
+		st, err := d.Lstat(name)
+		var e *upperEntry
+		var x *beneath.Entry
+		var sub *beneath.Dir
+		if err == nil {
+			e, x, sub, err = openEntry(d, name, st)
+		}
 		if err != nil {
 			// Read again, frozen, where it is an error if it still
 			// is one.
@@ -270,7 +276,7 @@ func startPrecopy(ctx context.Context, root *beneath.Dir, maxData int64) (*specu
 		if x == nil {
 			return sub, nil
 		}
-		st := x.Stat()
+		st = x.Stat()
 		total += st.Size
 		if maxData > 0 && total > maxData {
 			x.Close()
@@ -428,7 +434,7 @@ func capture(ctx context.Context, root *beneath.Dir, pre *precopied, dirty *mapp
 				return nil, nil
 			}
 		}
-		e, x, sub, err := openEntry(d, name)
+		e, x, sub, err := openEntry(d, name, st)
 		if err != nil || e == nil {
 			return sub, err
 		}

@@ -108,10 +108,19 @@ type upperEntry struct {
 func scanUpper(ctx context.Context, root *beneath.Dir) ([]*upperEntry, error) {
 	var entries []*upperEntry
 	err := beneath.Walk(ctx, root, func(d *beneath.Dir, name string) (*beneath.Dir, error) {
-		e, x, sub, err := openEntry(d, name)
+		st, err := d.Lstat(name)
+		if err != nil {
+			return nil, err
+		}
+		e, x, sub, err := openEntry(d, name, st)
 		if x != nil {
-			e.xattrs, _, err = readXattrs(x)
-			x.Close()
+			defer x.Close()
+			var f *beneath.File
+			if f, err = x.OpenFile(); err != nil {
+				return nil, err
+			}
+			e.xattrs, _, err = readXattrs(f)
+			f.Close()
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", e.rel, err)
 			}
@@ -129,44 +138,90 @@ func scanUpper(ctx context.Context, root *beneath.Dir) ([]*upperEntry, error) {
 	return entries, nil
 }
 
-// openEntry opens d's entry name, through one descriptor, and reads what a
-// diff needs of it but a regular file's: its stat, xattrs, opaque marker
-// and symlink target. It returns a nil entry for what a diff leaves out
-// (sockets); for a directory, the directory opened from that descriptor,
-// to walk; for a regular file, the descriptor itself, open, for the
-// caller to read (readFile) and close.
-func openEntry(d *beneath.Dir, name string) (e *upperEntry, file *beneath.Entry, sub *beneath.Dir, err error) {
+// openEntry reads what a diff needs of d's entry name, stated as st, but
+// a regular file's data: its stat, xattrs, opaque marker and symlink target, each
+// through one descriptor of it. It returns a nil entry for what a diff
+// leaves out (sockets); for a directory, the directory opened, to walk;
+// for a regular file, its descriptor, open, for the caller to read
+// (readFile) and close.
+func openEntry(d *beneath.Dir, name string, st *syscall.Stat_t) (e *upperEntry, file *beneath.Entry, sub *beneath.Dir, err error) {
+	// A name can change type between its stat and its open while the
+	// container runs (never while it is frozen): state it again, a few
+	// times, then give up with ErrChanged.
+	for try := 0; ; try++ {
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			e, sub, err = openDirEntry(d, name)
+			if !errors.Is(err, unix.ENOTDIR) && !errors.Is(err, unix.ELOOP) {
+				return e, nil, sub, err
+			}
+		} else {
+			e, file, err = openOtherEntry(d, name)
+			if !errors.Is(err, errIsDir) {
+				return e, file, nil, err
+			}
+		}
+		if try == 3 {
+			return nil, nil, nil, fmt.Errorf("%s: %w", d.Join(name), beneath.ErrChanged)
+		}
+		if st, err = d.Lstat(name); err != nil {
+			return nil, nil, nil, err
+		}
+	}
+}
+
+// errIsDir: a name stated as something else is now a directory.
+var errIsDir = errors.New("a directory now")
+
+// openDirEntry opens d's directory name and reads its xattrs.
+func openDirEntry(d *beneath.Dir, name string) (*upperEntry, *beneath.Dir, error) {
+	sub, err := d.OpenDir(name)
+	if err != nil {
+		return nil, nil, err
+	}
+	e := &upperEntry{rel: sub.Rel(), fi: sub.Info()}
+	if e.xattrs, e.opaque, err = readXattrs(sub); err != nil {
+		sub.Close()
+		return nil, nil, fmt.Errorf("%s: %w", e.rel, err)
+	}
+	return e, sub, nil
+}
+
+// openOtherEntry opens d's entry name, anything but a directory, O_PATH,
+// and reads what a diff needs of it through that descriptor but a regular
+// file's data and xattrs: for a regular file it returns the descriptor.
+func openOtherEntry(d *beneath.Dir, name string) (*upperEntry, *beneath.Entry, error) {
 	x, err := d.Open(name)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
+	// From here on, what the descriptor holds, whatever the name was
+	// when it was stated.
 	fi := x.Info()
 	mode := fi.Mode()
-	if mode.IsRegular() {
-		return &upperEntry{rel: x.Rel(), fi: fi}, x, nil, nil
+	e := &upperEntry{rel: x.Rel(), fi: fi}
+	switch {
+	case mode.IsRegular():
+		return e, x, nil
+	case mode.IsDir():
+		x.Close()
+		return nil, nil, errIsDir
 	}
 	defer x.Close()
-	e = &upperEntry{rel: x.Rel(), fi: fi}
 	switch {
 	case mode&fs.ModeSocket != 0:
-		return nil, nil, nil, nil
+		return nil, nil, nil
 	case isWhiteout(fi):
-		return e, nil, nil, nil
+		return e, nil, nil
 	}
 	if e.xattrs, e.opaque, err = readXattrs(x); err != nil {
-		return nil, nil, nil, fmt.Errorf("%s: %w", e.rel, err)
+		return nil, nil, fmt.Errorf("%s: %w", e.rel, err)
 	}
-	switch {
-	case mode&fs.ModeSymlink != 0:
+	if mode&fs.ModeSymlink != 0 {
 		if e.link, err = x.Readlink(); err != nil {
-			return nil, nil, nil, err
-		}
-	case mode.IsDir():
-		if sub, err = x.OpenDir(); err != nil {
-			return nil, nil, nil, err
+			return nil, nil, err
 		}
 	}
-	return e, nil, sub, nil
+	return e, nil, nil
 }
 
 // isWhiteout reports whether fi is overlay's whiteout, a character device
@@ -321,10 +376,16 @@ func copyFile(ctx context.Context, w io.Writer, root *beneath.Dir, rel string, s
 	return nil
 }
 
+// xattrSource is an entry of the upper directory held by a descriptor.
+type xattrSource interface {
+	ListXattrs() ([]string, error)
+	GetXattr(key string) ([]byte, error)
+}
+
 // readXattrs returns x's extended attributes without overlay's own, and
 // whether x is an opaque directory. Overlay features whose state lives in
 // lower layers are refused (see WriteUpperTar).
-func readXattrs(x *beneath.Entry) (map[string]string, bool, error) {
+func readXattrs(x xattrSource) (map[string]string, bool, error) {
 	keys, err := x.ListXattrs()
 	if err != nil {
 		if errors.Is(err, unix.ENOTSUP) {
