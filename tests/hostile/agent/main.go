@@ -9,16 +9,18 @@
 //	agent tcp ADDR...      TCP connections (host:port), 2 s each
 //	agent arbiter PATH...  a forged arbiter request (List) on each socket
 //	agent forkbomb         a fork bomb that keeps the pids limit saturated
-//	agent swap DIR NAME TARGET N
-//	                       in DIR, N directories dI holding a file NAME, each
-//	                       exchanged (renameat2 RENAME_EXCHANGE) in a loop
-//	                       with a symlink lI -> TARGET; never returns
+//	agent swap DIR NAME TARGET N PAD
+//	                       in DIR, N directories dI holding a file NAME (and
+//	                       0pad, PAD bytes), each exchanged (renameat2
+//	                       RENAME_EXCHANGE) in a loop with a symlink
+//	                       lI -> TARGET; never returns
 //	agent swapfifo DIR N   in DIR, N regular files fI exchanged in a loop
 //	                       with FIFOs pI (even I) or listening unix
 //	                       sockets pI (odd I); never returns
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -43,8 +45,8 @@ func main() {
 		forkbomb()
 		return
 	}
-	if len(os.Args) == 6 && os.Args[1] == "swap" {
-		swap(os.Args[2], os.Args[3], os.Args[4], os.Args[5])
+	if len(os.Args) == 7 && os.Args[1] == "swap" {
+		swap(os.Args[2], os.Args[3], os.Args[4], os.Args[5], os.Args[6])
 		return
 	}
 	if len(os.Args) == 4 && os.Args[1] == "swapfifo" {
@@ -88,20 +90,24 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: agent forkbomb | ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH... | swap DIR NAME TARGET N | swapfifo DIR N")
+	fmt.Fprintln(os.Stderr, "usage: agent forkbomb | ioctls SRC DST | connect PATH... | open PATH... | tcp ADDR... | arbiter PATH... | swap DIR NAME TARGET N PAD | swapfifo DIR N")
 	os.Exit(2)
 }
 
-// swap is the snapshot race of docs/snapshots.md's threat: a name the
-// snapshot reads as a directory holding name becomes, for a moment, a
-// symlink to target, a host path; a reader that resolves the directory
-// by name again follows it onto the host.
-func swap(dir, name, target, count string) {
+// swap is the snapshot race of docs/snapshots.md ("Reading a hostile
+// writable layer"): a name the snapshot reads as a directory holding
+// name becomes, for a moment, a symlink to target, a host path; a reader
+// that resolves the directory by name again follows it onto the host.
+// The pad file, read before name in a walk's order, keeps the reader's
+// workers busy, so that name's open comes a while after its stat.
+func swap(dir, name, target, count, pad string) {
 	n := mustCount(count)
+	padBytes := bytes.Repeat([]byte("p"), mustCount(pad))
 	var pairs [][2]string
 	for i := range n {
 		d, l := fmt.Sprintf("%s/d%d", dir, i), fmt.Sprintf("%s/l%d", dir, i)
 		must(os.MkdirAll(d, 0o755))
+		must(os.WriteFile(d+"/0pad", padBytes, 0o644))
 		must(os.WriteFile(d+"/"+name, []byte(fmt.Sprintf("inside %d\n", i)), 0o644))
 		must(os.Symlink(target, l))
 		pairs = append(pairs, [2]string{d, l})
