@@ -278,6 +278,13 @@ func TestHostileSnapshot(t *testing.T) {
 			t.Fatalf("the evaluator layer on the host: %q, %v", b, err)
 		}
 		pad := fmt.Sprint(2 << 20)
+		// The agent sees where its layers are on the host.
+		mountinfo, _, _ := (&neighbour{task: s.task}).execEnv(t, &episode{env: env}, nil, "cat", "/proc/self/mountinfo")
+		for _, dir := range layerDirs(t, env, s.id)[1:] {
+			if !strings.Contains(mountinfo, dir) {
+				t.Errorf("the environment's mountinfo does not show its layer %s:\n%s", dir, mountinfo)
+			}
+		}
 		s.attack(t, "/agent", "swap", "/w/host", "secret.txt", hostDir, "8", pad)
 		s.attack(t, "/agent", "swap", "/w/eval", "answers.txt", evalDir, "8", pad)
 		var leaked, failed int
