@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -27,13 +28,19 @@ import (
 
 const (
 	// snapshotHang is how long a snapshot may take before it counts as
-	// hung: far above what one takes on a loaded machine (the issue's
-	// target is 10 s; the test logs the longest it saw), so the test
-	// fails on a hang, not on a slow machine.
-	snapshotHang = 60 * time.Second
+	// hung: far above what one takes even on an overloaded machine (the
+	// issue's target is 10 s, and the test logs the longest it saw; at a
+	// load average of 80 on 2 cores one took 53 s), so the test fails on
+	// a hang, not on a slow machine.
+	snapshotHang = 3 * time.Minute
 	// sigtermGrace is how long `env snapshot` may take to exit after
-	// SIGTERM.
-	sigtermGrace = 20 * time.Second
+	// SIGTERM: a cancelled upload session is deleted with a 10 s
+	// deadline, and the rest on a loaded machine.
+	sigtermGrace = time.Minute
+	// raceBudget stops the raced snapshots early, after at least
+	// minRaced, on a machine too loaded to take them all in CI's time.
+	raceBudget = 6 * time.Minute
+	minRaced   = 10
 )
 
 // snapEnv is an environment under attack, snapshotted again and again.
@@ -287,9 +294,16 @@ func TestHostileSnapshot(t *testing.T) {
 		}
 		s.attack(t, "/agent", "swap", "/w/host", "secret.txt", hostDir, "8", pad)
 		s.attack(t, "/agent", "swap", "/w/eval", "answers.txt", evalDir, "8", pad)
-		var leaked, failed int
+		var leaked, failed, taken int
 		var longest time.Duration
+		var took []time.Duration
+		start := time.Now()
 		for i := range rounds {
+			if i >= minRaced && time.Since(start) > raceBudget {
+				t.Logf("stopping after %d raced snapshots (%s): the machine is too loaded for %d", i, time.Since(start).Round(time.Second), rounds)
+				break
+			}
+			taken++
 			o := s.snapshot(t, fmt.Sprintf("%s/hostile/snap-dirs:%d", env.Registry.Host, i), 0)
 			longest = max(longest, o.took)
 			if o.err != nil {
@@ -297,6 +311,7 @@ func TestHostileSnapshot(t *testing.T) {
 				t.Logf("snapshot %d failed after %s: %v\n%s", i, o.took.Round(time.Millisecond), o.err, lastLines(o.output, 3))
 				continue
 			}
+			took = append(took, o.took)
 			if testing.Verbose() {
 				t.Logf("snapshot %d: %s", i, lastLines(o.output, 1))
 			}
@@ -318,9 +333,45 @@ func TestHostileSnapshot(t *testing.T) {
 				t.Errorf("snapshot %d (%s) holds %s", i, o.ref, strings.Join(what, " and "))
 			}
 		}
-		t.Logf("%d raced snapshots: %d with bytes from outside the writable layer, %d failed; longest %s", rounds, leaked, failed, longest.Round(time.Millisecond))
-		if failed > rounds/2 {
-			t.Errorf("%d of %d snapshots failed: the race must not stop snapshots", failed, rounds)
+		t.Logf("%d raced snapshots: %d with bytes from outside the writable layer, %d failed; longest %s", taken, leaked, failed, longest.Round(time.Millisecond))
+		if failed > taken/2 {
+			t.Errorf("%d of %d snapshots failed: the race must not stop snapshots", failed, taken)
+		}
+		if len(took) == 0 {
+			return
+		}
+
+		// SIGTERM while a snapshot runs (half way through, by the
+		// snapshots above): it stops, thaws, pushes no image. One that
+		// finished first, or got the signal before it could catch it,
+		// proves nothing: try again, earlier or later.
+		slices.Sort(took)
+		after := took[len(took)/2] / 2
+		cancelled := false
+		for i := range 6 {
+			target := fmt.Sprintf("%s/hostile/snap-term:%d", env.Registry.Host, i)
+			o := s.snapshot(t, target, after)
+			t.Logf("SIGTERM after %s: exited after %s: %v: %s", after.Round(time.Millisecond), o.took.Round(time.Millisecond), o.err, lastLines(o.output, 1))
+			var exit *exec.ExitError
+			switch {
+			case o.err == nil:
+				after /= 2
+				continue
+			case !errors.As(o.err, &exit):
+				t.Fatalf("snapshot after SIGTERM: %v", o.err)
+			case !strings.Contains(o.output, "context canceled"):
+				// Killed by the signal before the handler was in place.
+				after *= 3
+				continue
+			}
+			if _, _, err := env.Resolver().Resolve(env.Context(), target); err == nil {
+				t.Errorf("a cancelled snapshot pushed %s", target)
+			}
+			cancelled = true
+			break
+		}
+		if !cancelled {
+			t.Error("no snapshot was cancelled by SIGTERM while it ran in 6 tries")
 		}
 	})
 
@@ -343,22 +394,6 @@ func TestHostileSnapshot(t *testing.T) {
 			t.Errorf("%d of %d snapshots failed", failed, n)
 		}
 
-		// SIGTERM while the snapshot runs: it stops, thaws, pushes no
-		// image.
-		for i, after := range []time.Duration{300 * time.Millisecond, 800 * time.Millisecond} {
-			target := fmt.Sprintf("%s/hostile/snap-term:%d", env.Registry.Host, i)
-			o := s.snapshot(t, target, after)
-			t.Logf("SIGTERM after %s: exited after %s: %v: %s", after, o.took.Round(time.Millisecond), o.err, lastLines(o.output, 1))
-			var exit *exec.ExitError
-			if o.err != nil && !errors.As(o.err, &exit) {
-				t.Errorf("snapshot after SIGTERM: %v", o.err)
-			}
-			if o.err != nil {
-				if _, _, err := env.Resolver().Resolve(env.Context(), target); err == nil {
-					t.Errorf("a cancelled snapshot pushed %s", target)
-				}
-			}
-		}
 	})
 }
 
