@@ -221,6 +221,11 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
+	if !s.opts.Disabled {
+		if err := checkHostNetwork(spec, s.opts.Guard.HostNetwork); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %w", r.ID, err))
+		}
+	}
 	eg, err := s.egressPolicy(ctx, spec)
 	if err != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("egress policy of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))

@@ -224,9 +224,14 @@ func newFixture(t *testing.T) *fixture {
 	return f
 }
 
-// bundle writes a config.json and returns its directory.
+// bundle writes a config.json and returns its directory. A Linux spec
+// that lists no namespaces gets a network namespace of its own, as a
+// container has by default (TestHostNetwork lists them).
 func bundle(t *testing.T, s *specs.Spec) string {
 	t.Helper()
+	if s.Linux != nil && len(s.Linux.Namespaces) == 0 {
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace}}
+	}
 	dir := t.TempDir()
 	b, err := json.Marshal(s)
 	if err != nil {
