@@ -144,6 +144,16 @@ type envArbiter struct {
 	e *env
 }
 
+// Capacity passes the node's size through (envlet.NodeSizer), which the
+// controller asks of its arbiter by a type assertion the wrapper would
+// otherwise hide.
+func (a envArbiter) Capacity() (envlet.Resources, float64) {
+	if ns, ok := a.Arbiter.(envlet.NodeSizer); ok {
+		return ns.Capacity()
+	}
+	return envlet.Resources{}, 0
+}
+
 func (a envArbiter) Release(ctx context.Context, env string) error {
 	a.e.mu.Lock()
 	// A guard kill can end the cgroup, and with it the controller,
