@@ -22,6 +22,7 @@ import (
 
 	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/shim/config"
 )
 
 // EgressPollPeriod is how often the shim reads an environment's denial
@@ -87,23 +88,60 @@ func prepareEgress(bundle string, spec *specs.Spec) error {
 // checkOwnNetns refuses a container that would share the node's network
 // namespace: rules there would confine the node, not the environment.
 func checkOwnNetns(spec *specs.Spec) error {
+	shared, err := sharesNodeNetns(spec)
+	if err != nil {
+		return fmt.Errorf("egress policy: %w", err)
+	}
+	if shared {
+		return fmt.Errorf("egress policy: the container shares the node's network namespace (host network), where no per-environment rule applies: %w", errdefs.ErrFailedPrecondition)
+	}
+	return nil
+}
+
+// sharesNodeNetns reports whether the container in spec would run in the
+// node's network namespace (the shim's): its spec asks for no network
+// namespace (runc then leaves it where it is), or names the node's.
+func sharesNodeNetns(spec *specs.Spec) (bool, error) {
+	if spec.Linux == nil {
+		return true, nil
+	}
 	for _, ns := range spec.Linux.Namespaces {
 		if ns.Type != specs.NetworkNamespace {
 			continue
 		}
 		if ns.Path == "" {
-			return nil // runc makes a new one
+			return false, nil // runc makes a new one
 		}
 		same, err := sameNetns(ns.Path, "/proc/self/ns/net")
 		if err != nil {
-			return fmt.Errorf("egress policy: network namespace %s: %w", ns.Path, err)
+			return false, fmt.Errorf("network namespace %s: %w", ns.Path, err)
 		}
-		if same {
-			break
-		}
+		return same, nil
+	}
+	return true, nil
+}
+
+// checkHostNetwork refuses a container on the node's network unless the
+// node allows it ([guard] allow-host-network). Loopback is no boundary:
+// there the environment reaches the arbiter's metrics (every
+// environment's name and usage), containerd's streaming server, the
+// registry and whatever else listens on the node. It applies to every
+// container of the runtime, the CRI sandbox included, so a hostNetwork pod
+// fails at its sandbox, before any of its containers exists.
+func checkHostNetwork(spec *specs.Spec, allowed bool) error {
+	if allowed {
 		return nil
 	}
-	return fmt.Errorf("egress policy: the container shares the node's network namespace (host network), where no per-environment rule applies: %w", errdefs.ErrFailedPrecondition)
+	shared, err := sharesNodeNetns(spec)
+	if err != nil {
+		return fmt.Errorf("check for host network: %w", err)
+	}
+	if shared {
+		return fmt.Errorf("the container would run in the node's network namespace (host network), where it reaches every service on the node's loopback; "+
+			"refused unless the node allows it with allow-host-network = true under [guard] in the envlet config ($%s, default %s): %w",
+			config.EnvVar, config.DefaultPath, errdefs.ErrFailedPrecondition)
+	}
+	return nil
 }
 
 func sameNetns(a, b string) (bool, error) {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	taskAPI "github.com/containerd/containerd/api/runtime/task/v3"
@@ -87,6 +88,13 @@ func TestCreateEgress(t *testing.T) {
 		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace}}
 		return s
 	}
+	// The node's namespace by path: bundle leaves a spec that names one
+	// as it is.
+	hostNet := func(id string) *specs.Spec {
+		s := linuxSpec(id, nil)
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace, Path: "/proc/self/ns/net"}}
+		return s
+	}
 	noLookups := func(_ context.Context, host string) ([]netip.Addr, error) {
 		return nil, fmt.Errorf("%s: no such host", host)
 	}
@@ -97,11 +105,13 @@ func TestCreateEgress(t *testing.T) {
 		wantErr   func(error) bool
 		wantCalls []string
 		released  string
+		hostNet   bool // [guard] allow-host-network
 	}{
 		{
-			name:      "no policy: host network is fine",
+			name:      "no policy: host network is fine where the node allows it",
 			node:      egress.Node{},
-			spec:      linuxSpec("a", nil),
+			spec:      hostNet("a"),
+			hostNet:   true,
 			wantCalls: []string{"create a"},
 		},
 		{
@@ -117,9 +127,10 @@ func TestCreateEgress(t *testing.T) {
 			wantErr: errdefs.IsInvalidArgument,
 		},
 		{
-			name:    "host network under a policy: nothing created",
+			name:    "host network under a policy: nothing created, even where the node allows it",
 			node:    egress.Node{Enforce: true},
-			spec:    linuxSpec("d", nil),
+			spec:    hostNet("d"),
+			hostNet: true,
 			wantErr: errdefs.IsFailedPrecondition,
 		},
 		{
@@ -137,6 +148,7 @@ func TestCreateEgress(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t)
 			f.runc.pid = 1 << 30
+			f.svc.opts.Guard.HostNetwork = tc.hostNet
 			node := tc.node
 			f.svc.opts.Egress = &node
 			f.svc.opts.EgressLookup = noLookups
@@ -159,6 +171,78 @@ func TestCreateEgress(t *testing.T) {
 				if r, ok := f.arb.releasedReason(id); !ok || r != tc.released {
 					t.Errorf("admission of %s released %v with %q, want %q", id, ok, r, tc.released)
 				}
+			}
+		})
+	}
+}
+
+// TestHostNetwork: a container on the node's network namespace is
+// refused at Create, before runc or the arbiter hears of it, unless the
+// node allows it ([guard] allow-host-network); the refusal names the
+// option. The CRI sandbox and containers that run unmanaged are no
+// exception; a node with the shim disabled runs specs as runc would.
+func TestHostNetwork(t *testing.T) {
+	sandbox := map[string]string{annContainerType: containerSandbox}
+	noNetns := func(id string, ann map[string]string) *specs.Spec {
+		s := linuxSpec(id, ann)
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.PIDNamespace}}
+		return s
+	}
+	nodeNetns := func(id string, ann map[string]string) *specs.Spec {
+		s := linuxSpec(id, ann)
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace, Path: "/proc/self/ns/net"}}
+		return s
+	}
+	ownNetns := func(id string, ann map[string]string) *specs.Spec {
+		s := linuxSpec(id, ann)
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace}}
+		return s
+	}
+	for _, tc := range []struct {
+		name            string
+		spec            *specs.Spec
+		allow, disabled bool
+		refused         bool
+	}{
+		{name: "no network namespace", spec: noNetns("a", nil), refused: true},
+		{name: "the node's namespace by path", spec: nodeNetns("b", nil), refused: true},
+		{name: "a sandbox on the host network", spec: noNetns("c", sandbox), refused: true},
+		{name: "unmanaged by annotation", spec: noNetns("d", map[string]string{AnnDisable: "true"}), refused: true},
+		{name: "own namespace", spec: ownNetns("e", nil)},
+		{name: "a sandbox with its own namespace", spec: ownNetns("f", sandbox)},
+		{name: "allowed by the node", spec: noNetns("g", nil), allow: true},
+		{name: "a sandbox allowed by the node", spec: nodeNetns("h", sandbox), allow: true},
+		{name: "shim disabled", spec: noNetns("i", nil), disabled: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.svc.opts.Guard.HostNetwork = tc.allow
+			f.svc.opts.Disabled = tc.disabled
+			id := tc.spec.Linux.CgroupsPath[len("/test/"):]
+			_, err := f.svc.Create(context.Background(), &taskAPI.CreateTaskRequest{ID: id, Bundle: bundle(t, tc.spec)})
+			if err != nil {
+				err = errgrpc.ToNative(err)
+			}
+			f.runc.mu.Lock()
+			calls := slices.Clone(f.runc.calls)
+			f.runc.mu.Unlock()
+			if !tc.refused {
+				if err != nil || !slices.Equal(calls, []string{"create " + id}) {
+					t.Fatalf("Create: %v, runc calls %v; want it created", err, calls)
+				}
+				return
+			}
+			if !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "allow-host-network = true under [guard]") || !strings.Contains(err.Error(), "host network") {
+				t.Fatalf("Create: %v; want a failed precondition naming host network and allow-host-network", err)
+			}
+			if len(calls) != 0 {
+				t.Errorf("runc calls %v for a refused container", calls)
+			}
+			f.arb.mu.Lock()
+			_, admitted := f.arb.admitted[id]
+			f.arb.mu.Unlock()
+			if admitted {
+				t.Errorf("%s admitted by the arbiter", id)
 			}
 		})
 	}

@@ -3,6 +3,7 @@
 package shim
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -128,6 +129,38 @@ type env struct {
 	ioCtx       context.Context    // the output relays' (execs' too)
 	ioCancel    context.CancelFunc // ends the relays' waits to open
 	guardReason string             // why the guard failed it; under mu
+	ending      string             // why finish ends it; under mu
+}
+
+// envArbiter is the arbiter as one environment's controller sees it. The
+// controller releases its lease when it stops, which is when finish
+// stops it, before finish could release with the reason itself: the
+// release names the reason finish ends the environment with (a guard's
+// PIDS_EXHAUSTED, say, which the controller cannot know), so the
+// arbiter's listing of ended environments shows it. With no reason of
+// ours ("exited") the client takes the controller's own failure.
+type envArbiter struct {
+	Arbiter
+	e *env
+}
+
+// Capacity passes the node's size through (envlet.NodeSizer), which the
+// controller asks of its arbiter by a type assertion the wrapper would
+// otherwise hide.
+func (a envArbiter) Capacity() (envlet.Resources, float64) {
+	if ns, ok := a.Arbiter.(envlet.NodeSizer); ok {
+		return ns.Capacity()
+	}
+	return envlet.Resources{}, 0
+}
+
+func (a envArbiter) Release(ctx context.Context, env string) error {
+	a.e.mu.Lock()
+	// A guard kill can end the cgroup, and with it the controller,
+	// before finish runs.
+	reason := cmp.Or(a.e.ending, a.e.guardReason, "exited")
+	a.e.mu.Unlock()
+	return a.Arbiter.ReleaseReason(ctx, env, reason)
 }
 
 var _ taskAPI.TTRPCTaskService = (*Service)(nil)
@@ -197,6 +230,11 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	spec, err := readSpec(r.Bundle)
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
+	}
+	if !s.opts.Disabled {
+		if err := checkHostNetwork(spec, s.opts.Guard.HostNetwork); err != nil {
+			return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: %s: %w", r.ID, err))
+		}
 	}
 	eg, err := s.egressPolicy(ctx, spec)
 	if err != nil {
@@ -348,7 +386,7 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 		e.mu.Unlock()
 		return s.TTRPCTaskService.Start(ctx, r)
 	}
-	ctrl, closeCg, err := s.opts.NewController(e.key, e.cgroup, e.cfg, s.opts.Arbiter)
+	ctrl, closeCg, err := s.opts.NewController(e.key, e.cgroup, e.cfg, envArbiter{s.opts.Arbiter, e})
 	if err != nil {
 		e.mu.Unlock()
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: controller for %s: %w", r.ID, err))
@@ -410,6 +448,10 @@ func (s *Service) runController(ctx context.Context, e *env, ctrl Controller) {
 func (s *Service) finish(e *env, reason string) {
 	e.once.Do(func() {
 		e.mu.Lock()
+		if e.guardReason != "" {
+			reason = e.guardReason
+		}
+		e.ending = reason
 		cancel, closeCg := e.cancel, e.closeCg
 		e.mu.Unlock()
 		if cancel != nil {
@@ -419,11 +461,6 @@ func (s *Service) finish(e *env, reason string) {
 				_ = closeCg()
 			}
 		}
-		e.mu.Lock()
-		if e.guardReason != "" {
-			reason = e.guardReason
-		}
-		e.mu.Unlock()
 		if e.reason != "" {
 			reason = e.reason
 		}

@@ -224,9 +224,14 @@ func newFixture(t *testing.T) *fixture {
 	return f
 }
 
-// bundle writes a config.json and returns its directory.
+// bundle writes a config.json and returns its directory. A Linux spec
+// that lists no namespaces gets a network namespace of its own, as a
+// container has by default (TestHostNetwork lists them).
 func bundle(t *testing.T, s *specs.Spec) string {
 	t.Helper()
+	if s.Linux != nil && len(s.Linux.Namespaces) == 0 {
+		s.Linux.Namespaces = []specs.LinuxNamespace{{Type: specs.NetworkNamespace}}
+	}
 	dir := t.TempDir()
 	b, err := json.Marshal(s)
 	if err != nil {
@@ -592,5 +597,42 @@ func TestEnvKeyNamespaced(t *testing.T) {
 	}
 	if f, _ := ParseFailureEvent(ev); f.Env != "x" {
 		t.Fatalf("failure event id %q, want the container id", f.Env)
+	}
+}
+
+// capacityArbiter is a fakeArbiter that knows the node's size.
+type capacityArbiter struct{ *fakeArbiter }
+
+func (capacityArbiter) Capacity() (envlet.Resources, float64) {
+	return envlet.Resources{CPU: 3, Memory: 5 * envlet.GiB}, 0.2
+}
+
+// TestEnvArbiter: the controller's release names why the shim ends the
+// environment (finish's reason, else the guard's, else "exited", which
+// lets the client take the controller's own failure), and the wrapper
+// still tells the controller the node's size.
+func TestEnvArbiter(t *testing.T) {
+	for _, tc := range []struct{ ending, guard, want string }{
+		{"", "", "exited"},
+		{"", envlet.ReasonPidsExhausted, envlet.ReasonPidsExhausted},
+		{envlet.ReasonOutputCapExceeded, "", envlet.ReasonOutputCapExceeded},
+		{"deleted", "", "deleted"},
+	} {
+		arb := newFakeArbiter()
+		a := envArbiter{arb, &env{ending: tc.ending, guardReason: tc.guard}}
+		if err := a.Release(context.Background(), "x"); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := arb.releasedReason("x"); got != tc.want {
+			t.Errorf("ending %q, guard %q: released with %q, want %q", tc.ending, tc.guard, got, tc.want)
+		}
+	}
+	var ns envlet.Arbiter = envArbiter{capacityArbiter{newFakeArbiter()}, &env{}}
+	sizer, ok := ns.(envlet.NodeSizer)
+	if !ok {
+		t.Fatal("the wrapper hides envlet.NodeSizer")
+	}
+	if r, reserve := sizer.Capacity(); r.Memory != 5*envlet.GiB || reserve != 0.2 {
+		t.Errorf("Capacity = %v %v, want the inner arbiter's", r, reserve)
 	}
 }

@@ -138,6 +138,10 @@ type EnvletConfig struct {
 	Protected []string
 	// ArbiterMetrics is the arbiter's --metrics-address ("" for none).
 	ArbiterMetrics string
+	// AllowHostNetwork is [guard] allow-host-network: containers and CRI
+	// pods on the node's network (the only network a CRI pod has on a
+	// test node without CNI) are refused without it.
+	AllowHostNetwork bool
 }
 
 // WithEnvlet writes an envlet.toml for the shim (containerd passes
@@ -288,12 +292,16 @@ func (e *Env) startArbiter(c EnvletConfig) error {
 		cfg += fmt.Sprintf("memory = %q\n", c.NodeMemory)
 	}
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", socket)
+	cfg += "[guard]\n"
 	if len(c.Protected) > 0 {
 		quoted := make([]string, len(c.Protected))
 		for i, p := range c.Protected {
 			quoted[i] = strconv.Quote(p)
 		}
-		cfg += "[guard]\nprotected = [" + strings.Join(quoted, ", ") + "]\n"
+		cfg += "protected = [" + strings.Join(quoted, ", ") + "]\n"
+	}
+	if c.AllowHostNetwork {
+		cfg += "allow-host-network = true\n"
 	}
 	e.EnvletConfig = filepath.Join(e.Dir, "envlet.toml")
 	if err := os.WriteFile(e.EnvletConfig, []byte(cfg), 0o600); err != nil {

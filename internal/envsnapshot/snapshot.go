@@ -893,5 +893,9 @@ func squashLayers(ctx context.Context, path string, src *source, diff *blob, o O
 		return nil, fmt.Errorf("open new diff: %w", err)
 	}
 	readers = append(readers, top)
-	return encodeLayer(ctx, path, nil, func(w io.Writer) error { return Squash(ctx, w, readers) })
+	below, err := readBelow(ctx, o.Hosts, src.imageRef, src.manifest.Layers[:src.base])
+	if err != nil {
+		return nil, err
+	}
+	return encodeLayer(ctx, path, nil, func(w io.Writer) error { return Squash(ctx, w, below, readers) })
 }

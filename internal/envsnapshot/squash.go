@@ -10,6 +10,12 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/containerd/containerd/v2/core/remotes/docker"
+	"github.com/containerd/log"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -26,15 +32,20 @@ type mnode struct {
 }
 
 // Squash writes to w one OCI layer tar equivalent to the layers read by
-// layers applied in order (lowest first) on top of any image: applying
-// the result gives the same tree as applying each of them. Whiteouts and
-// opaque directories are merged: a whiteout of something an upper layer
-// re-creates disappears, a directory re-created over a whiteout or a
-// non-directory becomes opaque (the image below must not show through),
-// and whiteouts of paths no input re-creates are kept for the image
-// below. Hard links stay hard links when their names survive; a file's
-// data is read from the layer that holds it.
-func Squash(ctx context.Context, w io.Writer, layers []*layerfmt.Reader) error {
+// layers applied in order (lowest first) on top of the image below:
+// applying the result gives the same tree as applying each of them.
+// Whiteouts and opaque directories are merged: a whiteout of something an
+// upper layer re-creates disappears, a directory re-created over a
+// whiteout or a non-directory becomes opaque (the image below must not
+// show through). Of those, only the ones that hide something of below are
+// written: a name created in one input and deleted in a later one leaves
+// nothing, because a whiteout that hides nothing is not invisible
+// everywhere (overlayfs lists it, with stat failing, in a directory no
+// lower layer shares). A nil below is an image nothing is known of: every
+// whiteout and opaque marker is kept, which is equivalent on any image
+// but may leave such phantom entries. Hard links stay hard links when
+// their names survive; a file's data is read from the layer that holds it.
+func Squash(ctx context.Context, w io.Writer, below *Below, layers []*layerfmt.Reader) error {
 	nodes := map[string]*mnode{}
 	removeTree := func(p string) {
 		delete(nodes, p)
@@ -118,6 +129,9 @@ func Squash(ctx context.Context, w io.Writer, layers []*layerfmt.Reader) error {
 			return err
 		}
 		n := nodes[p]
+		if n.whiteout && !below.hides(nodes, p) {
+			continue
+		}
 		if n.whiteout {
 			dir, base := path.Split(p)
 			if err := tw.WriteHeader(whiteoutHeader(path.Join(dir, whiteoutPrefix+base))); err != nil {
@@ -165,7 +179,7 @@ func Squash(ctx context.Context, w io.Writer, layers []*layerfmt.Reader) error {
 				return fmt.Errorf("squash: read %s from layer %d: %w", e.Name, n.layer, err)
 			}
 		}
-		if n.opaque {
+		if n.opaque && below.hidesUnder(nodes, p) {
 			if err := tw.WriteHeader(whiteoutHeader(path.Join(p, whiteoutOpaque))); err != nil {
 				return fmt.Errorf("squash: opaque marker %s: %w", p, err)
 			}
@@ -175,6 +189,118 @@ func Squash(ctx context.Context, w io.Writer, layers []*layerfmt.Reader) error {
 		return fmt.Errorf("squash: finish tar: %w", err)
 	}
 	return nil
+}
+
+// Below is the image a squashed layer is applied on, known by the TOCs of
+// its layers (lowest first). It answers one question: does a whiteout or
+// an opaque marker of the squash hide anything of it.
+type Below struct {
+	tocs []*layerfmt.TOC
+}
+
+// NewBelow describes an image by its layers' TOCs, lowest first.
+func NewBelow(tocs ...*layerfmt.TOC) *Below { return &Below{tocs: tocs} }
+
+// readBelow reads the TOCs of layers (lowest first) from the registry:
+// one tail read each. It returns nil, nil when a layer is not in the
+// envsnap format: its file list would cost a download of the whole blob,
+// and the squash is still equivalent without it (see Squash).
+func readBelow(ctx context.Context, hosts docker.RegistryHosts, ref string, layers []ocispec.Descriptor) (*Below, error) {
+	tocs := make([]*layerfmt.TOC, 0, len(layers))
+	for _, l := range layers {
+		want := digest.Digest(l.Annotations[layerfmt.AnnotationTOCDigest])
+		if want == "" {
+			log.G(ctx).WithField("layer", l.Digest).Info("squash: a layer of the image is not in the envsnap format; keeping every whiteout")
+			return nil, nil
+		}
+		br, err := fetch.NewBlobReader(hosts, ref, l)
+		if err != nil {
+			return nil, err
+		}
+		toc, err := layerfmt.ReadTOC(ctx, br.ReaderAt(ctx), l.Size, want)
+		if err != nil {
+			return nil, fmt.Errorf("read TOC of image layer %s: %w", l.Digest, err)
+		}
+		tocs = append(tocs, toc)
+	}
+	return NewBelow(tocs...), nil
+}
+
+// hides reports whether a whiteout at p in the squashed layer (whose
+// entries are nodes) hides something of b: b shows p, and no directory
+// of the squash above p is opaque already. A nil b is unknown and might
+// show anything.
+func (b *Below) hides(nodes map[string]*mnode, p string) bool {
+	return !opaqueAbove(nodes, p) && (b == nil || b.shows(p))
+}
+
+// hidesUnder is hides for an opaque marker on directory d: b shows
+// something inside d.
+func (b *Below) hidesUnder(nodes map[string]*mnode, d string) bool {
+	return !opaqueAbove(nodes, d) && (b == nil || b.showsUnder(d))
+}
+
+// opaqueAbove reports whether a proper ancestor of p is an opaque
+// directory of the squash, which hides all of below beneath it.
+func opaqueAbove(nodes map[string]*mnode, p string) bool {
+	for a := path.Dir(p); a != "."; a = path.Dir(a) {
+		if n := nodes[a]; n != nil && n.opaque {
+			return true
+		}
+	}
+	return false
+}
+
+// shows reports whether the image has an entry at p (a cleaned relative
+// path, not "."), with OCI semantics: looking from the top layer down, an
+// entry of a layer is what shows; a whiteout of p or of a directory above
+// it, a non-directory above it, or an opaque directory above it hides
+// every layer below that one.
+func (b *Below) shows(p string) bool {
+	parts := strings.Split(p, "/")
+	for li := len(b.tocs) - 1; li >= 0; li-- {
+		t := b.tocs[li]
+		cur, stop := 0, t.OverlayOpaque(0)
+		for j, c := range parts {
+			i, ok := t.LookupChild(cur, c)
+			if !ok {
+				if _, wh := t.LookupChild(cur, whiteoutPrefix+c); wh {
+					return false
+				}
+				break // the rest of p is not in this layer
+			}
+			if j == len(parts)-1 {
+				return true
+			}
+			if t.Type(i) != layerfmt.TypeDir {
+				return false
+			}
+			stop = stop || t.OverlayOpaque(i)
+			cur = i
+		}
+		if stop {
+			return false
+		}
+	}
+	return false
+}
+
+// showsUnder reports whether the image shows anything inside directory d
+// ("." for the root): some layer has a child of d that shows.
+func (b *Below) showsUnder(d string) bool {
+	for _, t := range b.tocs {
+		i, ok := t.Lookup(d)
+		if !ok || t.Type(i) != layerfmt.TypeDir {
+			continue
+		}
+		first, n := t.ChildRange(i)
+		for k := first; k < first+n; k++ {
+			if _, name, wh, ok := t.OverlayChild(i, k); ok && !wh && b.shows(path.Join(d, name)) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // entryHeader is the tar header of a TOC entry under another name.

@@ -145,7 +145,19 @@ func (n *node) listing() ([]fuse.DirEntry, syscall.Errno) {
 		return nil, syscall.ENOTDIR
 	}
 	first, cnt := t.ChildRange(n.idx)
-	entries := make([]fuse.DirEntry, 0, cnt)
+	// "." and ".." first, as every kernel file system lists them: overlayfs
+	// passes a directory that only this layer has straight through to
+	// this listing, and tools (ls -a, find's link-count optimisation,
+	// fts) expect both. The root's parent is outside the mount; it lists
+	// itself, as the kernel does for a mount root.
+	parent := n.idx
+	if n.idx != 0 {
+		parent = t.Parent(n.idx)
+	}
+	entries := make([]fuse.DirEntry, 0, cnt+2)
+	entries = append(entries,
+		fuse.DirEntry{Name: ".", Mode: syscall.S_IFDIR, Ino: ino(n.idx)},
+		fuse.DirEntry{Name: "..", Mode: syscall.S_IFDIR, Ino: ino(parent)})
 	for k := first; k < first+cnt; k++ {
 		c, name, ok := n.l.resolveChild(n.idx, k)
 		if !ok {
@@ -155,7 +167,8 @@ func (n *node) listing() ([]fuse.DirEntry, syscall.Errno) {
 	}
 	// Whiteouts are renamed, so restore name order (deterministic offsets
 	// matter: a directory stream resumed after a takeover seeks by them).
-	sort.Slice(entries, func(a, b int) bool { return entries[a].Name < entries[b].Name })
+	names := entries[2:]
+	sort.Slice(names, func(a, b int) bool { return names[a].Name < names[b].Name })
 	return entries, 0
 }
 
@@ -181,8 +194,12 @@ func (n *node) OpendirHandle(ctx context.Context, flags uint32) (fs.FileHandle, 
 	return &dirHandle{n: n}, fuse.FOPEN_CACHE_DIR | fuse.FOPEN_KEEP_CACHE, 0
 }
 
-// dirHandle is one open directory. Offsets are 1-based positions in the
-// sorted listing.
+// dirHandle is one open directory. A directory offset (the cookie to go
+// on after an entry) of a child is its 1-based position among the sorted
+// children, as before "." and ".." were listed, so that a server taking
+// over from one of an older version resumes its open listings where they
+// were; "." and "..", listed first, take the two cookies after the last
+// child's.
 type dirHandle struct {
 	n       *node
 	entries []fuse.DirEntry
@@ -218,8 +235,8 @@ func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Err
 		return nil, 0
 	}
 	e := d.entries[d.pos]
+	e.Off = dirOffset(d.pos, len(d.entries)-2)
 	d.pos++
-	e.Off = uint64(d.pos)
 	return &e, 0
 }
 
@@ -227,8 +244,32 @@ func (d *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
 	if errno := d.list(); errno != 0 {
 		return errno
 	}
-	d.pos = int(min(off, uint64(len(d.entries))))
+	d.pos = dirPosition(off, len(d.entries)-2)
 	return 0
+}
+
+// dirOffset is the cookie after entry i of a listing of ".", ".." and n
+// children.
+func dirOffset(i, n int) uint64 {
+	if i < 2 {
+		return uint64(n + 1 + i)
+	}
+	return uint64(i - 1)
+}
+
+// dirPosition is the index of the entry that follows cookie off in a
+// listing of ".", ".." and n children (the inverse of dirOffset; 0 is
+// the start, anything unknown the end).
+func dirPosition(off uint64, n int) int {
+	switch {
+	case off == 0:
+		return 0
+	case off <= uint64(n):
+		return int(off) + 2
+	case off <= uint64(n)+2:
+		return int(off) - n
+	}
+	return n + 2
 }
 
 func (d *dirHandle) Releasedir(ctx context.Context, releaseFlags uint32) {}

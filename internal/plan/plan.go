@@ -11,6 +11,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -132,13 +133,29 @@ func Load(path string) (*Plan, error) {
 		err = toml.NewDecoder(bytes.NewReader(b)).DisallowUnknownFields().Decode(&p)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("parse plan %s: %w", path, err)
+		return nil, fmt.Errorf("parse plan %s: %w", path, namedFields(err))
 	}
 	p.resolvePaths(filepath.Dir(path))
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
 	return &p, nil
+}
+
+// namedFields turns go-toml's strict-mode error, whose message names no
+// field, into one that names every unknown key and its line, so a typo in
+// a plan is found without guessing. Other errors pass through unchanged.
+func namedFields(err error) error {
+	var sme *toml.StrictMissingError
+	if !errors.As(err, &sme) {
+		return err
+	}
+	fields := make([]string, 0, len(sme.Errors))
+	for i := range sme.Errors {
+		row, _ := sme.Errors[i].Position()
+		fields = append(fields, fmt.Sprintf("%q (line %d)", strings.Join(sme.Errors[i].Key(), "."), row))
+	}
+	return fmt.Errorf("unknown field %s", strings.Join(fields, ", "))
 }
 
 func (p *Plan) resolvePaths(dir string) {

@@ -64,10 +64,6 @@ dir = "/workspace/repo"
 	if p.Mutation.PatchFile != filepath.Join(dir, "bug.diff") || p.Process.WorkingDir != "/workspace" || len(p.Groups) != 2 {
 		t.Errorf("plan = %+v", p)
 	}
-	os.WriteFile(filepath.Join(dir, "bad.toml"), []byte("groups = [\"a\"]\nunknown = 1\n"), 0o644)
-	if _, err := Load(filepath.Join(dir, "bad.toml")); err == nil {
-		t.Error("unknown field accepted")
-	}
 	os.WriteFile(filepath.Join(dir, "nogroups.json"), []byte(`{"name":"x"}`), 0o644)
 	if _, err := Load(filepath.Join(dir, "nogroups.json")); err == nil || !strings.Contains(err.Error(), "no groups") {
 		t.Errorf("plan without groups: err = %v", err)
@@ -87,6 +83,38 @@ dir = "/workspace/repo"
 	}
 	if _, err := ReadTasks(strings.NewReader(`{"groups":["x"],"mutation":{"patch":"p","dir":"rel"}}`), dir); err == nil || !strings.Contains(err.Error(), "line 1") {
 		t.Errorf("relative mutation dir: err = %v", err)
+	}
+}
+
+// A typo in a plan is refused with the field named, in every plan form.
+func TestUnknownFieldNamed(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		file, text string
+		want       []string
+	}{
+		{"top.toml", "groups = [\"a\"]\ngropus = [\"b\"]\n", []string{`"gropus" (line 2)`}},
+		{"nested.toml", "groups = [\"a\"]\n[process]\ncwd = \"/w\"\n[mutation]\npatch = \"p\"\ndir = \"/w\"\ngroup_ref = \"x\"\n",
+			[]string{`"process.cwd" (line 3)`, `"mutation.group_ref" (line 7)`}},
+		{"top.json", `{"groups":["a"],"gropus":["b"]}`, []string{`"gropus"`}},
+		{"nested.json", `{"groups":["a"],"process":{"cwd":"/w"}}`, []string{`"cwd"`}},
+	} {
+		name := filepath.Join(dir, tc.file)
+		os.WriteFile(name, []byte(tc.text), 0o644)
+		_, err := Load(name)
+		if err == nil {
+			t.Errorf("%s: unknown field accepted", tc.file)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: error %q does not name %s", tc.file, err, w)
+			}
+		}
+	}
+	_, err := ReadTasks(strings.NewReader("{\"groups\":[\"a\"]}\n{\"groups\":[\"a\"],\"evaluator\":{\"dir\":\"/e\",\"grop\":\"x\"}}\n"), dir)
+	if err == nil || !strings.Contains(err.Error(), "line 2") || !strings.Contains(err.Error(), `"grop"`) {
+		t.Errorf("task list with unknown field: err = %v", err)
 	}
 }
 

@@ -127,6 +127,11 @@ type Guard struct {
 	// sockets the shim knows (containerd's, the arbiter's), that no
 	// environment may open or connect to, nor anything under them.
 	Protected []string `toml:"protected"`
+	// AllowHostNetwork lets containers run in the node's network
+	// namespace (ctr run --net-host, a hostNetwork pod). Off, they are
+	// refused at create: on the node's network an environment reaches
+	// every service listening on the node's loopback and addresses.
+	AllowHostNetwork bool `toml:"allow-host-network"`
 }
 
 // Guard defaults.
@@ -159,11 +164,14 @@ type GuardLimits struct {
 	LSM       bool
 	// Protected is DefaultProtected and [guard] protected.
 	Protected []string
+	// HostNetwork is [guard] allow-host-network.
+	HostNetwork bool
 }
 
 // GuardLimits resolves [guard] with the defaults.
 func (c Config) GuardLimits() (GuardLimits, error) {
-	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes, LSM: true}
+	g := GuardLimits{Seccomp: true, Pids: DefaultPids, PidsGrace: DefaultPidsGrace, Output: DefaultOutput, Disk: DefaultDisk, Inodes: DefaultInodes, LSM: true,
+		HostNetwork: c.Guard.AllowHostNetwork}
 	switch c.Guard.LSM {
 	case "", LSMAuto:
 	case LSMOff:

@@ -75,6 +75,8 @@ func TestEnvletPodOnLazyImage(t *testing.T) {
 	// No background fill: what the registry serves is what was read.
 	env := testenv.New(t, testenv.WithEnvsnap("--fill=false"), testenv.WithEnvlet(testenv.EnvletConfig{
 		Policy: map[string]string{"initial-cpu": "0.5", "initial-memory": "256Mi"},
+		// No CNI on the test node: the pod is on the host network.
+		AllowHostNetwork: true,
 	}))
 	ref := env.Registry.Host + "/cri/env:1"
 	imageBytes := lazyImage(t, env, ref)

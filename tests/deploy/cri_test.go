@@ -174,7 +174,13 @@ func envWithDropIn(t *testing.T, envsnapArgs ...string) *testenv.Env {
 	if err := os.WriteFile(dropin, []byte(strings.Replace(src, shipped, fmt.Sprintf("address = %q", link), 1)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	env := testenv.New(t, testenv.WithEnvsnap(envsnapArgs...), testenv.WithImports(dropin))
+	// CRI pods of these tests are on the host network (no CNI on a test
+	// node), which the envlet shim refuses unless the node allows it.
+	envletCfg := filepath.Join(dir, "envlet.toml")
+	if err := os.WriteFile(envletCfg, []byte("[guard]\nallow-host-network = true\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	env := testenv.New(t, testenv.WithEnvsnap(envsnapArgs...), testenv.WithImports(dropin), testenv.WithContainerdEnv("ENVLET_CONFIG="+envletCfg))
 	// containerd dials the proxy lazily, so the link may follow the start.
 	if err := os.Symlink(env.SnapshotterSocket, link); err != nil {
 		t.Fatal(err)

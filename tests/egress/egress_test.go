@@ -91,6 +91,10 @@ timeout = "1s"
 enforce = true
 allow = ["%s:8080/tcp", "[%s]:8080/tcp"]
 resolvers = [%q]
+# The CRI pods below have no network but the node's (no CNI here): their
+# sandboxes run, and the egress policy is what refuses their containers.
+[guard]
+allow-host-network = true
 `, socket, mirror, mirror6, resolver))
 	arb := testenv.StartProcess(t, dir, "arbiter", nil, testenv.Binary(t, "containerd-envsnap"),
 		"arbiter", "--config", cfgPath, "--metrics-address", fmt.Sprintf(":%d", metricsPort))

@@ -330,6 +330,18 @@ func TestSnapshotForkChain(t *testing.T) {
 		}
 	}
 
+	// A directory only the chain has, with a file that the next step
+	// deletes: the squash must not keep a whiteout for it (overlayfs
+	// lists one in a directory no lower shares, with stat failing).
+	if err := os.MkdirAll(filepath.Join(r.rootfs(forks[0]), "srv/chain-only"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"gone", "kept"} {
+		if err := os.WriteFile(filepath.Join(r.rootfs(forks[0]), "srv/chain-only", f), []byte(f), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+
 	// Chain: snapshot fork a-0 (step k+m), fork it, change it, snapshot
 	// again: with --max-depth 2 the third snapshot squashes.
 	snapB := e.Registry.Host + "/envsnap-test/snap:b"
@@ -339,6 +351,7 @@ func TestSnapshotForkChain(t *testing.T) {
 	}
 	bForks := r.fork(t, snapB, "b", 1, `set -e
 rm /srv/only-a0
+rm /srv/chain-only/gone
 rm -rf /srv/repo/pkg
 mkdir /srv/repo/pkg
 echo again > /srv/repo/pkg/z.go

@@ -23,7 +23,7 @@ const criRuntime = `
 // serves the pod, the pause container runs unmanaged, the application
 // container is admitted with the pod's envlet annotations.
 func TestCRIPod(t *testing.T) {
-	s := newSuite(t, node{}, testenv.WithConfig(criRuntime))
+	s := newSuite(t, node{hostNetwork: true}, testenv.WithConfig(criRuntime))
 	dir := t.TempDir()
 	pod := testenv.WriteJSON(t, dir, "pod.json", map[string]any{
 		"metadata":      map[string]any{"name": "envlet", "namespace": "default", "uid": "envlet-uid", "attempt": 0},

@@ -66,6 +66,9 @@ type node struct {
 	// overcommit, when set, bounds the sum of initial quotas ("1": admit
 	// by request).
 	overcommit string
+	// hostNetwork allows containers on the node's network ([guard]
+	// allow-host-network): a CRI pod has no other on a node without CNI.
+	hostNetwork bool
 }
 
 // suite is one containerd with the envlet runtime, a node arbiter daemon
@@ -102,6 +105,9 @@ func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 		cfg += fmt.Sprintf("[node.overcommit]\ncpu = %s\nmemory = %s\n", n.overcommit, n.overcommit)
 	}
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", s.socket)
+	if n.hostNetwork {
+		cfg += "[guard]\nallow-host-network = true\n"
+	}
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -160,6 +160,15 @@ func TestLazyPullRun(t *testing.T) {
 				}
 			}
 
+			// /data is only in the data layer, not read yet, so served by
+			// its FUSE mount (not a native copy): overlayfs passes that
+			// listing through, which must hold "." and ".." as any
+			// directory's does.
+			res = env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"ls", "-a1", "/data"}})
+			if res.ExitCode != 0 || res.Stdout != ".\n..\nbig.bin\n" {
+				t.Errorf("ls -a1 /data: exit %d stdout %q stderr %q, want . .. big.bin", res.ExitCode, res.Stdout, res.Stderr)
+			}
+
 			res = env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", big.Path}})
 			if res.ExitCode != 0 || !strings.HasPrefix(res.Stdout, big.Digest().Encoded()) {
 				t.Fatalf("sha256sum: exit %d stdout %q stderr %q, want %s", res.ExitCode, res.Stdout, res.Stderr, big.Digest().Encoded())

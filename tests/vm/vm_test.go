@@ -226,6 +226,9 @@ reserve = 0.15
 [arbiter]
 socket = "/run/envsnap/arbiter.sock"
 timeout = "5s"
+# The guest has no CNI: its CRI pods are on the host network.
+[guard]
+allow-host-network = true
 `)
 
 	ctx := context.Background()
