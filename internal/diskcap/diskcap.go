@@ -23,6 +23,7 @@ import (
 	"strconv"
 
 	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/continuity/fs"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
@@ -140,6 +141,80 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 	}
 	if err := os.WriteFile(filepath.Join(dir, recordName), b, 0o600); err != nil {
 		return fmt.Errorf("disk cap: write record: %w", err)
+	}
+	return nil
+}
+
+// Available says why this node cannot make capped file systems (no
+// mkfs.ext4, no loop devices), or nil when it can.
+func Available() error {
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		return fmt.Errorf("disk cap: no mkfs.ext4 on the node: %w", err)
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		return fmt.Errorf("disk cap: no loop devices on the node: %w", err)
+	}
+	return nil
+}
+
+// Share is the size of a new capped layer that asks for want bytes on a
+// file system of size bytes with avail free: want, or less so that what
+// stays free when the layer is full is at least reservePct percent of
+// the file system. The images are sparse, so a layer that fills its cap
+// takes at most what was free beyond the reserve when it started, and
+// its neighbours keep the reserve. An error means the node has no room
+// for a layer of MinBytes.
+func Share(want, size, avail int64, reservePct int) (int64, error) {
+	reserve := size / 100 * int64(reservePct)
+	room := avail - reserve
+	if room >= want {
+		return want, nil
+	}
+	if room < MinBytes {
+		return 0, fmt.Errorf("disk cap: the node's writable file system has %d bytes free, %d of them its reserve (%d%%): no room for a writable layer of %d bytes",
+			avail, reserve, reservePct, MinBytes)
+	}
+	return room, nil
+}
+
+// Space is the size and the free space (for an unprivileged writer) of
+// the file system holding dir.
+func Space(dir string) (size, avail int64, err error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, 0, fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	return int64(st.Blocks) * int64(st.Bsize), int64(st.Bavail) * int64(st.Bsize), nil
+}
+
+// Uncap turns the capped snapshot directory dir back into a plain one,
+// so that it can be committed: it copies the upper directory "fs" from
+// the capped file system to staging (a path that does not exist yet, on
+// the file system below dir), unmounts dir, puts the copy in place of
+// the empty "fs" the mount covered and removes the image. A busy file
+// system (a container still runs on it) fails and stays capped, without
+// staging; past the unmount, staging is all there is of the layer and is
+// kept whatever happens.
+func Uncap(dir, staging string) error {
+	// Overlay's whiteouts are devices and its opaque markers xattrs;
+	// CopyDir keeps both, and hard links.
+	if err := fs.CopyDir(staging, filepath.Join(dir, "fs")); err != nil {
+		os.RemoveAll(staging)
+		return fmt.Errorf("disk cap: copy the writable layer out: %w", err)
+	}
+	if err := unix.Unmount(dir, 0); err != nil {
+		os.RemoveAll(staging)
+		return fmt.Errorf("disk cap: unmount %s: %w", dir, err)
+	}
+	upper := filepath.Join(dir, "fs")
+	if err := os.Remove(upper); err != nil {
+		return fmt.Errorf("disk cap: %w", err)
+	}
+	if err := os.Rename(staging, upper); err != nil {
+		return fmt.Errorf("disk cap: put the writable layer back: %w", err)
+	}
+	if err := os.Remove(filepath.Join(dir, imageName)); err != nil {
+		return fmt.Errorf("disk cap: remove image: %w", err)
 	}
 	return nil
 }
