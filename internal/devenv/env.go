@@ -70,6 +70,7 @@ type options struct {
 	envsnap      bool
 	envsnapArgs  []string
 	envsnapBin   string
+	envsnapRoot  string
 	lazyDefault  bool
 	containerEnv []string
 	extraConfig  string
@@ -90,6 +91,12 @@ type Option func(*options)
 // (root, hosts dir and socket are set by the env; args are appended).
 func WithEnvsnap(args ...string) Option {
 	return func(o *options) { o.envsnap = true; o.envsnapArgs = args }
+}
+
+// WithEnvsnapRoot puts the daemon's state directory at dir instead of in
+// the env's directory (e.g. on a small file system the test made).
+func WithEnvsnapRoot(dir string) Option {
+	return func(o *options) { o.envsnapRoot = dir }
 }
 
 // WithDefaultLazyMinSize keeps the daemon's default lazy_min_size, so
@@ -251,6 +258,9 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 
 	e.SnapshotterSocket = filepath.Join(dir, "envsnap.sock")
 	e.EnvsnapRoot = filepath.Join(dir, "envsnap")
+	if e.opts.envsnapRoot != "" {
+		e.EnvsnapRoot = e.opts.envsnapRoot
+	}
 	if e.opts.envsnap {
 		if _, err := e.StartEnvsnap(); err != nil {
 			return nil, err

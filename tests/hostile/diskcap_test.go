@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/envlet"
@@ -183,4 +185,115 @@ func TestHardDiskCap(t *testing.T) {
 		deleteContainer(t, env, id)
 		noLeftovers(t)
 	})
+}
+
+// smallNode makes a file system of size bytes and inodes files for the
+// envsnap daemon's root, loop-mounted in a temp dir, so that filling the
+// node's disk fills it and not the host's.
+func smallNode(t *testing.T, size, inodes int64) string {
+	t.Helper()
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		t.Fatalf("mkfs.ext4 (e2fsprogs): %v", err)
+	}
+	dir := t.TempDir()
+	img := filepath.Join(dir, "node.ext4")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, size); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", "-m", "0", "-N", strconv.FormatInt(inodes, 10), img).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v\n%s", err, out)
+	}
+	root := filepath.Join(dir, "root")
+	if err := os.Mkdir(root, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	m := mount.Mount{Type: "ext4", Source: img, Options: []string{"loop"}}
+	if err := m.Mount(root); err != nil {
+		t.Fatal(err)
+	}
+	// Registered before the env's, so it runs after the env is gone.
+	t.Cleanup(func() {
+		if err := mount.UnmountAll(root, 0); err != nil {
+			t.Errorf("unmount the test node's file system: %v", err)
+		}
+	})
+	return root
+}
+
+// TestDefaultDiskCap: under the defaults (no label, the daemon's and the
+// shim's default configuration), an environment that writes more than
+// the node's disk holds, or creates more files than it has inodes,
+// fails with DISK_CAP_EXCEEDED while its neighbour keeps writing. The
+// snapshotter's root is a 256 MiB ext4 with 8192 inodes made for the
+// test: the filler asks for 400 MiB, then 30,000 files.
+func TestDefaultDiskCap(t *testing.T) {
+	root := smallNode(t, 256<<20, 8192)
+	env := testenv.New(t, testenv.WithEnvsnap(), testenv.WithEnvsnapRoot(root), testenv.WithEnvlet(testenv.EnvletConfig{}))
+	img := env.PushImageLayers(t, "hostile/diskcap-default:1", nil, testenv.WithLazyLayers())
+	failures := (&episode{env: env}).failures(t)
+	mustCtr(t, env, "images", "pull", "--hosts-dir", env.HostsDir, "--snapshotter", "envsnap", img.Ref)
+	run := func(id string, detach bool, args ...string) (string, error) {
+		a := []string{"run", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2"}
+		if detach {
+			a = append(a, "-d")
+		}
+		return ctrIn(t, env, append(a, append([]string{img.Ref, id}, args...)...)...)
+	}
+	if out, err := run("neighbour", true, "/bin/sleep", "600"); err != nil {
+		t.Fatalf("start the neighbour: %v\n%s", err, out)
+	}
+	t.Cleanup(func() { deleteContainer(t, env, "neighbour") })
+	neighbourWrites := func(t *testing.T, what string) {
+		t.Helper()
+		out, err := ctrIn(t, env, "task", "exec", "--exec-id", "w"+strconv.FormatInt(time.Now().UnixNano(), 36), "neighbour", "/bin/sh", "-c",
+			"mkdir -p /n && cd /n && seq 1 200 | xargs touch && dd if=/dev/zero of=/n/data bs=1M count=8 conv=fsync 2>&1 && echo neighbour-ok")
+		if err != nil || !strings.Contains(out, "neighbour-ok") {
+			t.Errorf("after %s the neighbour could not write 200 files and 8 MiB: %v\n%s", what, err, out)
+		}
+	}
+	nodeFree := func() string {
+		var st unix.Statfs_t
+		if err := unix.Statfs(root, &st); err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Sprintf("%s and %d inodes free", envlet.FormatBytes(int64(st.Bavail)*st.Bsize), st.Ffree)
+	}
+	// A filler's layer must be gone (containerd removes a deleted
+	// container's snapshot at its next garbage collection) before the
+	// next one is sized from the free space.
+	layersGone := func(t *testing.T) {
+		t.Helper()
+		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			if imgs, _ := filepath.Glob(filepath.Join(root, "snapshots", "*", "writable.ext4")); len(imgs) <= 1 {
+				return
+			}
+		}
+		t.Fatalf("the filler's layer was not removed")
+	}
+	for _, tc := range []struct {
+		id, script, want string
+	}{
+		{"fill-bytes", "dd if=/dev/zero of=/fill bs=1M count=400; echo filler-exit=$?; sleep 60", "No space left on device"},
+		{"fill-inodes", "mkdir /d && cd /d && seq 1 30000 | xargs touch; echo filler-exit=$?; sleep 60", "No space left on device"},
+	} {
+		t.Run(tc.id, func(t *testing.T) {
+			start := time.Now()
+			out, _ := run(tc.id, false, "/bin/sh", "-c", tc.script)
+			ended := time.Since(start)
+			t.Cleanup(func() { deleteContainer(t, env, tc.id); layersGone(t) })
+			if !strings.Contains(out, tc.want) || !strings.Contains(out, "filler-exit=") {
+				t.Errorf("the filler printed %q, want %q", lastLines(out, 5), tc.want)
+			}
+			f := waitFailure(t, failures, tc.id)
+			t.Logf("%s: %s (the filler's run ended %s after its start: it writes, gets ENOSPC, and is killed); the node has %s",
+				f.Reason, f.Message, ended.Round(time.Millisecond), nodeFree())
+			if f.Reason != envlet.ReasonDiskCapExceeded {
+				t.Errorf("failure %+v, want %s", f, envlet.ReasonDiskCapExceeded)
+			}
+			neighbourWrites(t, tc.id)
+		})
+	}
 }
