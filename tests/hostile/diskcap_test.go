@@ -297,3 +297,66 @@ func TestDefaultDiskCap(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkDefaultDiskCap sets the default hard cap against no cap (the
+// snapshot label 0, the default before it), side by side in one env: the
+// wall time of `ctr run --rm` of a container that exits at once, and the
+// throughput of a 64 MiB dd with fsync into the writable layer.
+func BenchmarkDefaultDiskCap(b *testing.B) {
+	env := testenv.New(b, testenv.WithEnvsnap(), testenv.WithEnvlet(testenv.EnvletConfig{}))
+	img := env.PushImageLayers(b, "hostile/diskcap-bench:1", nil, testenv.WithLazyLayers())
+	if out, err := benchCtr(b, env, "images", "pull", "--hosts-dir", env.HostsDir, "--snapshotter", "envsnap", img.Ref); err != nil {
+		b.Fatalf("pull: %v\n%s", err, out)
+	}
+	type side struct {
+		name, label string
+		start, ddTm time.Duration
+	}
+	sides := []*side{{name: "nocap", label: "0"}, {name: "default"}}
+	runOnce := func(id string, s *side, script string) (string, time.Duration) {
+		args := []string{"run", "--rm", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2"}
+		if s.label != "" {
+			args = append(args, "--snapshotter-label", diskcap.LabelBytes+"="+s.label)
+		}
+		start := time.Now()
+		out, err := benchCtr(b, env, append(args, img.Ref, id, "/bin/sh", "-c", script)...)
+		if err != nil {
+			b.Fatalf("run: %v\n%s", err, out)
+		}
+		return out, time.Since(start)
+	}
+	for i := 0; b.Loop(); i++ {
+		for _, s := range sides {
+			_, d := runOnce(fmt.Sprintf("start-%d-%s", i, s.name), s, "true")
+			s.start += d
+			out, _ := runOnce(fmt.Sprintf("write-%d-%s", i, s.name), s, "dd if=/dev/zero of=/f bs=1M count=64 conv=fsync 2>&1")
+			var secs float64
+			for _, f := range strings.Split(out, ",") {
+				if v, ok := strings.CutSuffix(strings.TrimSpace(f), " seconds"); ok {
+					secs, _ = strconv.ParseFloat(v, 64)
+				}
+			}
+			if secs <= 0 {
+				b.Fatalf("no time in dd's output %q", out)
+			}
+			s.ddTm += time.Duration(secs * float64(time.Second))
+		}
+	}
+	n := float64(b.N)
+	plain, capped := sides[0], sides[1]
+	b.ReportMetric(plain.start.Seconds()*1000/n, "ms-start-nocap")
+	b.ReportMetric(capped.start.Seconds()*1000/n, "ms-start-cap")
+	b.ReportMetric(capped.start.Seconds()/plain.start.Seconds(), "x-start")
+	b.ReportMetric(64*n/plain.ddTm.Seconds(), "MiB/s-nocap")
+	b.ReportMetric(64*n/capped.ddTm.Seconds(), "MiB/s-cap")
+	b.ReportMetric(capped.ddTm.Seconds()/plain.ddTm.Seconds(), "x-write-time")
+}
+
+// benchCtr runs ctr against env's containerd.
+func benchCtr(b *testing.B, env *testenv.Env, args ...string) (string, error) {
+	full := append([]string{"--address", env.Address, "--namespace", env.Namespace}, args...)
+	ctx, cancel := context.WithTimeout(env.Context(), 90*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, testenv.Tool(b, "ctr"), full...).CombinedOutput()
+	return string(out), err
+}
