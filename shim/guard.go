@@ -152,10 +152,10 @@ func (g *guard) watchCapped(ctx context.Context, upper string, hard diskcap.Limi
 			}
 			f := envlet.Failure{Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: used}
 			f.Message = decideDisk(fs.Usage{Size: used, Inodes: files}, g.limits)
-			if f.Message == "" && full {
+			if f.Message == "" && full != "" {
 				f.Cap = hard.Bytes
-				f.Message = fmt.Sprintf("the writable layer's file system is full (hard cap %s): %s and %d files in use; writes fail with ENOSPC",
-					envlet.FormatBytes(hard.Bytes), envlet.FormatBytes(used), files)
+				f.Message = fmt.Sprintf("the writable layer's file system is full (hard cap %s, %s): %s and %d files in use; writes fail with ENOSPC",
+					envlet.FormatBytes(hard.Bytes), full, envlet.FormatBytes(used), files)
 			}
 			if f.Message != "" {
 				log.G(ctx).WithField("bytes", used).WithField("inodes", files).Warn("envlet: writable layer at its cap")

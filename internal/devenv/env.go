@@ -25,6 +25,7 @@ import (
 
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/core/remotes"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/core/remotes/docker/config"
@@ -689,6 +690,16 @@ func (e *Env) removeContainers() {
 		for _, img := range imgs {
 			_ = is.Delete(nctx, img.Name)
 		}
+	}
+	// A deleted container's snapshot leaves the snapshotter at the next
+	// garbage collection: run one now, so that the writable layers' disk
+	// caps are unmounted before the daemons stop (a synchronous lease
+	// delete collects before it returns).
+	gctx := namespaces.WithNamespace(ctx, e.Namespace)
+	if l, err := e.Client.LeasesService().Create(gctx, leases.WithRandomID()); err != nil {
+		e.Logf("teardown: create a lease to collect garbage: %v", err)
+	} else if err := e.Client.LeasesService().Delete(gctx, l, leases.SynchronousDelete); err != nil {
+		e.Logf("teardown: collect garbage: %v", err)
 	}
 	e.Client.Close()
 }

@@ -43,8 +43,7 @@ const (
 	recordName = "envsnap-disk-cap.json"
 )
 
-// Limits is a cap; Inodes 0 leaves mkfs.ext4's default (one inode per
-// 16 KiB).
+// Limits is a cap; Inodes 0 gives one inode per 16 KiB.
 type Limits struct {
 	Bytes  int64 `json:"bytes"`
 	Inodes int64 `json:"inodes,omitempty"`
@@ -108,6 +107,10 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 	args := []string{"-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1"}
 	if l.Inodes > 0 {
 		args = append(args, "-N", strconv.FormatInt(l.Inodes, 10))
+	} else {
+		// mke2fs.conf's ratio depends on the size (one inode per 4 KiB
+		// below 512 MiB): one per 16 KiB whatever the share.
+		args = append(args, "-i", "16384")
 	}
 	if out, err := exec.CommandContext(ctx, "mkfs.ext4", append(args, img)...).CombinedOutput(); err != nil {
 		return fmt.Errorf("disk cap: mkfs.ext4: %v: %s", err, out)
@@ -274,17 +277,22 @@ func Read(upper string) (l Limits, ok bool, err error) {
 }
 
 // Usage is what statfs says of the file system holding upper: bytes and
-// files in use, and whether it is full (less than fullSlack free, or no
-// inode left).
-func Usage(upper string) (usedBytes, usedInodes int64, full bool, err error) {
+// files in use, and why it is full ("" when it is not): less than
+// fullSlack free, or no inode left.
+func Usage(upper string) (usedBytes, usedInodes int64, full string, err error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(upper, &st); err != nil {
-		return 0, 0, false, fmt.Errorf("statfs %s: %w", upper, err)
+		return 0, 0, "", fmt.Errorf("statfs %s: %w", upper, err)
 	}
 	bs := int64(st.Bsize)
 	usedBytes = int64(st.Blocks-st.Bfree) * bs
 	usedInodes = int64(st.Files - st.Ffree)
-	full = int64(st.Bavail)*bs < fullSlack || st.Ffree == 0
+	switch {
+	case st.Ffree == 0:
+		full = "no inode left"
+	case int64(st.Bavail)*bs < fullSlack:
+		full = "less than 1 MiB free"
+	}
 	return usedBytes, usedInodes, full, nil
 }
 

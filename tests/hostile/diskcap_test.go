@@ -1,6 +1,7 @@
 package hostile_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -216,11 +217,42 @@ func smallNode(t *testing.T, size, inodes int64) string {
 	}
 	// Registered before the env's, so it runs after the env is gone.
 	t.Cleanup(func() {
-		if err := mount.UnmountAll(root, 0); err != nil {
-			t.Errorf("unmount the test node's file system: %v", err)
+		if err := unix.Unmount(root, 0); err != nil {
+			// Busy: something is still mounted below it.
+			t.Errorf("unmount the test node's file system: %v (left below it: %v)", err, capLeftovers(t, root))
+			_ = unix.Unmount(root, unix.MNT_DETACH)
 		}
 	})
 	return root
+}
+
+// runFiller runs ctr in the foreground and returns its output, when the
+// line "filler-exit" came and when ctr ended.
+func runFiller(t *testing.T, env *testenv.Env, args ...string) (out string, failed, ended time.Time) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(env.Context(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, testenv.Tool(t, "ctr"), append([]string{"--address", env.Address, "--namespace", env.Namespace}, args...)...)
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout, cmd.Stderr = w, w
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	w.Close()
+	var b strings.Builder
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), "filler-exit") && failed.IsZero() {
+			failed = time.Now()
+		}
+		b.WriteString(sc.Text() + "\n")
+	}
+	r.Close()
+	_ = cmd.Wait()
+	return b.String(), failed, time.Now()
 }
 
 // TestDefaultDiskCap: under the defaults (no label, the daemon's and the
@@ -235,21 +267,14 @@ func TestDefaultDiskCap(t *testing.T) {
 	img := env.PushImageLayers(t, "hostile/diskcap-default:1", nil, testenv.WithLazyLayers())
 	failures := (&episode{env: env}).failures(t)
 	mustCtr(t, env, "images", "pull", "--hosts-dir", env.HostsDir, "--snapshotter", "envsnap", img.Ref)
-	run := func(id string, detach bool, args ...string) (string, error) {
-		a := []string{"run", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2"}
-		if detach {
-			a = append(a, "-d")
-		}
-		return ctrIn(t, env, append(a, append([]string{img.Ref, id}, args...)...)...)
-	}
-	if out, err := run("neighbour", true, "/bin/sleep", "600"); err != nil {
+	if out, err := ctrIn(t, env, "run", "-d", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2", img.Ref, "neighbour", "/bin/sleep", "600"); err != nil {
 		t.Fatalf("start the neighbour: %v\n%s", err, out)
 	}
 	t.Cleanup(func() { deleteContainer(t, env, "neighbour") })
 	neighbourWrites := func(t *testing.T, what string) {
 		t.Helper()
 		out, err := ctrIn(t, env, "task", "exec", "--exec-id", "w"+strconv.FormatInt(time.Now().UnixNano(), 36), "neighbour", "/bin/sh", "-c",
-			"mkdir -p /n && cd /n && seq 1 200 | xargs touch && dd if=/dev/zero of=/n/data bs=1M count=8 conv=fsync 2>&1 && echo neighbour-ok")
+			"mkdir -p /n/"+what+" && cd /n/"+what+" && seq 1 200 | xargs touch && dd if=/dev/zero of=data bs=1M count=8 conv=fsync 2>&1 && echo neighbour-ok")
 		if err != nil || !strings.Contains(out, "neighbour-ok") {
 			t.Errorf("after %s the neighbour could not write 200 files and 8 MiB: %v\n%s", what, err, out)
 		}
@@ -267,33 +292,35 @@ func TestDefaultDiskCap(t *testing.T) {
 	layersGone := func(t *testing.T) {
 		t.Helper()
 		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-			if imgs, _ := filepath.Glob(filepath.Join(root, "snapshots", "*", "writable.ext4")); len(imgs) <= 1 {
+			if left := capLeftovers(t, filepath.Join(root, "snapshots")); len(left) <= 2 { // the neighbour's loop device and mount
 				return
 			}
 		}
-		t.Fatalf("the filler's layer was not removed")
+		t.Fatalf("the filler's layer was not removed: %v", capLeftovers(t, filepath.Join(root, "snapshots")))
 	}
+	// The filler prints "filler-exit" once its writes failed, then sleeps
+	// 60 s: killed for the failure, it never prints "not-killed".
 	for _, tc := range []struct {
-		id, script, want string
+		id, script string
 	}{
-		{"fill-bytes", "dd if=/dev/zero of=/fill bs=1M count=400; echo filler-exit=$?; sleep 60", "No space left on device"},
-		{"fill-inodes", "mkdir /d && cd /d && seq 1 30000 | xargs touch; echo filler-exit=$?; sleep 60", "No space left on device"},
+		{"fill-bytes", "dd if=/dev/zero of=/fill bs=1M count=400 2>&1; echo filler-exit=$?; sleep 60; echo not-killed"},
+		{"fill-inodes", "mkdir /d && cd /d && seq 1 30000 | xargs touch 2>&1 | head -n 3; echo filler-exit; sleep 60; echo not-killed"},
 	} {
 		t.Run(tc.id, func(t *testing.T) {
-			start := time.Now()
-			out, _ := run(tc.id, false, "/bin/sh", "-c", tc.script)
-			ended := time.Since(start)
 			t.Cleanup(func() { deleteContainer(t, env, tc.id); layersGone(t) })
-			if !strings.Contains(out, tc.want) || !strings.Contains(out, "filler-exit=") {
-				t.Errorf("the filler printed %q, want %q", lastLines(out, 5), tc.want)
+			out, failed, ended := runFiller(t, env, append([]string{"run", "--snapshotter", "envsnap", "--runtime", "io.containerd.envlet.v2", img.Ref, tc.id, "/bin/sh", "-c"}, tc.script)...)
+			if !strings.Contains(out, "No space left on device") || strings.Contains(out, "not-killed") {
+				t.Errorf("the filler printed %q, want ENOSPC and no %q", lastLines(out, 5), "not-killed")
 			}
+			if !failed.IsZero() {
+				t.Logf("the environment ended %s after its writes failed; the node has %s", ended.Sub(failed).Round(time.Millisecond), nodeFree())
+			}
+			neighbourWrites(t, tc.id)
 			f := waitFailure(t, failures, tc.id)
-			t.Logf("%s: %s (the filler's run ended %s after its start: it writes, gets ENOSPC, and is killed); the node has %s",
-				f.Reason, f.Message, ended.Round(time.Millisecond), nodeFree())
+			t.Logf("%s: %s", f.Reason, f.Message)
 			if f.Reason != envlet.ReasonDiskCapExceeded {
 				t.Errorf("failure %+v, want %s", f, envlet.ReasonDiskCapExceeded)
 			}
-			neighbourWrites(t, tc.id)
 		})
 	}
 }
