@@ -126,7 +126,7 @@ func (g *guard) watchWritable(ctx context.Context, upper string) {
 	case ok:
 		g.watchCapped(ctx, upper, hard)
 	case g.limits.disk > 0 || g.limits.inodes > 0:
-		log.G(ctx).WithField("upper", upper).Warn("envlet: the writable layer has no hard cap (the snapshotter's writable_disk_limit is 0, or the node has no mkfs.ext4 or loop devices); it is only measured, and a fast writer can fill the node's disk before it fails")
+		log.G(ctx).WithField("upper", upper).Warn("envlet: the writable layer has no hard cap (its snapshot's disk-limit label or the snapshotter's writable_disk_limit is 0, the node has no mkfs.ext4 or loop devices, or another snapshotter made it); it is only measured, and a fast writer can fill the node's disk before it fails")
 		g.watchDisk(ctx, upper)
 	}
 }

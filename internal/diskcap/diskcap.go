@@ -228,9 +228,13 @@ func Capped(dir string) bool {
 	return err == nil
 }
 
-// Mount mounts dir's image over dir.
+// Mount mounts dir's image over dir. The loop device reads and writes
+// the image with direct I/O: buffered, every byte written sat in the page
+// cache twice (the layer's file system's and the image file's), and a
+// 64 MiB dd with fsync took 1.76x as long as on a plain upper directory;
+// with direct I/O 0.99x (BenchmarkDefaultDiskCap, one run).
 func Mount(dir string) error {
-	m := mount.Mount{Type: "ext4", Source: filepath.Join(dir, imageName), Options: []string{"loop"}}
+	m := mount.Mount{Type: "ext4", Source: filepath.Join(dir, imageName), Options: []string{"loop", "direct-io"}}
 	if err := m.Mount(dir); err != nil {
 		return fmt.Errorf("disk cap: mount %s: %w", m.Source, err)
 	}

@@ -356,10 +356,10 @@ func BenchmarkDefaultDiskCap(b *testing.B) {
 		for _, s := range sides {
 			_, d := runOnce(fmt.Sprintf("start-%d-%s", i, s.name), s, "true")
 			s.start += d
-			out, _ := runOnce(fmt.Sprintf("write-%d-%s", i, s.name), s, "dd if=/dev/zero of=/f bs=1M count=64 conv=fsync 2>&1")
+			out, _ := runOnce(fmt.Sprintf("write-%d-%s", i, s.name), s, "time -p dd if=/dev/zero of=/f bs=1M count=64 conv=fsync 2>&1")
 			var secs float64
-			for _, f := range strings.Split(out, ",") {
-				if v, ok := strings.CutSuffix(strings.TrimSpace(f), " seconds"); ok {
+			for _, l := range strings.Split(out, "\n") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(l), "real "); ok {
 					secs, _ = strconv.ParseFloat(v, 64)
 				}
 			}
