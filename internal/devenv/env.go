@@ -447,6 +447,13 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		return nil, err
 	}
 	e.Envsnap = p
+	if e.Client != nil {
+		// A restarted daemon is stopped at Close before what was
+		// registered earlier, containerd's teardown included: clear the
+		// containers, and collect their snapshots (disk caps are mounts),
+		// while this daemon still serves.
+		e.onClose(e.removeContainers)
+	}
 	// A socket file alone may be the one a killed daemon left (the new
 	// one removes it as it starts): wait for an answer.
 	if err := waitFor(20*time.Second, "envsnap socket", func() error {
