@@ -697,6 +697,13 @@ func (e *Env) removeContainers() {
 		for _, img := range imgs {
 			_ = is.Delete(nctx, img.Name)
 		}
+		// Leases a client left (BuildKit keeps its snapshots under its
+		// own) hold snapshots, and a container snapshot's disk cap is a
+		// mount.
+		ls, _ := e.Client.LeasesService().List(nctx)
+		for _, l := range ls {
+			_ = e.Client.LeasesService().Delete(nctx, l)
+		}
 	}
 	// A deleted container's snapshot leaves the snapshotter at the next
 	// garbage collection: run one now, so that the writable layers' disk
