@@ -5,7 +5,12 @@
 // loop-mounted over it. Writing past the limit fails with ENOSPC in the
 // container; the envlet shim reads the limit from a record at the file
 // system's root (outside the upper directory) and reports the full file
-// system as DISK_CAP_EXCEEDED.
+// system as DISK_CAP_EXCEEDED. The layer's files use the inodes of its
+// own file system, so an inode bomb exhausts the layer, not the node.
+//
+// The images are sparse: Share sizes a cap so that a layer filled to it
+// leaves the node a reserve, and Uncap moves a layer's files back onto
+// the node's file system when its snapshot is committed.
 //
 // The loop device is set up with autoclear: it goes away when the file
 // system is unmounted, or when the process setting it up dies before it
