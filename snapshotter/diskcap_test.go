@@ -277,3 +277,37 @@ func BenchmarkPrepareWritableCap(b *testing.B) {
 	b.ReportMetric(removeCapped.Seconds()*1000/n, "ms-remove-capped")
 	b.ReportMetric(capped.Seconds()/plain.Seconds(), "x-prepare")
 }
+
+// TestWritableCapUnavailable: on a node without mkfs.ext4 the default
+// cap is dropped with a warning (not an error): container snapshots are
+// made uncapped, and a label that asks for a cap fails Prepare.
+func TestWritableCapUnavailable(t *testing.T) {
+	prereq.RequireRoot(t)
+	t.Setenv("PATH", t.TempDir())
+	ctx := testContext(t)
+	s, err := New(ctx, t.TempDir(), newFakeFS(), WithWritableCap(diskcap.Limits{Bytes: 16 << 20}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if _, err := s.Prepare(ctx, "base-x", "", snapshots.WithLabels(map[string]string{snapshots.LabelSnapshotRef: "base"})); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(ctx, "base", "base-x"); err != nil {
+		t.Fatal(err)
+	}
+	ms, err := s.Prepare(ctx, "c", "base")
+	if err != nil {
+		t.Fatalf("Prepare without mkfs.ext4: %v", err)
+	}
+	up, err := upperDir(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, _ := diskcap.Read(up); ok {
+		t.Errorf("a cap without mkfs.ext4")
+	}
+	if _, err := s.Prepare(ctx, "d", "base", snapshots.WithLabels(map[string]string{diskcap.LabelBytes: fmt.Sprint(8 << 20)})); err == nil {
+		t.Errorf("a label asking for a cap was prepared without mkfs.ext4")
+	}
+}
