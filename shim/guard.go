@@ -126,6 +126,7 @@ func (g *guard) watchWritable(ctx context.Context, upper string) {
 	case ok:
 		g.watchCapped(ctx, upper, hard)
 	case g.limits.disk > 0 || g.limits.inodes > 0:
+		log.G(ctx).WithField("upper", upper).Warn("envlet: the writable layer has no hard cap (its snapshot's disk-limit label or the snapshotter's writable_disk_limit is 0, the node has no mkfs.ext4 or loop devices, or another snapshotter made it); it is only measured, and a fast writer can fill the node's disk before it fails")
 		g.watchDisk(ctx, upper)
 	}
 }
@@ -151,10 +152,10 @@ func (g *guard) watchCapped(ctx context.Context, upper string, hard diskcap.Limi
 			}
 			f := envlet.Failure{Env: g.env, Reason: envlet.ReasonDiskCapExceeded, Cap: g.limits.disk, Requested: used}
 			f.Message = decideDisk(fs.Usage{Size: used, Inodes: files}, g.limits)
-			if f.Message == "" && full {
+			if f.Message == "" && full != "" {
 				f.Cap = hard.Bytes
-				f.Message = fmt.Sprintf("the writable layer's file system is full (hard cap %s): %s and %d files in use; writes fail with ENOSPC",
-					envlet.FormatBytes(hard.Bytes), envlet.FormatBytes(used), files)
+				f.Message = fmt.Sprintf("the writable layer's file system is full (hard cap %s, %s): %s and %d files in use; writes fail with ENOSPC",
+					envlet.FormatBytes(hard.Bytes), full, envlet.FormatBytes(used), files)
 			}
 			if f.Message != "" {
 				log.G(ctx).WithField("bytes", used).WithField("inodes", files).Warn("envlet: writable layer at its cap")

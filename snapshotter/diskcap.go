@@ -4,13 +4,16 @@ package snapshotter
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/diskcap"
 )
@@ -29,10 +32,28 @@ func WithWritableCap(l diskcap.Limits) Opt {
 	}
 }
 
+// DefaultWritableReserve is the share of the snapshotter's file system,
+// in percent, that no single writable layer can take (diskcap.Share).
+const DefaultWritableReserve = 10
+
+// WithWritableReserve sets the percentage of the snapshotter's file
+// system that a capped writable layer leaves free when it is full
+// (diskcap.Share); DefaultWritableReserve without it.
+func WithWritableReserve(percent int) Opt {
+	return func(c *config) error {
+		if percent < 0 || percent >= 100 {
+			return fmt.Errorf("writable reserve %d%%: want 0 to 99", percent)
+		}
+		c.writableReserve = &percent
+		return nil
+	}
+}
+
 // writableCap is the cap a container snapshot prepared with opts gets,
 // and the options that record it on the snapshot (the label a restarted
-// daemon remounts it by).
-func (s *Snapshotter) writableCap(opts []snapshots.Opt) (diskcap.Limits, []snapshots.Opt, error) {
+// daemon remounts it by). A cap larger than the node can give beyond its
+// reserve shrinks to what it can give.
+func (s *Snapshotter) writableCap(ctx context.Context, opts []snapshots.Opt) (diskcap.Limits, []snapshots.Opt, error) {
 	var info snapshots.Info
 	for _, o := range opts {
 		if err := o(&info); err != nil {
@@ -45,6 +66,19 @@ func (s *Snapshotter) writableCap(opts []snapshots.Opt) (diskcap.Limits, []snaps
 	}
 	if l.Bytes == 0 {
 		return l, opts, nil
+	}
+	size, avail, err := diskcap.Space(filepath.Join(s.root, "snapshots"))
+	if err != nil {
+		return diskcap.Limits{}, nil, fmt.Errorf("size the writable layer: %w", err)
+	}
+	share, err := diskcap.Share(l.Bytes, size, avail, s.writableReserve)
+	if err != nil {
+		return diskcap.Limits{}, nil, fmt.Errorf("%w: %w", err, errdefs.ErrResourceExhausted)
+	}
+	if share < l.Bytes {
+		log.G(ctx).WithField("asked", l.Bytes).WithField("cap", share).WithField("free", avail).
+			Info("writable layer capped at the node's free space beyond its reserve")
+		l.Bytes = share
 	}
 	return l, append(opts, snapshots.WithLabels(map[string]string{diskcap.LabelBytes: fmt.Sprint(l.Bytes)})), nil
 }
@@ -97,9 +131,42 @@ func (s *Snapshotter) uncapWritable(ctx context.Context, key string) error {
 	return nil
 }
 
+// uncapDir holds, under the snapshotter's root, the copies Commit makes
+// of capped upper directories (uncapWritable).
+const uncapDir = "uncap"
+
+// commitCapped moves the files of the capped active snapshot info off
+// its cap's file system (diskcap.Uncap) so that overlay can commit it,
+// and records that it has no cap any more.
+func (s *Snapshotter) commitCapped(ctx context.Context, info snapshots.Info) error {
+	dir, err := s.cappedDir(ctx, info.Name)
+	if err != nil {
+		return fmt.Errorf("find its disk cap: %w", err)
+	}
+	if err := os.MkdirAll(filepath.Join(s.root, uncapDir), 0o700); err != nil {
+		return fmt.Errorf("disk cap: %w", err)
+	}
+	if err := diskcap.Uncap(dir, filepath.Join(s.root, uncapDir, filepath.Base(dir))); err != nil {
+		if errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("%w (still mounted by a container): %w", err, errdefs.ErrFailedPrecondition)
+		}
+		return err
+	}
+	info.Labels[diskcap.LabelBytes] = "0"
+	if _, err := s.Snapshotter.Update(ctx, info, "labels."+diskcap.LabelBytes); err != nil {
+		return fmt.Errorf("record that the disk cap is gone: %w", err)
+	}
+	return nil
+}
+
 // restoreCaps mounts again the file systems of capped snapshots that are
-// not mounted (after a reboot; a crashed daemon leaves them mounted).
+// not mounted (after a reboot; a crashed daemon leaves them mounted),
+// and drops the copies of a Commit that died before it ended (the cap's
+// file system still holds the files).
 func (s *Snapshotter) restoreCaps(ctx context.Context) error {
+	if err := os.RemoveAll(filepath.Join(s.root, uncapDir)); err != nil {
+		return fmt.Errorf("remove unfinished disk cap copies: %w", err)
+	}
 	var keys []string
 	err := s.Snapshotter.Walk(ctx, func(ctx context.Context, info snapshots.Info) error {
 		if isCapped(info) {

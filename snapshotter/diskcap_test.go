@@ -3,6 +3,7 @@
 package snapshotter
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,6 +14,7 @@ import (
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/prereq"
@@ -28,7 +30,8 @@ func requireCapTools(tb testing.TB) {
 
 // TestWritableCap: a container snapshot prepared with the disk-cap label
 // (or under the default) has its writable directories on a file system
-// of that size, refuses Commit, and Remove takes the mount away; the
+// of that size, commits with its files copied off that file system, and
+// Remove takes the mount away; the
 // label 0 opts out of the default; unpacks never get a cap; a daemon
 // that finds a capped snapshot unmounted mounts it again, and Mounts
 // never hands out the directories under the mount point.
@@ -95,9 +98,47 @@ func TestWritableCap(t *testing.T) {
 		if err := os.WriteFile(filepath.Join(dir, "fs", "big"), make([]byte, tc.want), 0o644); err == nil {
 			t.Errorf("%s: wrote the cap's size into a capped upper", tc.name)
 		}
-		if err := s.Commit(ctx, tc.name+"-c", tc.name); !errdefs.IsFailedPrecondition(err) {
-			t.Errorf("%s: Commit: %v, want FailedPrecondition", tc.name, err)
-		}
+	}
+	// Commit copies the layer off its cap (a whiteout and an opaque
+	// directory too) and takes the cap's file system away.
+	if _, err := s.Prepare(ctx, "commit", "base"); err != nil {
+		t.Fatal(err)
+	}
+	cdir := dirOf("commit")
+	up := filepath.Join(cdir, "fs")
+	if err := os.WriteFile(filepath.Join(up, "kept"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mknod(filepath.Join(up, "gone"), unix.S_IFCHR, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(up, "opaque"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(filepath.Join(up, "opaque"), "trusted.overlay.opaque", []byte("y"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(ctx, "committed", "commit"); err != nil {
+		t.Fatalf("Commit of a capped snapshot: %v", err)
+	}
+	if mounted, _ := diskcap.Mounted(cdir); mounted || diskcap.Capped(cdir) {
+		t.Errorf("after Commit: mounted %v, image %v; want neither", mounted, diskcap.Capped(cdir))
+	}
+	if b, err := os.ReadFile(filepath.Join(up, "kept")); err != nil || string(b) != "kept" {
+		t.Errorf("committed file: %q, %v", b, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(filepath.Join(up, "gone"), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != 0 {
+		t.Errorf("committed whiteout: %+v, %v", st, err)
+	}
+	if v := make([]byte, 1); func() error {
+		_, err := unix.Getxattr(filepath.Join(up, "opaque"), "trusted.overlay.opaque", v)
+		return err
+	}() != nil || v[0] != 'y' {
+		t.Errorf("committed opaque marker lost")
+	}
+	if left, _ := os.ReadDir(filepath.Join(root, uncapDir)); len(left) > 0 {
+		t.Errorf("copies left in %s: %v", uncapDir, left)
 	}
 	if _, err := s.Prepare(ctx, "bad", "base", label("12")); !errdefs.IsInvalidArgument(err) {
 		t.Errorf("a 12-byte cap: %v", err)
@@ -127,6 +168,69 @@ func TestWritableCap(t *testing.T) {
 		if mounted, _ := diskcap.Mounted(d); mounted {
 			t.Errorf("%s: still mounted after Remove", key)
 		}
+	}
+}
+
+// TestWritableCapShare: on a small file system a cap shrinks to what is
+// free beyond the reserve, so a layer filled to its cap leaves the
+// reserve to the others; with less than that free, Prepare fails with
+// ResourceExhausted.
+func TestWritableCapShare(t *testing.T) {
+	requireCapTools(t)
+	root := t.TempDir()
+	if err := unix.Mount("tmpfs", root, "tmpfs", 0, "size=64m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	ctx := testContext(t)
+	s, err := New(ctx, root, newFakeFS(), WithWritableCap(diskcap.Limits{Bytes: 1 << 30}), WithWritableReserve(25))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if _, err := s.Prepare(ctx, "base-x", "", snapshots.WithLabels(map[string]string{snapshots.LabelSnapshotRef: "base"})); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(ctx, "base", "base-x"); err != nil {
+		t.Fatal(err)
+	}
+	ms, err := s.Prepare(ctx, "c", "base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	up, err := upperDir(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, ok, err := diskcap.Read(up)
+	if err != nil || !ok || l.Bytes >= 48<<20 {
+		t.Fatalf("cap on a 64 MiB file system with a 25%% reserve: %+v %v %v, want below 48 MiB", l, ok, err)
+	}
+	f, err := os.Create(filepath.Join(up, "fill"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, werr := f.Write(make([]byte, 64<<20))
+	f.Close()
+	if !errors.Is(werr, unix.ENOSPC) {
+		t.Errorf("filling the layer: %v, want ENOSPC", werr)
+	}
+	_, avail, err := diskcap.Space(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if avail < 14<<20 {
+		t.Errorf("a full layer left %d bytes of the node's 64 MiB, want about its 16 MiB reserve", avail)
+	}
+	// Something else takes what the full layer left beyond the reserve
+	// (ext4 refuses writes with some room still free).
+	if over := avail - 16<<20 - 1<<20; over > 0 {
+		if err := os.WriteFile(filepath.Join(root, "other"), make([]byte, over), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.Prepare(ctx, "d", "base"); !errdefs.IsResourceExhausted(err) {
+		t.Errorf("Prepare with only the reserve free: %v, want ResourceExhausted", err)
 	}
 }
 
@@ -172,4 +276,38 @@ func BenchmarkPrepareWritableCap(b *testing.B) {
 	b.ReportMetric(capped.Seconds()*1000/n, "ms-prepare-capped")
 	b.ReportMetric(removeCapped.Seconds()*1000/n, "ms-remove-capped")
 	b.ReportMetric(capped.Seconds()/plain.Seconds(), "x-prepare")
+}
+
+// TestWritableCapUnavailable: on a node without mkfs.ext4 the default
+// cap is dropped with a warning (not an error): container snapshots are
+// made uncapped, and a label that asks for a cap fails Prepare.
+func TestWritableCapUnavailable(t *testing.T) {
+	prereq.RequireRoot(t)
+	t.Setenv("PATH", t.TempDir())
+	ctx := testContext(t)
+	s, err := New(ctx, t.TempDir(), newFakeFS(), WithWritableCap(diskcap.Limits{Bytes: 16 << 20}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if _, err := s.Prepare(ctx, "base-x", "", snapshots.WithLabels(map[string]string{snapshots.LabelSnapshotRef: "base"})); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(ctx, "base", "base-x"); err != nil {
+		t.Fatal(err)
+	}
+	ms, err := s.Prepare(ctx, "c", "base")
+	if err != nil {
+		t.Fatalf("Prepare without mkfs.ext4: %v", err)
+	}
+	up, err := upperDir(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, _ := diskcap.Read(up); ok {
+		t.Errorf("a cap without mkfs.ext4")
+	}
+	if _, err := s.Prepare(ctx, "d", "base", snapshots.WithLabels(map[string]string{diskcap.LabelBytes: fmt.Sprint(8 << 20)})); err == nil {
+		t.Errorf("a label asking for a cap was prepared without mkfs.ext4")
+	}
 }

@@ -155,8 +155,9 @@ type LayerStatus struct {
 }
 
 type config struct {
-	overlayOpts []overlay.Opt
-	writableCap diskcap.Limits
+	overlayOpts     []overlay.Opt
+	writableCap     diskcap.Limits
+	writableReserve *int
 }
 
 // Opt configures a Snapshotter.
@@ -180,6 +181,9 @@ type Snapshotter struct {
 	// writableDefault is the disk cap of container snapshots whose labels
 	// name none (WithWritableCap).
 	writableDefault diskcap.Limits
+	// writableReserve is the percentage of the file system no capped
+	// layer takes (WithWritableReserve).
+	writableReserve int
 
 	mu     sync.Mutex
 	layers map[digest.Digest]*layer
@@ -244,6 +248,18 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		layers:      make(map[digest.Digest]*layer),
 
 		writableDefault: c.writableCap,
+		writableReserve: DefaultWritableReserve,
+	}
+	if c.writableReserve != nil {
+		s.writableReserve = *c.writableReserve
+	}
+	if s.writableDefault.Bytes > 0 {
+		if err := diskcap.Available(); err != nil {
+			// Never silently: without the cap a writer can fill the
+			// node's disk before the shim's measurement sees it.
+			log.G(ctx).WithError(err).Warn("writable layers get no disk cap on this node; the envlet shim only measures them, and one environment can fill the node's disk")
+			s.writableDefault = diskcap.Limits{}
+		}
 	}
 	if err := s.restore(ctx); err != nil {
 		ov.Close()
@@ -480,7 +496,7 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 		}
 		return s.nativeMounts(ctx, mounts), nil
 	}
-	dcap, opts, err := s.writableCap(opts)
+	dcap, opts, err := s.writableCap(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -1055,12 +1071,15 @@ func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpath
 
 // Commit is overlay's, without internalLabels: containerd's unpacker
 // passes a layer's annotations to Commit as it does to Prepare.
-// A snapshot with a disk cap cannot be committed: its files live in the
-// cap's file system, which goes with the active snapshot.
+// A snapshot with a disk cap first has its files copied off the cap's
+// file system, which goes (commitCapped): committing costs a copy of
+// the layer, as BuildKit's steps on this snapshotter do.
 func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
 	if !unpacking(opts) {
 		if info, err := s.Snapshotter.Stat(ctx, key); err == nil && isCapped(info) {
-			return fmt.Errorf("commit %s: it has a disk cap (%s); copy its changes with a diff instead: %w", key, diskcap.LabelBytes, errdefs.ErrFailedPrecondition)
+			if err := s.commitCapped(ctx, info); err != nil {
+				return fmt.Errorf("commit %s: %w", key, err)
+			}
 		}
 	}
 	return s.Snapshotter.Commit(ctx, name, key, append(slices.Clone(opts), dropInternal)...)

@@ -18,6 +18,7 @@ import (
 	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/peer"
+	"github.com/envsnap/envsnap/snapshotter"
 )
 
 // Defaults, all in one place.
@@ -58,7 +59,13 @@ const (
 	// needed), which a 3 s delay hid; the fill now yields to foreground
 	// work node-wide (see fetch.Layer.StartFill), BenchmarkColdStart.
 	DefaultFillDelay = Duration(0)
-	DefaultLogLevel  = "info"
+	// DefaultWritableDiskLimit: a hard cap by default, so that a writer
+	// fails at its cap instead of filling the node's disk between two
+	// measurements of the shim's watcher; it costs a sparse file, mkfs
+	// and a loop mount per container start (docs/snapshotter.md, "Disk
+	// cap of the writable layer").
+	DefaultWritableDiskLimit = Size(20 << 30)
+	DefaultLogLevel          = "info"
 	// StatusSocketSuffix is appended to the gRPC address for the local
 	// HTTP socket that serves /status, /footprints, /healthz and
 	// /metrics, so the status command finds a daemon from its address
@@ -139,16 +146,19 @@ type Config struct {
 	// ReadTimeout bounds one FUSE read; a read that cannot be served in
 	// time fails with EIO.
 	ReadTimeout Duration `toml:"read_timeout"`
-	// WritableDiskLimit, when set, gives every container's writable
-	// layer a hard size: its upper and work directories live on an ext4
-	// file system of that size, loop-mounted for the container
-	// (internal/diskcap), and writing past it fails with ENOSPC. A
-	// container's snapshot label containerd.io/snapshot/envsnap.disk-limit
-	// (bytes; 0 for none) overrides it. Off by default: it adds mkfs and a
-	// mount to every container start. WritableInodeLimit caps the files
-	// of such a layer (0: one inode per 16 KiB).
-	WritableDiskLimit  Size  `toml:"writable_disk_limit"`
-	WritableInodeLimit int64 `toml:"writable_inode_limit"`
+	// WritableDiskLimit gives every container's writable layer a hard
+	// size (DefaultWritableDiskLimit; 0 for none): its upper and work
+	// directories live on an ext4 file system of that size, loop-mounted
+	// for the container (internal/diskcap), and writing past it fails
+	// with ENOSPC. A container's snapshot label
+	// containerd.io/snapshot/envsnap.disk-limit (bytes; 0 for none)
+	// overrides it. WritableInodeLimit caps the files of such a layer (0:
+	// one inode per 16 KiB). WritableDiskReserve is the percentage of the
+	// root's file system that no layer may take: a cap larger than the
+	// free space beyond it shrinks to that space when the layer is made.
+	WritableDiskLimit   Size  `toml:"writable_disk_limit"`
+	WritableInodeLimit  int64 `toml:"writable_inode_limit"`
+	WritableDiskReserve int   `toml:"writable_disk_reserve"`
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
 	// Peers is the cluster tier: nodes fetch frames from each other
@@ -391,6 +401,8 @@ func DefaultConfig() Config {
 		PrefetchPolicy:       defaultPrefetchPolicy(),
 		ReadTimeout:          DefaultReadTimeout,
 		LazyMinSize:          DefaultLazyMinSize,
+		WritableDiskLimit:    DefaultWritableDiskLimit,
+		WritableDiskReserve:  snapshotter.DefaultWritableReserve,
 		LogLevel:             DefaultLogLevel,
 	}
 }
@@ -437,6 +449,9 @@ func (c *Config) Validate() error {
 	}
 	if _, err := diskcap.FromLabels(nil, c.WritableCap()); err != nil || c.WritableInodeLimit < 0 {
 		return fmt.Errorf("writable_disk_limit %d, writable_inode_limit %d: want 0 (none) or at least %d bytes, and a non-negative number of files", c.WritableDiskLimit, c.WritableInodeLimit, diskcap.MinBytes)
+	}
+	if c.WritableDiskReserve < 0 || c.WritableDiskReserve >= 100 {
+		return fmt.Errorf("writable_disk_reserve %d: want a percentage from 0 to 99", c.WritableDiskReserve)
 	}
 	if c.FillDelay < 0 {
 		return fmt.Errorf("fill_delay must not be negative")

@@ -44,6 +44,10 @@ log_level = "debug"
 		{"writable cap", "writable_disk_limit = \"20GiB\"\nwritable_inode_limit = 2000000", func(c Config) bool {
 			return c.WritableCap().Bytes == 20<<30 && c.WritableCap().Inodes == 2000000
 		}, false},
+		{"writable cap by default", `log_level = "info"`, func(c Config) bool {
+			return c.WritableCap().Bytes == 20<<30 && c.WritableDiskReserve == 10
+		}, false},
+		{"writable reserve", "writable_disk_reserve = 5", func(c Config) bool { return c.WritableDiskReserve == 5 }, false},
 		{"unknown field", `cache_sise = "1GiB"`, nil, true},
 		{"bad size", `cache_size = "lots"`, nil, true},
 		{"bad duration", `read_timeout = "soon"`, nil, true},

@@ -178,7 +178,8 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		log.G(ctx).WithError(err).Error("take over layer mounts of the previous daemon")
 	}
-	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()))
+	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()),
+		snapshotter.WithWritableReserve(cfg.WritableDiskReserve))
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}

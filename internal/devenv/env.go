@@ -25,6 +25,7 @@ import (
 
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/core/remotes"
 	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/core/remotes/docker/config"
@@ -70,6 +71,7 @@ type options struct {
 	envsnap      bool
 	envsnapArgs  []string
 	envsnapBin   string
+	envsnapRoot  string
 	lazyDefault  bool
 	containerEnv []string
 	extraConfig  string
@@ -90,6 +92,12 @@ type Option func(*options)
 // (root, hosts dir and socket are set by the env; args are appended).
 func WithEnvsnap(args ...string) Option {
 	return func(o *options) { o.envsnap = true; o.envsnapArgs = args }
+}
+
+// WithEnvsnapRoot puts the daemon's state directory at dir instead of in
+// the env's directory (e.g. on a small file system the test made).
+func WithEnvsnapRoot(dir string) Option {
+	return func(o *options) { o.envsnapRoot = dir }
 }
 
 // WithDefaultLazyMinSize keeps the daemon's default lazy_min_size, so
@@ -255,6 +263,9 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 
 	e.SnapshotterSocket = filepath.Join(dir, "envsnap.sock")
 	e.EnvsnapRoot = filepath.Join(dir, "envsnap")
+	if e.opts.envsnapRoot != "" {
+		e.EnvsnapRoot = e.opts.envsnapRoot
+	}
 	if e.opts.envsnap {
 		if _, err := e.StartEnvsnap(); err != nil {
 			return nil, err
@@ -444,6 +455,13 @@ func (e *Env) StartEnvsnap() (*Process, error) {
 		return nil, err
 	}
 	e.Envsnap = p
+	if e.Client != nil {
+		// A restarted daemon is stopped at Close before what was
+		// registered earlier, containerd's teardown included: clear the
+		// containers, and collect their snapshots (disk caps are mounts),
+		// while this daemon still serves.
+		e.onClose(e.removeContainers)
+	}
 	// A socket file alone may be the one a killed daemon left (the new
 	// one removes it as it starts): wait for an answer.
 	if err := waitFor(20*time.Second, "envsnap socket", func() error {
@@ -687,6 +705,23 @@ func (e *Env) removeContainers() {
 		for _, img := range imgs {
 			_ = is.Delete(nctx, img.Name)
 		}
+		// Leases a client left (BuildKit keeps its snapshots under its
+		// own) hold snapshots, and a container snapshot's disk cap is a
+		// mount.
+		ls, _ := e.Client.LeasesService().List(nctx)
+		for _, l := range ls {
+			_ = e.Client.LeasesService().Delete(nctx, l)
+		}
+	}
+	// A deleted container's snapshot leaves the snapshotter at the next
+	// garbage collection: run one now, so that the writable layers' disk
+	// caps are unmounted before the daemons stop (a synchronous lease
+	// delete collects before it returns).
+	gctx := namespaces.WithNamespace(ctx, e.Namespace)
+	if l, err := e.Client.LeasesService().Create(gctx, leases.WithRandomID()); err != nil {
+		e.Logf("teardown: create a lease to collect garbage: %v", err)
+	} else if err := e.Client.LeasesService().Delete(gctx, l, leases.SynchronousDelete); err != nil {
+		e.Logf("teardown: collect garbage: %v", err)
 	}
 	e.Client.Close()
 }

@@ -5,7 +5,12 @@
 // loop-mounted over it. Writing past the limit fails with ENOSPC in the
 // container; the envlet shim reads the limit from a record at the file
 // system's root (outside the upper directory) and reports the full file
-// system as DISK_CAP_EXCEEDED.
+// system as DISK_CAP_EXCEEDED. The layer's files use the inodes of its
+// own file system, so an inode bomb exhausts the layer, not the node.
+//
+// The images are sparse: Share sizes a cap so that a layer filled to it
+// leaves the node a reserve, and Uncap moves a layer's files back onto
+// the node's file system when its snapshot is committed.
 //
 // The loop device is set up with autoclear: it goes away when the file
 // system is unmounted, or when the process setting it up dies before it
@@ -23,6 +28,7 @@ import (
 	"strconv"
 
 	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/continuity/fs"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
@@ -42,8 +48,7 @@ const (
 	recordName = "envsnap-disk-cap.json"
 )
 
-// Limits is a cap; Inodes 0 leaves mkfs.ext4's default (one inode per
-// 16 KiB).
+// Limits is a cap; Inodes 0 gives one inode per 16 KiB.
 type Limits struct {
 	Bytes  int64 `json:"bytes"`
 	Inodes int64 `json:"inodes,omitempty"`
@@ -107,6 +112,10 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 	args := []string{"-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1"}
 	if l.Inodes > 0 {
 		args = append(args, "-N", strconv.FormatInt(l.Inodes, 10))
+	} else {
+		// mke2fs.conf's ratio depends on the size (one inode per 4 KiB
+		// below 512 MiB): one per 16 KiB whatever the share.
+		args = append(args, "-i", "16384")
 	}
 	if out, err := exec.CommandContext(ctx, "mkfs.ext4", append(args, img)...).CombinedOutput(); err != nil {
 		return fmt.Errorf("disk cap: mkfs.ext4: %v: %s", err, out)
@@ -144,15 +153,93 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 	return nil
 }
 
+// Available says why this node cannot make capped file systems (no
+// mkfs.ext4, no loop devices), or nil when it can.
+func Available() error {
+	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
+		return fmt.Errorf("disk cap: no mkfs.ext4 on the node: %w", err)
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		return fmt.Errorf("disk cap: no loop devices on the node: %w", err)
+	}
+	return nil
+}
+
+// Share is the size of a new capped layer that asks for want bytes on a
+// file system of size bytes with avail free: want, or less so that what
+// stays free when the layer is full is at least reservePct percent of
+// the file system. The images are sparse, so a layer that fills its cap
+// takes at most what was free beyond the reserve when it started, and
+// its neighbours keep the reserve. An error means the node has no room
+// for a layer of MinBytes.
+func Share(want, size, avail int64, reservePct int) (int64, error) {
+	reserve := size / 100 * int64(reservePct)
+	room := avail - reserve
+	if room >= want {
+		return want, nil
+	}
+	if room < MinBytes {
+		return 0, fmt.Errorf("disk cap: the node's writable file system has %d bytes free, %d of them its reserve (%d%%): no room for a writable layer of %d bytes",
+			avail, reserve, reservePct, MinBytes)
+	}
+	return room, nil
+}
+
+// Space is the size and the free space (for an unprivileged writer) of
+// the file system holding dir.
+func Space(dir string) (size, avail int64, err error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, 0, fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	return int64(st.Blocks) * int64(st.Bsize), int64(st.Bavail) * int64(st.Bsize), nil
+}
+
+// Uncap turns the capped snapshot directory dir back into a plain one,
+// so that it can be committed: it copies the upper directory "fs" from
+// the capped file system to staging (a path that does not exist yet, on
+// the file system below dir), unmounts dir, puts the copy in place of
+// the empty "fs" the mount covered and removes the image. A busy file
+// system (a container still runs on it) fails and stays capped, without
+// staging; past the unmount, staging is all there is of the layer and is
+// kept whatever happens.
+func Uncap(dir, staging string) error {
+	// Overlay's whiteouts are devices and its opaque markers xattrs;
+	// CopyDir keeps both, and hard links.
+	if err := fs.CopyDir(staging, filepath.Join(dir, "fs")); err != nil {
+		os.RemoveAll(staging)
+		return fmt.Errorf("disk cap: copy the writable layer out: %w", err)
+	}
+	if err := unix.Unmount(dir, 0); err != nil {
+		os.RemoveAll(staging)
+		return fmt.Errorf("disk cap: unmount %s: %w", dir, err)
+	}
+	upper := filepath.Join(dir, "fs")
+	if err := os.Remove(upper); err != nil {
+		return fmt.Errorf("disk cap: %w", err)
+	}
+	if err := os.Rename(staging, upper); err != nil {
+		return fmt.Errorf("disk cap: put the writable layer back: %w", err)
+	}
+	if err := os.Remove(filepath.Join(dir, imageName)); err != nil {
+		return fmt.Errorf("disk cap: remove image: %w", err)
+	}
+	return nil
+}
+
 // Capped reports whether dir holds a capped snapshot's image.
 func Capped(dir string) bool {
 	_, err := os.Lstat(filepath.Join(dir, imageName))
 	return err == nil
 }
 
-// Mount mounts dir's image over dir.
+// Mount mounts dir's image over dir. The loop device reads and writes
+// the image with direct I/O: buffered, every byte written sat in the page
+// cache twice (the layer's file system's and the image file's), and a
+// 64 MiB dd with fsync took 1.76x as long as on a plain upper directory;
+// with direct I/O 0.99x (BenchmarkDefaultDiskCap, one run).
 func Mount(dir string) error {
-	m := mount.Mount{Type: "ext4", Source: filepath.Join(dir, imageName), Options: []string{"loop"}}
+	m := mount.Mount{Type: "ext4", Source: filepath.Join(dir, imageName), Options: []string{"loop", "direct-io"}}
 	if err := m.Mount(dir); err != nil {
 		return fmt.Errorf("disk cap: mount %s: %w", m.Source, err)
 	}
@@ -199,17 +286,22 @@ func Read(upper string) (l Limits, ok bool, err error) {
 }
 
 // Usage is what statfs says of the file system holding upper: bytes and
-// files in use, and whether it is full (less than fullSlack free, or no
-// inode left).
-func Usage(upper string) (usedBytes, usedInodes int64, full bool, err error) {
+// files in use, and why it is full ("" when it is not): less than
+// fullSlack free, or no inode left.
+func Usage(upper string) (usedBytes, usedInodes int64, full string, err error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(upper, &st); err != nil {
-		return 0, 0, false, fmt.Errorf("statfs %s: %w", upper, err)
+		return 0, 0, "", fmt.Errorf("statfs %s: %w", upper, err)
 	}
 	bs := int64(st.Bsize)
 	usedBytes = int64(st.Blocks-st.Bfree) * bs
 	usedInodes = int64(st.Files - st.Ffree)
-	full = int64(st.Bavail)*bs < fullSlack || st.Ffree == 0
+	switch {
+	case st.Ffree == 0:
+		full = "no inode left"
+	case int64(st.Bavail)*bs < fullSlack:
+		full = "less than 1 MiB free"
+	}
 	return usedBytes, usedInodes, full, nil
 }
 

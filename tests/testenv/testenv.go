@@ -38,6 +38,7 @@ type (
 var (
 	WithEnvsnap            = devenv.WithEnvsnap
 	WithEnvsnapBinary      = devenv.WithEnvsnapBinary
+	WithEnvsnapRoot        = devenv.WithEnvsnapRoot
 	WithDefaultLazyMinSize = devenv.WithDefaultLazyMinSize
 	WithEnvlet             = devenv.WithEnvlet
 	WithContainerdEnv      = devenv.WithContainerdEnv

@@ -221,6 +221,19 @@ journalctl --no-pager -u containerd | grep -E 'lsm: (rules attached|no BPF LSM)'
 check shim-lsm "the shim did not attach its BPF LSM rules to the envlet container $C1" \
 	sh -c "journalctl --no-pager -u containerd | grep 'lsm: rules attached' | grep -q '$C1'"
 
+# --- the writable layer's hard cap, on by default: its upper directory
+# is on a loop-mounted ext4, and the shim's statfs watcher ends a layer
+# past the guard's disk cap (lowered to 8 MiB by annotation) ---
+UPPER=$(sed -n 's/.* - overlay .*upperdir=\([^,]*\).*/\1/p' "/proc/$(crictl inspect "$C1" | jq -r .info.pid)/mountinfo" | head -n 1)
+log "writable layer of $C1: $UPPER on $(findmnt -n -o SOURCE,FSTYPE,SIZE --target "$UPPER")"
+check disk-cap-mounted "the writable layer '$UPPER' of $C1 is not on a loop-mounted ext4" \
+	sh -c "findmnt -n -o SOURCE,FSTYPE --target '$UPPER' | grep -q '^/dev/loop[0-9]* *ext4'"
+CF=$(run_ctr "$POD" filler "dd if=/dev/zero of=/fill bs=1M count=32; exec sleep 100000" '{"io.envsnap.shim.disk-limit": "8388608"}')
+check disk-cap-failure "the filler did not end with DISK_CAP_EXCEEDED: $(cat /var/lib/vmtest/term-filler 2>/dev/null)" \
+	wait_for 120 grep -q DISK_CAP_EXCEEDED /var/lib/vmtest/term-filler
+log "filler: $(cat /var/lib/vmtest/term-filler 2>/dev/null)"
+[ -n "$CF" ] && crictl rm -f "$CF" >/dev/null 2>&1
+
 # watch_file FILE SECONDS SEEN: logs every distinct value of a cgroup
 # file and appends it to SEEN.
 watch_file() {
