@@ -43,6 +43,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
@@ -233,6 +234,9 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 	if err := os.MkdirAll(filepath.Join(root, "layers"), 0o700); err != nil {
 		return nil, fmt.Errorf("create layers dir: %w", err)
 	}
+	if err := waitMetadataUnlocked(ctx, filepath.Join(root, "metadata.db"), metadataLockWait); err != nil {
+		return nil, err
+	}
 	ov, err := overlay.NewSnapshotter(root, c.overlayOpts...)
 	if err != nil {
 		return nil, fmt.Errorf("open overlay snapshotter: %w", err)
@@ -258,6 +262,45 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		return nil, err
 	}
 	return s, nil
+}
+
+// metadataLockWait bounds how long New waits for another process to let go
+// of the metadata database.
+const metadataLockWait = 5 * time.Second
+
+// waitMetadataUnlocked waits until no other process holds the metadata
+// database at path, for at most wait or until ctx is done. Overlay opens
+// the database without a timeout, and bolt then waits on its file lock
+// forever, deaf to the caller's context: a second process on the same root
+// would hang there. bolt takes an exclusive flock on the file, so a
+// non-blocking one here fails exactly while it is held.
+func waitMetadataUnlocked(ctx context.Context, path string, wait time.Duration) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open metadata database %s: %w", path, err)
+	}
+	defer f.Close()
+	deadline := time.Now().Add(wait)
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			return fmt.Errorf("lock metadata database %s: %w", path, err)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("metadata database %s is locked by another process (still after %s): %w", path, wait, errdefs.ErrUnavailable)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the metadata database %s: %w", path, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // layerMountpoint avoids ':' (the digest separator) in paths because

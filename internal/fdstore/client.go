@@ -3,6 +3,7 @@
 package fdstore
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -40,8 +41,10 @@ func Dial(path string) (*Client, error) {
 // and exits (systemd-run starting it as a unit of its own, so it outlives
 // the caller's cgroup, e.g. a Kubernetes pod): a launcher exiting with
 // status 0 is not a failure, and Start waits for the socket as for a
-// keeper it runs itself.
-func Start(path, bin string, args ...string) (*Client, error) {
+// keeper it runs itself. Start gives up when ctx is done or the keeper
+// does not answer within 10 s; a keeper it started keeps running then
+// (it exits by itself once it holds nothing and no daemon is connected).
+func Start(ctx context.Context, path, bin string, args ...string) (*Client, error) {
 	if c, err := Dial(path); err == nil {
 		return c, nil
 	}
@@ -72,6 +75,8 @@ func Start(path, bin string, args ...string) (*Client, error) {
 				return c, nil
 			}
 			return nil, fmt.Errorf("fdstore: keeper exited: %v", werr)
+		case <-ctx.Done():
+			return nil, fmt.Errorf("fdstore: wait for the keeper at %s: %w", path, ctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {

@@ -40,7 +40,7 @@ func TestStartThroughLauncher(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("FDSTORE_TEST_KEEPER", path)
-	c, err := Start(path, "/bin/sh", "-c", `"$0" -test.run=^$ & exit 0`, self)
+	c, err := Start(t.Context(), path, "/bin/sh", "-c", `"$0" -test.run=^$ & exit 0`, self)
 	if err != nil {
 		t.Fatalf("start through a launcher: %v", err)
 	}
@@ -48,7 +48,7 @@ func TestStartThroughLauncher(t *testing.T) {
 	if es, err := c.List(); err != nil || len(es) != 0 {
 		t.Fatalf("List on the launched keeper = %v, %v", es, err)
 	}
-	if _, err := Start(filepath.Join(dir, "other.sock"), "/bin/sh", "-c", "exit 3"); err == nil {
+	if _, err := Start(t.Context(), filepath.Join(dir, "other.sock"), "/bin/sh", "-c", "exit 3"); err == nil {
 		t.Fatal("a failing launcher was not reported")
 	}
 }

@@ -51,6 +51,8 @@ type outageRig struct {
 	signals          string
 	dataMount        string       // the layer mount holding /data
 	down             atomic.Bool  // the registry is unreachable
+	stall            atomic.Bool  // the registry accepts requests and never answers
+	stalled          atomic.Int64 // requests held while stalling
 	manifestRequests atomic.Int64 // manifest GETs while down
 }
 
@@ -68,6 +70,12 @@ func newOutageRig(t *testing.T) *outageRig {
 	// Unreachable as a dead link or a stopped proxy is: every connection
 	// is reset before an answer.
 	r.env.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+		if r.stall.Load() {
+			r.stalled.Add(1)
+			for r.stall.Load() && req.Context().Err() == nil {
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
 		if !r.down.Load() {
 			return false
 		}
