@@ -47,8 +47,10 @@ func TestMetadataKeptInCache(t *testing.T) {
 		if err := s.Mount(ctx, mp, labels); err != nil {
 			return err
 		}
-		defer s.Unmount(context.Background(), mp)
 		b, err := os.ReadFile(filepath.Join(mp, "a.txt"))
+		if uerr := s.Unmount(context.Background(), mp); uerr != nil {
+			t.Errorf("unmount layer at %s: %v", mp, uerr)
+		}
 		if err != nil || string(b) != "kept across restarts\n" {
 			t.Fatalf("read: %q, %v", b, err)
 		}
