@@ -152,12 +152,17 @@ type LayerStatus struct {
 	// the one that created it.
 	Refs    []string `json:"refs,omitempty"`
 	Mounted bool     `json:"mounted"`
-	Error   string   `json:"error,omitempty"` // last mount failure
+	// Broken: snapshots use the layer but it is not mounted (its restore
+	// failed); it is mounted again in the background (WithHealInterval),
+	// and containers cannot start on it until then.
+	Broken bool   `json:"broken,omitempty"`
+	Error  string `json:"error,omitempty"` // last mount failure
 }
 
 type config struct {
-	overlayOpts []overlay.Opt
-	writableCap diskcap.Limits
+	overlayOpts  []overlay.Opt
+	writableCap  diskcap.Limits
+	healInterval time.Duration
 }
 
 // Opt configures a Snapshotter.
@@ -167,6 +172,20 @@ type Opt func(*config) error
 func WithOverlayOpts(opts ...overlay.Opt) Opt {
 	return func(c *config) error {
 		c.overlayOpts = append(c.overlayOpts, opts...)
+		return nil
+	}
+}
+
+// WithHealInterval makes the snapshotter try, every d, to mount again the
+// layers that snapshots use but that are not mounted (a restore that
+// failed: registry unreachable, cache disk full), so they heal without any
+// client action. The daemon passes its read timeout: each attempt takes
+// at most that long, so a layer heals within twice the read timeout of
+// the registry's return. 0 (the default) turns it off; the next Prepare
+// or Mounts over the layer still tries.
+func WithHealInterval(d time.Duration) Opt {
+	return func(c *config) error {
+		c.healInterval = d
 		return nil
 	}
 }
@@ -189,6 +208,12 @@ type Snapshotter struct {
 	// preparing holds the lazy targets a Prepare is making, closed when
 	// it is done (lockTarget).
 	preparing map[string]chan struct{}
+
+	// kick wakes the heal loop at once (a Stat of a snapshot of a broken
+	// layer: an image pull is looking at it); stopHeal ends the loop.
+	kick     chan struct{}
+	stopHeal context.CancelFunc
+	healDone chan struct{}
 }
 
 // layer is one shared layer mount. mu serialises mounting and unmounting it;
@@ -200,6 +225,9 @@ type layer struct {
 	refs       int
 	mounted    bool
 	lastErr    error
+	// labels are what the layer is mounted (again) with: the lazy labels
+	// of its snapshots.
+	labels map[string]string
 	// users maps each committed snapshot of the layer to the image it was
 	// last pulled for, so status names images that still use the layer,
 	// not the first one that mounted it.
@@ -261,7 +289,140 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		ov.Close()
 		return nil, err
 	}
+	s.kick = make(chan struct{}, 1)
+	if c.healInterval > 0 {
+		hctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		s.stopHeal, s.healDone = cancel, make(chan struct{})
+		go s.heal(hctx, c.healInterval)
+	}
 	return s, nil
+}
+
+// heal mounts again, every interval or when kicked, the layers that
+// snapshots use but that are not mounted, until ctx is done.
+func (s *Snapshotter) heal(ctx context.Context, interval time.Duration) {
+	defer close(s.healDone)
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-s.kick:
+		}
+		for _, l := range s.brokenLayers() {
+			l.mu.Lock()
+			err := s.remountLocked(ctx, l)
+			l.mu.Unlock()
+			lg := log.G(ctx).WithField("layer", l.dgst)
+			if err != nil {
+				lg.WithError(err).Debug("broken layer still cannot be mounted")
+			} else {
+				lg.Info("broken layer mounted again")
+			}
+		}
+	}
+}
+
+// brokenLayers returns the layers snapshots use that are not mounted.
+func (s *Snapshotter) brokenLayers() []*layer {
+	s.mu.Lock()
+	var used []*layer
+	for _, l := range s.layers {
+		if l.refs > 0 && !s.closed {
+			used = append(used, l)
+		}
+	}
+	s.mu.Unlock()
+	var out []*layer
+	for _, l := range used {
+		l.mu.Lock()
+		if !l.mounted {
+			out = append(out, l)
+		}
+		l.mu.Unlock()
+	}
+	return out
+}
+
+// remountLocked mounts l again if snapshots use it and it is not mounted,
+// with the labels it was mounted with, bounded like a restore (the
+// FileSystem gives a registry round trip the read timeout). l.mu is held.
+func (s *Snapshotter) remountLocked(ctx context.Context, l *layer) error {
+	s.mu.Lock()
+	used, closed := l.refs > 0, s.closed
+	s.mu.Unlock()
+	if l.mounted || !used || closed {
+		return nil
+	}
+	if l.labels == nil {
+		return fmt.Errorf("layer %s: no labels to mount it with", l.dgst)
+	}
+	return s.mountLocked(context.WithValue(ctx, restoringKey{}, true), l, l.labels)
+}
+
+// Stat is overlay's Stat. A Stat of a lazy snapshot whose layer is broken
+// (an image pull checking whether the layer is there: containerd's
+// unpacker asks nothing else of an image that is present) wakes the heal
+// loop, so the pull is what brings the layer back once it can be mounted.
+func (s *Snapshotter) Stat(ctx context.Context, key string) (snapshots.Info, error) {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return info, err
+	}
+	if d, perr := digest.Parse(info.Labels[LabelLayerDigest]); perr == nil {
+		s.mu.Lock()
+		l := s.layers[d]
+		used := l != nil && l.refs > 0
+		s.mu.Unlock()
+		// A layer being mounted right now (l.mu held) needs no kick.
+		broken := false
+		if used && l.mu.TryLock() {
+			broken = !l.mounted
+			l.mu.Unlock()
+		}
+		if broken {
+			select {
+			case s.kick <- struct{}{}:
+			default:
+			}
+		}
+	}
+	return info, nil
+}
+
+// ensureLayers mounts again the broken lazy layers of the chain from
+// snapshot name down to its base, before overlay is asked for a snapshot
+// over them: overlay stats its parent's directory, which is the symlink
+// to the layer's mountpoint, and containerd would be told "failed to stat
+// parent" with no word of the layer. A layer that still cannot be mounted
+// fails the call with the reason (ErrUnavailable).
+func (s *Snapshotter) ensureLayers(ctx context.Context, name string) error {
+	for name != "" {
+		info, err := s.Snapshotter.Stat(ctx, name)
+		if err != nil {
+			return nil //nolint:nilerr // overlay reports a missing parent itself
+		}
+		if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil && info.Kind == snapshots.KindCommitted {
+			s.mu.Lock()
+			l := s.layers[d]
+			s.mu.Unlock()
+			if l != nil {
+				l.mu.Lock()
+				if l.labels == nil {
+					l.labels = lazyLabels(info.Labels)
+				}
+				err := s.remountLocked(ctx, l)
+				l.mu.Unlock()
+				if err != nil {
+					return fmt.Errorf("snapshot %s: its lazy layer %s is not mounted: %w: %w", name, d, err, errdefs.ErrUnavailable)
+				}
+			}
+		}
+		name = info.Parent
+	}
+	return nil
 }
 
 // metadataLockWait bounds how long New waits for another process to let go
@@ -338,8 +499,9 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 		g.Go(func() error {
 			l.mu.Lock()
 			defer l.mu.Unlock()
+			l.labels = labels
 			if err := s.mountLocked(ctx, l, labels); err != nil {
-				log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; snapshots using it cannot be mounted until a pull of the layer remounts it")
+				log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; the layer is broken until it can be mounted again (retried in the background)")
 			}
 			return nil
 		})
@@ -488,7 +650,7 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 		os.Remove(l.mountpoint)
 		return fmt.Errorf("mount layer %s: %w", l.dgst, err)
 	}
-	l.mounted, l.lastErr = true, nil
+	l.mounted, l.lastErr, l.labels = true, nil, labels
 	return nil
 }
 
@@ -550,6 +712,9 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 
 // View is overlay's View with native lowers (see Prepare).
 func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	if err := s.ensureLayers(ctx, parent); err != nil {
+		return nil, err
+	}
 	mounts, err := s.Snapshotter.View(ctx, key, parent, opts...)
 	if err != nil {
 		return nil, err
@@ -562,15 +727,18 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 // snapshot that is not an unpack's, without evaluator layers (see
 // Prepare).
 func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.ensureLayers(ctx, info.Parent); err != nil {
+		return nil, err
+	}
 	mounts, err := s.Snapshotter.Mounts(ctx, key)
 	if err != nil {
 		return nil, err
 	}
 	mounts = s.nativeMounts(ctx, mounts)
-	info, err := s.Snapshotter.Stat(ctx, key)
-	if err != nil {
-		return nil, err
-	}
 	if info.Kind != snapshots.KindActive || info.Labels[snapshots.LabelSnapshotRef] != "" {
 		return mounts, nil
 	}
@@ -597,6 +765,9 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 	if dropInternalLabels(base.Labels) {
 		opts = append(slices.Clone(opts), dropInternal)
 	}
+	if err := s.ensureLayers(ctx, parent); err != nil {
+		return nil, err
+	}
 	target := base.Labels[snapshots.LabelSnapshotRef]
 	labels, ok := remoteLabels(ctx, base.Labels)
 	if target == "" || !ok {
@@ -613,6 +784,11 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 		if info.Kind == snapshots.KindCommitted && info.Parent == parent {
 			if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil {
 				s.noteUser(d, target, labels[LabelImageRef])
+			}
+			// A pull of an image whose layer is broken mounts it again
+			// (or the next snapshot over it says why not).
+			if err := s.ensureLayers(ctx, target); err != nil {
+				log.G(ctx).WithError(err).Warn("pull of a broken lazy layer")
 			}
 			return nil, fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
 		}
@@ -1171,7 +1347,7 @@ func (s *Snapshotter) Layers() []LayerStatus {
 	out := make([]LayerStatus, len(ls))
 	for i, l := range ls {
 		l.mu.Lock()
-		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Refs: images[i], Mounted: l.mounted}
+		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Refs: images[i], Mounted: l.mounted, Broken: refs[i] > 0 && !l.mounted}
 		if l.lastErr != nil {
 			out[i].Error = l.lastErr.Error()
 		}
@@ -1191,11 +1367,16 @@ func (s *Snapshotter) Close() error {
 		return nil
 	}
 	s.closed = true
+	stopHeal, healDone := s.stopHeal, s.healDone
 	ls := make([]*layer, 0, len(s.layers))
 	for _, l := range s.layers {
 		ls = append(ls, l)
 	}
 	s.mu.Unlock()
+	if stopHeal != nil {
+		stopHeal()
+		<-healDone
+	}
 	ctx := context.Background()
 	inUse := s.layersInUse(ctx)
 	for _, l := range ls {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/opencontainers/go-digest"
 	"golang.org/x/sys/unix"
 )
 
@@ -67,5 +68,91 @@ func TestNewMetadataLocked(t *testing.T) {
 	err = newBounded(testContext(t))
 	if !errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), "locked by another process") {
 		t.Errorf("New on a locked database: %v, want unavailable, locked by another process", err)
+	}
+}
+
+// setMountErr makes the fake's Mount fail with err (nil: succeed), safely
+// while the heal loop calls Mount.
+func (f *fakeFS) setMountErr(err error) {
+	f.mu.Lock()
+	f.mountErr = err
+	f.mu.Unlock()
+}
+
+// TestBrokenLayerHeals: a layer whose restore failed is reported broken
+// with the reason; a snapshot over it fails with that reason
+// (ErrUnavailable) instead of overlay's "failed to stat parent"; once it
+// can be mounted, the heal loop mounts it without any call, or at once
+// when an image pull looks at its snapshot (Stat). (A broken layer used to
+// stay broken until a Prepare of the layer itself, which a pull of an
+// image that is present never makes.)
+func TestBrokenLayerHeals(t *testing.T) {
+	fsys := newFakeFS()
+	root := t.TempDir()
+	ctx := testContext(t)
+	l := layerDigest(1)
+	s, err := New(ctx, root, fsys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prepareLazy(t, s, "c1", "", l)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	waitMounted := func(s *Snapshotter) {
+		t.Helper()
+		for start := time.Now(); ; time.Sleep(10 * time.Millisecond) {
+			if ls := s.Layers(); len(ls) == 1 && ls[0].Mounted && !ls[0].Broken && ls[0].Error == "" {
+				return
+			}
+			if time.Since(start) > 30*time.Second {
+				t.Fatalf("broken layer not mounted again 30 s after it could be: %+v", s.Layers())
+			}
+		}
+	}
+	for _, tc := range []struct {
+		name     string
+		interval time.Duration
+		poke     func(s *Snapshotter)
+	}{
+		{"heal loop", 20 * time.Millisecond, func(*Snapshotter) {}},
+		{"pull of the image", time.Hour, func(s *Snapshotter) {
+			if _, err := s.Stat(ctx, "c1"); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fsys.setMountErr(errors.New("registry unreachable"))
+			s, err := New(ctx, root, fsys, WithHealInterval(tc.interval))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			ls := s.Layers()
+			if len(ls) != 1 || ls[0].Mounted || !ls[0].Broken || !strings.Contains(ls[0].Error, "registry unreachable") {
+				t.Fatalf("layers after a failed restore: %+v, want broken with the reason", ls)
+			}
+			_, err = s.Prepare(ctx, "k-"+tc.name, "c1")
+			if !errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), l.String()) || !strings.Contains(err.Error(), "registry unreachable") {
+				t.Fatalf("Prepare over the broken layer: %v, want unavailable naming the layer and the reason", err)
+			}
+
+			fsys.setMountErr(nil)
+			tc.poke(s)
+			waitMounted(s)
+			mounts, err := s.Prepare(ctx, "k-"+tc.name, "c1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkMountedFiles(t, mounts, []digest.Digest{l})
+			if err := s.Remove(ctx, "k-"+tc.name); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Close(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }

@@ -192,7 +192,7 @@ func Run(ctx context.Context, cfg Config) error {
 		// with the keeper for the next daemon.
 		return fmt.Errorf("start-up interrupted while restoring layer mounts: %w", err)
 	}
-	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()))
+	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()), snapshotter.WithHealInterval(time.Duration(cfg.ReadTimeout)))
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}
