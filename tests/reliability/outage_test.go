@@ -2,7 +2,6 @@ package reliability_test
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -82,12 +81,7 @@ func newOutageRig(t *testing.T) *outageRig {
 		if strings.Contains(req.URL.Path, "/manifests/") {
 			r.manifestRequests.Add(1)
 		}
-		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
-			if tc, ok := conn.(*net.TCPConn); ok {
-				tc.SetLinger(0)
-			}
-			conn.Close()
-		}
+		resetConnection(w)
 		return true
 	})
 	r.rc = startContainer(t, r.env, image, r.signals, "/bin/sh", "-c", outageScript)
