@@ -43,6 +43,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/mount"
@@ -224,7 +225,10 @@ type layer struct {
 	mountpoint string
 	refs       int
 	mounted    bool
-	lastErr    error
+	// up mirrors mounted for readers that must not wait on mu, which a
+	// mount of the layer holds for as long as the registry takes.
+	up      atomic.Bool
+	lastErr error
 	// labels are what the layer is mounted (again) with: the lazy labels
 	// of its snapshots.
 	labels map[string]string
@@ -313,12 +317,18 @@ func (s *Snapshotter) heal(ctx context.Context, interval time.Duration) {
 		}
 		for _, l := range s.brokenLayers() {
 			l.mu.Lock()
+			if l.mounted { // mounted meanwhile (a Prepare, or its first mount)
+				l.mu.Unlock()
+				continue
+			}
 			err := s.remountLocked(ctx, l)
+			healed := l.mounted
 			l.mu.Unlock()
 			lg := log.G(ctx).WithField("layer", l.dgst)
-			if err != nil {
+			switch {
+			case err != nil:
 				lg.WithError(err).Debug("broken layer still cannot be mounted")
-			} else {
+			case healed:
 				lg.Info("broken layer mounted again")
 			}
 		}
@@ -337,11 +347,9 @@ func (s *Snapshotter) brokenLayers() []*layer {
 	s.mu.Unlock()
 	var out []*layer
 	for _, l := range used {
-		l.mu.Lock()
-		if !l.mounted {
+		if !l.up.Load() {
 			out = append(out, l)
 		}
-		l.mu.Unlock()
 	}
 	return out
 }
@@ -376,13 +384,7 @@ func (s *Snapshotter) Stat(ctx context.Context, key string) (snapshots.Info, err
 		l := s.layers[d]
 		used := l != nil && l.refs > 0
 		s.mu.Unlock()
-		// A layer being mounted right now (l.mu held) needs no kick.
-		broken := false
-		if used && l.mu.TryLock() {
-			broken = !l.mounted
-			l.mu.Unlock()
-		}
-		if broken {
+		if used && !l.up.Load() {
 			select {
 			case s.kick <- struct{}{}:
 			default:
@@ -399,6 +401,9 @@ func (s *Snapshotter) Stat(ctx context.Context, key string) (snapshots.Info, err
 // parent" with no word of the layer. A layer that still cannot be mounted
 // fails the call with the reason (ErrUnavailable).
 func (s *Snapshotter) ensureLayers(ctx context.Context, name string) error {
+	if len(s.brokenLayers()) == 0 {
+		return nil // the common case: no Stat of the chain
+	}
 	for name != "" {
 		info, err := s.Snapshotter.Stat(ctx, name)
 		if err != nil {
@@ -408,7 +413,9 @@ func (s *Snapshotter) ensureLayers(ctx context.Context, name string) error {
 			s.mu.Lock()
 			l := s.layers[d]
 			s.mu.Unlock()
-			if l != nil {
+			// Mounted layers (the common case) cost no lock: another
+			// layer's mount may hold its lock for a registry round trip.
+			if l != nil && !l.up.Load() {
 				l.mu.Lock()
 				if l.labels == nil {
 					l.labels = lazyLabels(info.Labels)
@@ -625,6 +632,7 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 	// Detaching that would break them.
 	if err := s.fs.Check(ctx, l.mountpoint, labels); err == nil {
 		l.mounted, l.lastErr = true, nil
+		l.up.Store(true)
 		return nil
 	}
 	if stale(l.mountpoint) {
@@ -651,6 +659,7 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 		return fmt.Errorf("mount layer %s: %w", l.dgst, err)
 	}
 	l.mounted, l.lastErr, l.labels = true, nil, labels
+	l.up.Store(true)
 	return nil
 }
 
@@ -664,6 +673,7 @@ func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
 		return
 	}
 	l.mounted = false
+	l.up.Store(false)
 	// Best effort: the directory tree is ours and empty once unmounted.
 	if err := os.Remove(l.mountpoint); err == nil {
 		os.Remove(filepath.Dir(l.mountpoint))
