@@ -276,7 +276,7 @@ func unmountOrphans(ctx context.Context, sn *snapshotter.Snapshotter, store *lay
 }
 
 // rootLockName is the file in the root a daemon holds a lock on while it
-// runs; it says which process that is (holderRecord).
+// runs; it says which process that is (its pid and address).
 const rootLockName = "daemon.lock"
 
 // claimRoot makes this process the only daemon using root, for as long as
@@ -301,7 +301,7 @@ func claimRoot(root, address string) (*os.File, error) {
 		}
 		return nil, fmt.Errorf("lock root %s: %w", path, err)
 	}
-	rec := holderRecord(os.Getpid(), address)
+	rec := fmt.Sprintf("pid %d, address %s\n", os.Getpid(), address)
 	if err := f.Truncate(0); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("write root lock %s: %w", path, err)
@@ -311,10 +311,6 @@ func claimRoot(root, address string) (*os.File, error) {
 		return nil, fmt.Errorf("write root lock %s: %w", path, err)
 	}
 	return f, nil
-}
-
-func holderRecord(pid int, address string) string {
-	return fmt.Sprintf("pid %d, address %s\n", pid, address)
 }
 
 // readHolder says who holds the root lock at path. The holder writes its
