@@ -30,6 +30,8 @@
 // Invariant: a layer mount stays mounted while at least one committed
 // snapshot labelled with its digest exists; the snapshot labels are the only
 // record, so a restarted daemon rebuilds its mounts from overlay's metadata.
+// A layer it cannot mount again is broken until a later try succeeds
+// (WithHealInterval); no snapshot over it is handed out meanwhile.
 package snapshotter
 
 import (
