@@ -17,12 +17,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/diskcap"
+	"github.com/envsnap/envsnap/internal/mounttest"
 	"github.com/envsnap/envsnap/internal/prereq"
 )
 
 func requireCapTools(tb testing.TB) {
 	tb.Helper()
 	prereq.RequireRoot(tb)
+	mounttest.NoLeaks(tb)
 	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
 		prereq.Missing(tb, "mkfs.ext4 (e2fsprogs): %v", err)
 	}

@@ -30,6 +30,8 @@
 // Invariant: a layer mount stays mounted while at least one committed
 // snapshot labelled with its digest exists; the snapshot labels are the only
 // record, so a restarted daemon rebuilds its mounts from overlay's metadata.
+// A layer it cannot mount again is broken until a later try succeeds
+// (WithHealInterval); no snapshot over it is handed out meanwhile.
 package snapshotter
 
 import (
@@ -43,6 +45,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
@@ -151,13 +155,18 @@ type LayerStatus struct {
 	// the one that created it.
 	Refs    []string `json:"refs,omitempty"`
 	Mounted bool     `json:"mounted"`
-	Error   string   `json:"error,omitempty"` // last mount failure
+	// Broken: snapshots use the layer but it is not mounted (its restore
+	// failed); it is mounted again in the background (WithHealInterval),
+	// and containers cannot start on it until then.
+	Broken bool   `json:"broken,omitempty"`
+	Error  string `json:"error,omitempty"` // last mount failure
 }
 
 type config struct {
 	overlayOpts     []overlay.Opt
 	writableCap     diskcap.Limits
 	writableReserve *int
+	healInterval    time.Duration
 }
 
 // Opt configures a Snapshotter.
@@ -167,6 +176,20 @@ type Opt func(*config) error
 func WithOverlayOpts(opts ...overlay.Opt) Opt {
 	return func(c *config) error {
 		c.overlayOpts = append(c.overlayOpts, opts...)
+		return nil
+	}
+}
+
+// WithHealInterval makes the snapshotter try, every d, to mount again the
+// layers that snapshots use but that are not mounted (a restore that
+// failed: registry unreachable, cache disk full), so they heal without any
+// client action. The daemon passes its read timeout: each attempt takes
+// at most that long, so a layer heals within twice the read timeout of
+// the registry's return. 0 (the default) turns it off; the next Prepare
+// or Mounts over the layer still tries.
+func WithHealInterval(d time.Duration) Opt {
+	return func(c *config) error {
+		c.healInterval = d
 		return nil
 	}
 }
@@ -192,6 +215,12 @@ type Snapshotter struct {
 	// preparing holds the lazy targets a Prepare is making, closed when
 	// it is done (lockTarget).
 	preparing map[string]chan struct{}
+
+	// kick wakes the heal loop at once (a Stat of a snapshot of a broken
+	// layer: an image pull is looking at it); stopHeal ends the loop.
+	kick     chan struct{}
+	stopHeal context.CancelFunc
+	healDone chan struct{}
 }
 
 // layer is one shared layer mount. mu serialises mounting and unmounting it;
@@ -202,7 +231,13 @@ type layer struct {
 	mountpoint string
 	refs       int
 	mounted    bool
-	lastErr    error
+	// up mirrors mounted for readers that must not wait on mu, which a
+	// mount of the layer holds for as long as the registry takes.
+	up      atomic.Bool
+	lastErr error
+	// labels are what the layer is mounted (again) with: the lazy labels
+	// of its snapshots.
+	labels map[string]string
 	// users maps each committed snapshot of the layer to the image it was
 	// last pulled for, so status names images that still use the layer,
 	// not the first one that mounted it.
@@ -236,6 +271,9 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 	}
 	if err := os.MkdirAll(filepath.Join(root, "layers"), 0o700); err != nil {
 		return nil, fmt.Errorf("create layers dir: %w", err)
+	}
+	if err := waitMetadataUnlocked(ctx, filepath.Join(root, "metadata.db"), metadataLockWait); err != nil {
+		return nil, err
 	}
 	ov, err := overlay.NewSnapshotter(root, c.overlayOpts...)
 	if err != nil {
@@ -273,7 +311,182 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		ov.Close()
 		return nil, err
 	}
+	s.kick = make(chan struct{}, 1)
+	if c.healInterval > 0 {
+		hctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		s.stopHeal, s.healDone = cancel, make(chan struct{})
+		go s.heal(hctx, c.healInterval)
+	}
 	return s, nil
+}
+
+// heal mounts again, every interval or when kicked, the layers that
+// snapshots use but that are not mounted, until ctx is done.
+func (s *Snapshotter) heal(ctx context.Context, interval time.Duration) {
+	defer close(s.healDone)
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-s.kick:
+		}
+		for _, l := range s.brokenLayers() {
+			l.mu.Lock()
+			if l.mounted { // mounted meanwhile (a Prepare, or its first mount)
+				l.mu.Unlock()
+				continue
+			}
+			err := s.remountLocked(ctx, l)
+			healed := l.mounted
+			l.mu.Unlock()
+			lg := log.G(ctx).WithField("layer", l.dgst)
+			switch {
+			case err != nil:
+				lg.WithError(err).Debug("broken layer still cannot be mounted")
+			case healed:
+				lg.Info("broken layer mounted again")
+			}
+		}
+	}
+}
+
+// brokenLayers returns the layers snapshots use that are not mounted.
+func (s *Snapshotter) brokenLayers() []*layer {
+	s.mu.Lock()
+	var used []*layer
+	for _, l := range s.layers {
+		if l.refs > 0 && !s.closed {
+			used = append(used, l)
+		}
+	}
+	s.mu.Unlock()
+	var out []*layer
+	for _, l := range used {
+		if !l.up.Load() {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// remountLocked mounts l again if snapshots use it and it is not mounted,
+// with the labels it was mounted with, bounded like a restore (the
+// FileSystem gives a registry round trip the read timeout). l.mu is held.
+func (s *Snapshotter) remountLocked(ctx context.Context, l *layer) error {
+	s.mu.Lock()
+	used, closed := l.refs > 0, s.closed
+	s.mu.Unlock()
+	if l.mounted || !used || closed {
+		return nil
+	}
+	if l.labels == nil {
+		return fmt.Errorf("layer %s: no labels to mount it with", l.dgst)
+	}
+	return s.mountLocked(context.WithValue(ctx, restoringKey{}, true), l, l.labels)
+}
+
+// Stat is overlay's Stat. A Stat of a lazy snapshot whose layer is broken
+// (an image pull checking whether the layer is there: containerd's
+// unpacker asks nothing else of an image that is present) wakes the heal
+// loop, so the pull is what brings the layer back once it can be mounted.
+func (s *Snapshotter) Stat(ctx context.Context, key string) (snapshots.Info, error) {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return info, err
+	}
+	if d, perr := digest.Parse(info.Labels[LabelLayerDigest]); perr == nil {
+		s.mu.Lock()
+		l := s.layers[d]
+		used := l != nil && l.refs > 0
+		s.mu.Unlock()
+		if used && !l.up.Load() {
+			select {
+			case s.kick <- struct{}{}:
+			default:
+			}
+		}
+	}
+	return info, nil
+}
+
+// ensureLayers mounts again the broken lazy layers of the chain from
+// snapshot name down to its base, before overlay is asked for a snapshot
+// over them: overlay stats its parent's directory, which is the symlink
+// to the layer's mountpoint, and containerd would be told "failed to stat
+// parent" with no word of the layer. A layer that still cannot be mounted
+// fails the call with the reason (ErrUnavailable).
+func (s *Snapshotter) ensureLayers(ctx context.Context, name string) error {
+	if len(s.brokenLayers()) == 0 {
+		return nil // the common case: no Stat of the chain
+	}
+	for name != "" {
+		info, err := s.Snapshotter.Stat(ctx, name)
+		if err != nil {
+			return nil //nolint:nilerr // overlay reports a missing parent itself
+		}
+		if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil && info.Kind == snapshots.KindCommitted {
+			s.mu.Lock()
+			l := s.layers[d]
+			s.mu.Unlock()
+			// Mounted layers (the common case) cost no lock: another
+			// layer's mount may hold its lock for a registry round trip.
+			if l != nil && !l.up.Load() {
+				l.mu.Lock()
+				if l.labels == nil {
+					l.labels = lazyLabels(info.Labels)
+				}
+				err := s.remountLocked(ctx, l)
+				l.mu.Unlock()
+				if err != nil {
+					return fmt.Errorf("snapshot %s: its lazy layer %s is not mounted: %w: %w", name, d, err, errdefs.ErrUnavailable)
+				}
+			}
+		}
+		name = info.Parent
+	}
+	return nil
+}
+
+// metadataLockWait bounds how long New waits for another process to let go
+// of the metadata database.
+const metadataLockWait = 5 * time.Second
+
+// waitMetadataUnlocked waits until no other process holds the metadata
+// database at path, for at most wait or until ctx is done. Overlay opens
+// the database without a timeout, and bolt then waits on its file lock
+// forever, deaf to the caller's context: a second process on the same root
+// would hang there. bolt takes an exclusive flock on the file, so a
+// non-blocking one here fails exactly while it is held.
+func waitMetadataUnlocked(ctx context.Context, path string, wait time.Duration) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open metadata database %s: %w", path, err)
+	}
+	defer f.Close()
+	deadline := time.Now().Add(wait)
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			return fmt.Errorf("lock metadata database %s: %w", path, err)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("metadata database %s is locked by another process (still after %s): %w", path, wait, errdefs.ErrUnavailable)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the metadata database %s: %w", path, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // layerMountpoint avoids ':' (the digest separator) in paths because
@@ -311,8 +524,9 @@ func (s *Snapshotter) restore(ctx context.Context) error {
 		g.Go(func() error {
 			l.mu.Lock()
 			defer l.mu.Unlock()
+			l.labels = labels
 			if err := s.mountLocked(ctx, l, labels); err != nil {
-				log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; snapshots using it cannot be mounted until a pull of the layer remounts it")
+				log.G(ctx).WithError(err).WithField("layer", d).Error("restore lazy layer mount; the layer is broken until it can be mounted again (retried in the background)")
 			}
 			return nil
 		})
@@ -436,6 +650,7 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 	// Detaching that would break them.
 	if err := s.fs.Check(ctx, l.mountpoint, labels); err == nil {
 		l.mounted, l.lastErr = true, nil
+		l.up.Store(true)
 		return nil
 	}
 	if stale(l.mountpoint) {
@@ -461,7 +676,8 @@ func (s *Snapshotter) mountLocked(ctx context.Context, l *layer, labels map[stri
 		os.Remove(l.mountpoint)
 		return fmt.Errorf("mount layer %s: %w", l.dgst, err)
 	}
-	l.mounted, l.lastErr = true, nil
+	l.mounted, l.lastErr, l.labels = true, nil, labels
+	l.up.Store(true)
 	return nil
 }
 
@@ -475,6 +691,7 @@ func (s *Snapshotter) unmountLocked(ctx context.Context, l *layer) {
 		return
 	}
 	l.mounted = false
+	l.up.Store(false)
 	// Best effort: the directory tree is ours and empty once unmounted.
 	if err := os.Remove(l.mountpoint); err == nil {
 		os.Remove(filepath.Dir(l.mountpoint))
@@ -523,6 +740,9 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 
 // View is overlay's View with native lowers (see Prepare).
 func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	if err := s.ensureLayers(ctx, parent); err != nil {
+		return nil, err
+	}
 	mounts, err := s.Snapshotter.View(ctx, key, parent, opts...)
 	if err != nil {
 		return nil, err
@@ -535,15 +755,18 @@ func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snap
 // snapshot that is not an unpack's, without evaluator layers (see
 // Prepare).
 func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.ensureLayers(ctx, info.Parent); err != nil {
+		return nil, err
+	}
 	mounts, err := s.Snapshotter.Mounts(ctx, key)
 	if err != nil {
 		return nil, err
 	}
 	mounts = s.nativeMounts(ctx, mounts)
-	info, err := s.Snapshotter.Stat(ctx, key)
-	if err != nil {
-		return nil, err
-	}
 	if info.Kind != snapshots.KindActive || info.Labels[snapshots.LabelSnapshotRef] != "" {
 		return mounts, nil
 	}
@@ -570,6 +793,9 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 	if dropInternalLabels(base.Labels) {
 		opts = append(slices.Clone(opts), dropInternal)
 	}
+	if err := s.ensureLayers(ctx, parent); err != nil {
+		return nil, err
+	}
 	target := base.Labels[snapshots.LabelSnapshotRef]
 	labels, ok := remoteLabels(ctx, base.Labels)
 	if target == "" || !ok {
@@ -586,6 +812,11 @@ func (s *Snapshotter) prepare(ctx context.Context, key, parent string, opts ...s
 		if info.Kind == snapshots.KindCommitted && info.Parent == parent {
 			if d, err := digest.Parse(info.Labels[LabelLayerDigest]); err == nil {
 				s.noteUser(d, target, labels[LabelImageRef])
+			}
+			// A pull of an image whose layer is broken mounts it again
+			// (or the next snapshot over it says why not).
+			if err := s.ensureLayers(ctx, target); err != nil {
+				log.G(ctx).WithError(err).Warn("pull of a broken lazy layer")
 			}
 			return nil, fmt.Errorf("target snapshot %q: %w", target, errdefs.ErrAlreadyExists)
 		}
@@ -1147,7 +1378,7 @@ func (s *Snapshotter) Layers() []LayerStatus {
 	out := make([]LayerStatus, len(ls))
 	for i, l := range ls {
 		l.mu.Lock()
-		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Refs: images[i], Mounted: l.mounted}
+		out[i] = LayerStatus{Digest: l.dgst, Mountpoint: l.mountpoint, Snapshots: refs[i], Refs: images[i], Mounted: l.mounted, Broken: refs[i] > 0 && !l.mounted}
 		if l.lastErr != nil {
 			out[i].Error = l.lastErr.Error()
 		}
@@ -1167,11 +1398,16 @@ func (s *Snapshotter) Close() error {
 		return nil
 	}
 	s.closed = true
+	stopHeal, healDone := s.stopHeal, s.healDone
 	ls := make([]*layer, 0, len(s.layers))
 	for _, l := range s.layers {
 		ls = append(ls, l)
 	}
 	s.mu.Unlock()
+	if stopHeal != nil {
+		stopHeal()
+		<-healDone
+	}
 	ctx := context.Background()
 	inUse := s.layersInUse(ctx)
 	for _, l := range ls {

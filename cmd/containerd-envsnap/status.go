@@ -41,11 +41,17 @@ var statusCommand = &cli.Command{
 		now := time.Now()
 		for _, l := range st.Layers {
 			mounted := "yes"
-			if !l.Mounted {
-				mounted = "no"
+			switch {
+			case l.Broken:
+				// Retried in the background until it mounts.
+				mounted = "broken"
 				if l.Error != "" {
-					mounted = "error: " + l.Error
+					mounted = "broken: " + l.Error
 				}
+			case !l.Mounted && l.Error != "":
+				mounted = "error: " + l.Error
+			case !l.Mounted:
+				mounted = "no"
 			}
 			ref := l.Ref
 			if n := len(l.Refs); n > 1 {

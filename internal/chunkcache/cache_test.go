@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/mounttest"
 	"github.com/envsnap/envsnap/internal/prereq"
 )
 
@@ -260,6 +261,7 @@ func TestCorruptFileDropped(t *testing.T) {
 // index, and work again once space returns.
 func TestENOSPC(t *testing.T) {
 	prereq.RequireRoot(t) // to mount a tmpfs
+	mounttest.NoLeaks(t)
 	dir := t.TempDir()
 	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", dir).CombinedOutput(); err != nil {
 		prereq.Missing(t, "mount tmpfs: %v: %s", err, out)

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -48,9 +49,14 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(cfg.Root, 0o700); err != nil {
-		return fmt.Errorf("create root: %w", err)
+	// The root first: everything below (the metadata database, the
+	// cache, the layer mounts, the keeper) belongs to one daemon, and a
+	// second one must learn that before it waits on any of them.
+	rootLock, err := claimRoot(cfg.Root, cfg.Address)
+	if err != nil {
+		return err
 	}
+	defer rootLock.Close()
 	lock, err := claimAddress(cfg.Address)
 	if err != nil {
 		return err
@@ -114,7 +120,10 @@ func Run(ctx context.Context, cfg Config) error {
 		// then break running containers.
 		sock := KeeperSocket(cfg.Address)
 		args := append(cfg.KeeperCommand[1:len(cfg.KeeperCommand):len(cfg.KeeperCommand)], "fdstore", "--socket", sock)
-		if keeper, err = fdstore.Start(sock, cfg.KeeperCommand[0], args...); err != nil {
+		if keeper, err = fdstore.Start(ctx, sock, cfg.KeeperCommand[0], args...); err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("start-up interrupted: %w", err)
+			}
 			log.G(ctx).WithError(err).Error("no descriptor keeper: layer mounts will not survive a restart of the daemon")
 			keeper = nil
 		} else {
@@ -178,8 +187,14 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		log.G(ctx).WithError(err).Error("take over layer mounts of the previous daemon")
 	}
+	if err := ctx.Err(); err != nil {
+		// Told to stop while restoring: what was not taken over stays
+		// with the keeper for the next daemon.
+		return fmt.Errorf("start-up interrupted while restoring layer mounts: %w", err)
+	}
 	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()),
-		snapshotter.WithWritableReserve(cfg.WritableDiskReserve))
+		snapshotter.WithWritableReserve(cfg.WritableDiskReserve),
+		snapshotter.WithHealInterval(time.Duration(cfg.ReadTimeout)))
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
 	}
@@ -259,6 +274,60 @@ func unmountOrphans(ctx context.Context, sn *snapshotter.Snapshotter, store *lay
 	}
 	if len(restored) > 0 {
 		log.G(ctx).WithField("layers", len(restored)).Info("took over layer mounts of the previous daemon")
+	}
+}
+
+// rootLockName is the file in the root a daemon holds a lock on while it
+// runs; it says which process that is (its pid and address).
+const rootLockName = "daemon.lock"
+
+// claimRoot makes this process the only daemon using root, for as long as
+// the returned file stays open (the kernel releases the lock when the
+// process dies, SIGKILL included). Without it a second daemon with another
+// address would wait forever on the metadata database's lock, having
+// started a keeper of its own. The holder's pid and address are written
+// into the file, so the second one can say who holds the root.
+func claimRoot(root, address string) (*os.File, error) {
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		return nil, fmt.Errorf("create root: %w", err)
+	}
+	path := filepath.Join(root, rootLockName)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open root lock %s: %w", path, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("root %s is in use by another containerd-envsnap (%s): %w", root, readHolder(path), errdefs.ErrAlreadyExists)
+		}
+		return nil, fmt.Errorf("lock root %s: %w", path, err)
+	}
+	rec := fmt.Sprintf("pid %d, address %s\n", os.Getpid(), address)
+	if err := f.Truncate(0); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("write root lock %s: %w", path, err)
+	}
+	if _, err := f.WriteAt([]byte(rec), 0); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("write root lock %s: %w", path, err)
+	}
+	return f, nil
+}
+
+// readHolder says who holds the root lock at path. The holder writes its
+// record just after taking the lock, so an empty file is read again for a
+// moment before giving up.
+func readHolder(path string) string {
+	for i := 0; ; i++ {
+		b, err := os.ReadFile(path)
+		if rec := strings.TrimSpace(string(b)); err == nil && rec != "" {
+			return rec
+		}
+		if i == 10 {
+			return "holder not recorded"
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 

@@ -3,6 +3,7 @@
 package fdstore
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -16,10 +17,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// replyTimeout bounds each exchange with the keeper. A keeper answers in
+// microseconds; one that does not (stopped, wedged) must not hold a
+// daemon's start-up or its mounts forever.
+const replyTimeout = 10 * time.Second
+
 // Client talks to a keeper. It is safe for concurrent use.
 type Client struct {
-	mu   sync.Mutex
-	conn *net.UnixConn
+	mu      sync.Mutex
+	conn    *net.UnixConn
+	timeout time.Duration // replyTimeout; shorter in tests
 }
 
 // Dial connects to the keeper at path.
@@ -28,7 +35,7 @@ func Dial(path string) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fdstore: connect to %s: %w", path, err)
 	}
-	return &Client{conn: c}, nil
+	return &Client{conn: c, timeout: replyTimeout}, nil
 }
 
 // Start connects to the keeper at path, starting one first if none
@@ -40,8 +47,10 @@ func Dial(path string) (*Client, error) {
 // and exits (systemd-run starting it as a unit of its own, so it outlives
 // the caller's cgroup, e.g. a Kubernetes pod): a launcher exiting with
 // status 0 is not a failure, and Start waits for the socket as for a
-// keeper it runs itself.
-func Start(path, bin string, args ...string) (*Client, error) {
+// keeper it runs itself. Start gives up when ctx is done or the keeper
+// does not answer within 10 s; a keeper it started keeps running then
+// (it exits by itself once it holds nothing and no daemon is connected).
+func Start(ctx context.Context, path, bin string, args ...string) (*Client, error) {
 	if c, err := Dial(path); err == nil {
 		return c, nil
 	}
@@ -72,6 +81,8 @@ func Start(path, bin string, args ...string) (*Client, error) {
 				return c, nil
 			}
 			return nil, fmt.Errorf("fdstore: keeper exited: %v", werr)
+		case <-ctx.Done():
+			return nil, fmt.Errorf("fdstore: wait for the keeper at %s: %w", path, ctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
@@ -143,19 +154,28 @@ func (c *Client) send(r request, fd int) error {
 	if fd >= 0 {
 		oob = unix.UnixRights(fd)
 	}
+	c.conn.SetWriteDeadline(time.Now().Add(c.timeout))
 	if _, _, err := c.conn.WriteMsgUnix(b, oob, nil); err != nil {
-		return fmt.Errorf("fdstore: send %s: %w", r.Op, err)
+		return c.fail(fmt.Errorf("fdstore: send %s: %w", r.Op, err))
 	}
 	return nil
+}
+
+// fail closes the connection after a failed exchange: a reply that comes
+// late would otherwise be taken for the answer to the next request.
+func (c *Client) fail(err error) error {
+	c.conn.Close()
+	return err
 }
 
 // recv reads one reply; a descriptor attached to it ends up in Entry.FD.
 func (c *Client) recv() (reply, error) {
 	buf := make([]byte, maxMessage)
 	oob := make([]byte, unix.CmsgSpace(4*4))
+	c.conn.SetReadDeadline(time.Now().Add(c.timeout))
 	n, oobn, _, _, err := c.conn.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return reply{}, fmt.Errorf("fdstore: receive: %w", err)
+		return reply{}, c.fail(fmt.Errorf("fdstore: receive: %w", err))
 	}
 	if n == 0 {
 		return reply{}, fmt.Errorf("fdstore: keeper closed the connection: %w", net.ErrClosed)

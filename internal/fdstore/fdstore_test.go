@@ -4,6 +4,7 @@ package fdstore
 
 import (
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -40,7 +41,7 @@ func TestStartThroughLauncher(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("FDSTORE_TEST_KEEPER", path)
-	c, err := Start(path, "/bin/sh", "-c", `"$0" -test.run=^$ & exit 0`, self)
+	c, err := Start(t.Context(), path, "/bin/sh", "-c", `"$0" -test.run=^$ & exit 0`, self)
 	if err != nil {
 		t.Fatalf("start through a launcher: %v", err)
 	}
@@ -48,7 +49,7 @@ func TestStartThroughLauncher(t *testing.T) {
 	if es, err := c.List(); err != nil || len(es) != 0 {
 		t.Fatalf("List on the launched keeper = %v, %v", es, err)
 	}
-	if _, err := Start(filepath.Join(dir, "other.sock"), "/bin/sh", "-c", "exit 3"); err == nil {
+	if _, err := Start(t.Context(), filepath.Join(dir, "other.sock"), "/bin/sh", "-c", "exit 3"); err == nil {
 		t.Fatal("a failing launcher was not reported")
 	}
 }
@@ -205,5 +206,48 @@ func TestUnescape(t *testing.T) {
 		if got := unescape(in); got != want {
 			t.Errorf("unescape(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// TestWedgedKeeper: a keeper that accepts the connection but never
+// answers (stopped, wedged) fails the client's call after its timeout
+// instead of holding the daemon's start-up forever, and the connection is
+// closed so a late reply is never taken for the next one's.
+func TestWedgedKeeper(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "wedged.sock")
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.AcceptUnix()
+		if err == nil {
+			<-t.Context().Done() // holds the connection, answers nothing
+			c.Close()
+		}
+	}()
+	c, err := Dial(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.timeout = 100 * time.Millisecond
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.List()
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("List from a keeper that never answers succeeded")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("List still waits on a keeper that never answers after 30 s")
+	}
+	if err := c.Delete("x"); err == nil {
+		t.Error("the connection to the wedged keeper is still used after a timeout")
 	}
 }

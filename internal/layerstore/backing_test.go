@@ -59,7 +59,7 @@ func TestPassthroughCopyAfterFill(t *testing.T) {
 			if err := s.Mount(t.Context(), mp, labels); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+			unmountAtCleanup(t, s, mp)
 			deadline := time.Now().Add(30 * time.Second)
 			for st := s.Status()[mp]; st.CachedBytes < st.TotalBytes; st = s.Status()[mp] {
 				if time.Now().After(deadline) {

@@ -155,7 +155,7 @@ type Store struct {
 
 	mu        sync.Mutex
 	mounts    map[string]*mounted // by mountpoint
-	manifests map[digest.Digest]*ocispec.Manifest
+	manifests map[digest.Digest]manifestEntry
 	mfOrder   []digest.Digest
 	tocs      map[digest.Digest]*tocFetch // prefetched, by layer digest
 	tocSem    chan struct{}
@@ -166,12 +166,20 @@ type Store struct {
 	flights *fetch.Flights
 }
 
+// manifestEntry is a manifest recalled in memory, with its verified bytes
+// (kept in the node cache with every mount of one of its layers).
+type manifestEntry struct {
+	mf  *ocispec.Manifest
+	raw []byte
+}
+
 // tocFetch is one layer's TOC being read ahead of its Mount.
 type tocFetch struct {
 	done    chan struct{}
 	started time.Time
 	blob    *fetch.BlobReader
 	toc     *layerfmt.TOC
+	raw     []byte // the encoded TOC
 	err     error
 }
 
@@ -222,7 +230,7 @@ func New(cfg Config) (*Store, error) {
 	return &Store{
 		cfg:       cfg,
 		mounts:    make(map[string]*mounted),
-		manifests: make(map[digest.Digest]*ocispec.Manifest),
+		manifests: make(map[digest.Digest]manifestEntry),
 		tocs:      make(map[digest.Digest]*tocFetch),
 		tocSem:    make(chan struct{}, tocPrefetchParallel),
 		flights:   fetch.NewFlights(fetch.WithFillPolicy(cfg.FillPolicy), fetch.WithPrefetchPolicy(cfg.PrefetchPolicy)),
@@ -264,6 +272,10 @@ type opened struct {
 	tocDigest digest.Digest
 	blob      *fetch.BlobReader
 	toc       *layerfmt.TOC
+	// The verified bytes of the manifest (nil for a hinted layer, which
+	// has none) and of the encoded TOC, kept in the node cache while the
+	// layer is mounted (keepMetadata).
+	manifestRaw, tocRaw []byte
 }
 
 // open finds the layer named by labels: its descriptor in the manifest and
@@ -289,11 +301,12 @@ func (s *Store) open(ctx context.Context, labels map[string]string, bounded, fre
 	var (
 		desc  ocispec.Descriptor
 		mdgst digest.Digest
+		mraw  []byte
 	)
 	if _, hinted := labels[snapshotter.LabelTOCDigest]; hinted {
 		desc, err = s.hintedLayer(ref, ldgst, labels)
 	} else {
-		desc, mdgst, err = s.manifestLayer(ctx, ref, ldgst, labels)
+		desc, mdgst, mraw, err = s.manifestLayer(ctx, ref, ldgst, labels)
 	}
 	if err != nil {
 		return nil, err
@@ -307,16 +320,16 @@ func (s *Store) open(ctx context.Context, labels map[string]string, bounded, fre
 		return nil, fmt.Errorf("layer %s has %d bytes, below lazy_min_size (%d): %w", ldgst, desc.Size, s.cfg.LazyMinSize, errdefs.ErrNotImplemented)
 	}
 
-	blob, toc, err := s.claimTOC(ctx, ldgst)
+	blob, toc, traw, err := s.claimTOC(ctx, ldgst)
 	if err != nil || toc == nil {
 		if err != nil {
 			log.G(ctx).WithError(err).WithField("layer", ldgst).Debug("prefetched TOC failed; reading it again")
 		}
-		if blob, toc, err = s.readTOC(ctx, ref, desc, tocDigest); err != nil {
+		if blob, toc, traw, err = s.readTOC(ctx, ref, desc, tocDigest); err != nil {
 			return nil, err
 		}
 	}
-	return &opened{ref: ref, manifest: mdgst, desc: desc, tocDigest: tocDigest, blob: blob, toc: toc}, nil
+	return &opened{ref: ref, manifest: mdgst, desc: desc, tocDigest: tocDigest, blob: blob, toc: toc, manifestRaw: mraw, tocRaw: traw}, nil
 }
 
 // serve serves the opened layer at mountpoint: a new FUSE mount, or, with
@@ -324,6 +337,20 @@ func (s *Store) open(ctx context.Context, labels map[string]string, bounded, fre
 // lazyfs owns takeover.FD from this call on, also when it fails).
 func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeover *lazyfs.Handover) (_ *mounted, retErr error) {
 	ref, desc, toc, ldgst := o.ref, o.desc, o.toc, o.desc.Digest
+	// The metadata first, so a mount never exists without it. A takeover
+	// serves anyway: its containers are waiting on the connection, and
+	// giving it up would fail them.
+	defer func() {
+		if retErr != nil {
+			s.cfg.Cache.Unpin(metaPinOwner(mountpoint))
+		}
+	}()
+	if err := s.keepMetadata(mountpoint, o); err != nil {
+		if takeover == nil {
+			return nil, fmt.Errorf("mount layer %s at %s: %w", ldgst, mountpoint, err)
+		}
+		log.G(ctx).WithError(err).WithField("layer", ldgst).Error("taking over the layer mount without its metadata in the node cache; the next restart will need the registry for it")
+	}
 	layerOpts := []fetch.LayerOption{
 		fetch.WithFill(s.cfg.Fill || s.cfg.Eager),
 		// Eager mounts wait for their fill: nothing to yield to.
@@ -408,13 +435,6 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	s.mu.Lock()
 	s.mounts[mountpoint] = m
 	s.mu.Unlock()
-	// Kept for a successor while mounted; see metadata.go.
-	// A hinted layer has no manifest of its own (o.manifest is empty).
-	meta := []digest.Digest{o.tocDigest}
-	if o.manifest != "" {
-		meta = append(meta, o.manifest)
-	}
-	s.cfg.Cache.Pin(metaPinOwner(mountpoint), meta)
 	log.G(ctx).WithField("layer", ldgst).WithField("ref", ref).WithField("entries", toc.Len()).WithField("fill", s.cfg.Fill).WithField("takeover", takeover != nil).Info("mounted lazy layer")
 	return m, nil
 }
@@ -493,20 +513,20 @@ func (s *Store) NativeDir(d digest.Digest) (string, bool) {
 // manifestLayer is the descriptor of layer ldgst in the manifest the
 // labels name (the CRI labels' path): the manifest is verified against its
 // digest, so the TOC digest is the manifest's.
-func (s *Store) manifestLayer(ctx context.Context, ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, digest.Digest, error) {
+func (s *Store) manifestLayer(ctx context.Context, ref string, ldgst digest.Digest, labels map[string]string) (ocispec.Descriptor, digest.Digest, []byte, error) {
 	mdgst, err := digest.Parse(labels[snapshotter.LabelManifestDigest])
 	if err != nil {
-		return ocispec.Descriptor{}, "", fmt.Errorf("manifest digest label: %w", err)
+		return ocispec.Descriptor{}, "", nil, fmt.Errorf("manifest digest label: %w", err)
 	}
-	mf, err := s.manifest(ctx, ref, mdgst)
+	me, err := s.manifest(ctx, ref, mdgst)
 	if err != nil {
-		return ocispec.Descriptor{}, "", err
+		return ocispec.Descriptor{}, "", nil, err
 	}
-	desc, ok := findLayer(mf, ldgst)
+	desc, ok := findLayer(me.mf, ldgst)
 	if !ok {
-		return ocispec.Descriptor{}, "", fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
+		return ocispec.Descriptor{}, "", nil, fmt.Errorf("layer %s not in manifest %s of %s: %w", ldgst, mdgst, ref, errdefs.ErrNotFound)
 	}
-	return desc, mdgst, nil
+	return desc, mdgst, me.raw, nil
 }
 
 // hintedLayer is the descriptor the hint annotations of a layer describe
@@ -571,32 +591,33 @@ func (s *Store) fetchAll(ctx context.Context, layer *fetch.Layer, ldgst digest.D
 
 // manifest recalls the manifest dgst of ref from memory or the node cache,
 // or fetches it; verified by digest either way.
-func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*ocispec.Manifest, error) {
+func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (manifestEntry, error) {
 	s.mu.Lock()
-	mf, ok := s.manifests[dgst]
+	me, ok := s.manifests[dgst]
 	s.mu.Unlock()
 	if ok {
-		return mf, nil
+		return me, nil
 	}
 	b, ok := s.cachedManifest(dgst)
 	if !ok {
 		var err error
 		if b, err = fetch.FetchManifest(ctx, s.cfg.Hosts, ref, dgst); err != nil {
-			return nil, fmt.Errorf("fetch manifest %s of %s: %w", dgst, ref, err)
+			return manifestEntry{}, fmt.Errorf("fetch manifest %s of %s: %w", dgst, ref, err)
 		}
 		s.keepManifest(ctx, dgst, b)
 	}
-	mf = new(ocispec.Manifest)
+	mf := new(ocispec.Manifest)
 	if err := json.Unmarshal(b, mf); err != nil {
-		return nil, fmt.Errorf("decode manifest %s of %s: %w", dgst, ref, err)
+		return manifestEntry{}, fmt.Errorf("decode manifest %s of %s: %w", dgst, ref, err)
 	}
 	if !images.IsManifestType(mf.MediaType) && mf.MediaType != "" {
-		return nil, fmt.Errorf("%s of %s is a %s, not an image manifest: %w", dgst, ref, mf.MediaType, errdefs.ErrNotImplemented)
+		return manifestEntry{}, fmt.Errorf("%s of %s is a %s, not an image manifest: %w", dgst, ref, mf.MediaType, errdefs.ErrNotImplemented)
 	}
+	me = manifestEntry{mf: mf, raw: b}
 	s.prefetchTOCs(ctx, ref, mf)
 	s.mu.Lock()
 	if _, ok := s.manifests[dgst]; !ok {
-		s.manifests[dgst] = mf
+		s.manifests[dgst] = me
 		s.mfOrder = append(s.mfOrder, dgst)
 		if len(s.mfOrder) > manifestCacheEntries {
 			delete(s.manifests, s.mfOrder[0])
@@ -604,26 +625,26 @@ func (s *Store) manifest(ctx context.Context, ref string, dgst digest.Digest) (*
 		}
 	}
 	s.mu.Unlock()
-	return mf, nil
+	return me, nil
 }
 
 // readTOC returns the TOC of desc, verified against tocDigest: from the
 // node cache, or read from the registry (and then kept in the cache).
-func (s *Store) readTOC(ctx context.Context, ref string, desc ocispec.Descriptor, tocDigest digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, error) {
+func (s *Store) readTOC(ctx context.Context, ref string, desc ocispec.Descriptor, tocDigest digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, []byte, error) {
 	blob, err := fetch.NewBlobReader(s.cfg.Hosts, ref, desc, fetch.WithRequestMetrics(s.cfg.FetchMetrics))
 	if err != nil {
-		return nil, nil, fmt.Errorf("open blob %s of %s: %w", desc.Digest, ref, err)
+		return nil, nil, nil, fmt.Errorf("open blob %s of %s: %w", desc.Digest, ref, err)
 	}
-	if toc := s.cachedTOC(ctx, desc, tocDigest); toc != nil {
-		return blob, toc, nil
+	if toc, raw := s.cachedTOC(ctx, desc, tocDigest); toc != nil {
+		return blob, toc, raw, nil
 	}
 	tail := &tailRecorder{ra: blob.ReaderAt(ctx)}
 	toc, err := layerfmt.ReadTOC(ctx, tail, desc.Size, tocDigest)
 	if err != nil {
-		return nil, nil, fmt.Errorf("read TOC of layer %s: %w", desc.Digest, err)
+		return nil, nil, nil, fmt.Errorf("read TOC of layer %s: %w", desc.Digest, err)
 	}
-	s.keepTOC(ctx, desc, tocDigest, tail)
-	return blob, toc, nil
+	raw := s.keepTOC(ctx, desc, tocDigest, tail)
+	return blob, toc, raw, nil
 }
 
 // prefetchTOCs starts reading the TOC of every lazy layer of mf that is not
@@ -654,7 +675,7 @@ func (s *Store) prefetchTOCs(ctx context.Context, ref string, mf *ocispec.Manife
 			defer func() { <-s.tocSem }()
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), tocPrefetchTimeout)
 			defer cancel()
-			f.blob, f.toc, f.err = s.readTOC(fctx, ref, desc, tocDigest)
+			f.blob, f.toc, f.raw, f.err = s.readTOC(fctx, ref, desc, tocDigest)
 		}()
 	}
 }
@@ -667,19 +688,19 @@ func (s *Store) tooSmall(desc ocispec.Descriptor) bool {
 
 // claimTOC returns (and forgets) the prefetched TOC of layer d: nil, nil,
 // nil when none was prefetched.
-func (s *Store) claimTOC(ctx context.Context, d digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, error) {
+func (s *Store) claimTOC(ctx context.Context, d digest.Digest) (*fetch.BlobReader, *layerfmt.TOC, []byte, error) {
 	s.mu.Lock()
 	f := s.tocs[d]
 	delete(s.tocs, d)
 	s.mu.Unlock()
 	if f == nil {
-		return nil, nil, nil
+		return nil, nil, nil, nil
 	}
 	select {
 	case <-f.done:
-		return f.blob, f.toc, f.err
+		return f.blob, f.toc, f.raw, f.err
 	case <-ctx.Done():
-		return nil, nil, ctx.Err()
+		return nil, nil, nil, ctx.Err()
 	}
 }
 

@@ -163,6 +163,17 @@ func testImage(t *testing.T, r *fakeRegistry) (lazy, badTOC, plain map[string]st
 
 func newTestStore(t *testing.T) *Store { return newStoreB(t) }
 
+// unmountAtCleanup unmounts the layer at mp when tb ends, failing tb if
+// that fails: a mount left behind dies with the test binary and stays as a
+// dead FUSE mount. A layer the test unmounted itself is not an error.
+func unmountAtCleanup(tb testing.TB, s *Store, mp string) {
+	tb.Cleanup(func() {
+		if err := s.Unmount(context.Background(), mp); err != nil && !errdefs.IsNotFound(err) {
+			tb.Errorf("unmount layer at %s: %v", mp, err)
+		}
+	})
+}
+
 func newStoreB(t testing.TB) *Store {
 	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
 	if err != nil {
@@ -190,7 +201,7 @@ func TestMountTrustChain(t *testing.T) {
 	if err := s.Mount(ctx, mp, lazy); err != nil {
 		t.Fatalf("Mount: %v", err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	b, err := os.ReadFile(filepath.Join(mp, "hello.txt"))
 	if err != nil || string(b) != "hello, lazy world\n" {
 		t.Fatalf("read through the mount: %q, %v", b, err)
@@ -239,7 +250,7 @@ func TestMountTrustChain(t *testing.T) {
 			mp := t.TempDir()
 			err := s.Mount(ctx, mp, tc.labels)
 			if err == nil {
-				s.Unmount(ctx, mp)
+				unmountAtCleanup(t, s, mp)
 				t.Fatal("mounted")
 			}
 			if !tc.check(err) {
@@ -274,7 +285,7 @@ func TestTOCPrefetch(t *testing.T) {
 		if err := s.Mount(ctx, mp, labels[d]); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+		unmountAtCleanup(t, s, mp)
 	}
 
 	mount(layers[0].Digest)
@@ -330,7 +341,7 @@ func TestSharedFramesFetchedOnce(t *testing.T) {
 		if err := s.Mount(t.Context(), mp, labels); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+		unmountAtCleanup(t, s, mp)
 		mps = append(mps, mp)
 	}
 	before := r.requestsFor(descs[0].Digest) + r.requestsFor(descs[1].Digest)
@@ -381,11 +392,11 @@ func TestLazyMinSize(t *testing.T) {
 	if err := s.Mount(ctx, mp, labels[0]); err != nil {
 		t.Fatalf("Mount of the %d-byte layer: %v", big.Size, err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	smallMP := t.TempDir()
 	err := s.Mount(ctx, smallMP, labels[1])
 	if err == nil {
-		s.Unmount(context.Background(), smallMP)
+		unmountAtCleanup(t, s, smallMP)
 	}
 	if !errdefs.IsNotImplemented(err) || !strings.Contains(err.Error(), "lazy_min_size") {
 		t.Fatalf("Mount of the %d-byte layer: %v, want not implemented (below lazy_min_size)", small.Size, err)

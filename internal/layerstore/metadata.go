@@ -9,6 +9,7 @@ import (
 	"io"
 	"sync"
 
+	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -47,11 +48,12 @@ func (s *Store) keepManifest(ctx context.Context, dgst digest.Digest, b []byte) 
 	}
 }
 
-// cachedTOC returns the TOC of desc from the node cache, or nil.
-func (s *Store) cachedTOC(ctx context.Context, desc ocispec.Descriptor, tocDigest digest.Digest) *layerfmt.TOC {
+// cachedTOC returns the TOC of desc from the node cache and its encoded
+// bytes, or nil.
+func (s *Store) cachedTOC(ctx context.Context, desc ocispec.Descriptor, tocDigest digest.Digest) (*layerfmt.TOC, []byte) {
 	b, ok := s.cfg.Cache.Get(tocDigest)
 	if !ok {
-		return nil
+		return nil, nil
 	}
 	toc, err := layerfmt.DecodeTOC(b, tocDigest)
 	if err == nil && toc.DataEnd() != desc.Size-layerfmt.TailSize(int64(len(b))) {
@@ -63,21 +65,65 @@ func (s *Store) cachedTOC(ctx context.Context, desc ocispec.Descriptor, tocDiges
 		// makes on a tail read from the blob): let the registry's copy
 		// decide.
 		log.G(ctx).WithError(err).WithField("layer", desc.Digest).Warn("ignoring the TOC kept in the node cache")
-		return nil
+		return nil, nil
 	}
-	return toc
+	return toc, b
 }
 
 // keepTOC stores the encoded TOC of desc, taken from the blob tail that
-// layerfmt.ReadTOC read last, in the node cache.
-func (s *Store) keepTOC(ctx context.Context, desc ocispec.Descriptor, tocDigest digest.Digest, tail *tailRecorder) {
+// layerfmt.ReadTOC read last, in the node cache, and returns it (nil if
+// the tail did not hold it). A failure here is not final: keepMetadata
+// tries again before the layer is mounted, and fails the mount then.
+func (s *Store) keepTOC(ctx context.Context, desc ocispec.Descriptor, tocDigest digest.Digest, tail *tailRecorder) []byte {
 	b, err := tail.encodedTOC(desc.Size)
-	if err == nil {
-		err = s.cfg.Cache.Put(tocDigest, b)
-	}
 	if err != nil {
-		warnUnlessFull(log.G(ctx).WithField("layer", desc.Digest), err, "cannot keep the TOC in the node cache; a restart will need the registry for it")
+		log.G(ctx).WithError(err).WithField("layer", desc.Digest).Warn("cannot cut the encoded TOC out of the blob's tail")
+		return nil
 	}
+	if err := s.cfg.Cache.Put(tocDigest, b); err != nil {
+		warnUnlessFull(log.G(ctx).WithField("layer", desc.Digest), err, "cannot keep the TOC in the node cache yet")
+	}
+	return b
+}
+
+// keepMetadata makes sure the manifest and TOC of the opened layer are in
+// the node cache and pinned there for as long as it stays mounted at
+// mountpoint: pinned first (a pin protects an entry from the moment it
+// arrives), then stored again if they are missing (the cache was full when
+// they were read, or the entry was evicted since). It fails when they
+// cannot be kept: a mount without its metadata in the cache would need the
+// registry again after a restart, and a restart during an outage would
+// then leave its containers without the layer. The pin stays also on
+// failure: the caller unpins (Unmount, or a mount it gives up).
+func (s *Store) keepMetadata(mountpoint string, o *opened) error {
+	type blob struct {
+		what string
+		d    digest.Digest
+		b    []byte
+	}
+	want := []blob{{"TOC", o.tocDigest, o.tocRaw}}
+	if o.manifest != "" { // a hinted layer has no manifest of its own
+		want = append(want, blob{"manifest", o.manifest, o.manifestRaw})
+	}
+	ds := make([]digest.Digest, len(want))
+	for i, w := range want {
+		ds[i] = w.d
+	}
+	owner := metaPinOwner(mountpoint)
+	s.cfg.Cache.Pin(owner, ds)
+	for _, w := range want {
+		if s.cfg.Cache.Contains(w.d) {
+			continue
+		}
+		err := errors.New("its bytes were not kept in memory")
+		if w.b != nil {
+			err = s.cfg.Cache.Put(w.d, w.b)
+		}
+		if err != nil {
+			return fmt.Errorf("keep the %s %s of layer %s in the node cache, which a restart serves the mount from: %w: %w", w.what, w.d, o.desc.Digest, err, errdefs.ErrResourceExhausted)
+		}
+	}
+	return nil
 }
 
 // warnUnlessFull logs err, quietly when the cache is full: that is the

@@ -5,17 +5,20 @@ package layerstore
 import (
 	"bytes"
 	"context"
-	"github.com/envsnap/envsnap/internal/prereq"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/layerfmt"
+	"github.com/envsnap/envsnap/snapshotter"
 )
 
 // TestMetadataKeptInCache: a store opened on the node cache of an earlier
@@ -47,8 +50,10 @@ func TestMetadataKeptInCache(t *testing.T) {
 		if err := s.Mount(ctx, mp, labels); err != nil {
 			return err
 		}
-		defer s.Unmount(context.Background(), mp)
 		b, err := os.ReadFile(filepath.Join(mp, "a.txt"))
+		if uerr := s.Unmount(context.Background(), mp); uerr != nil {
+			t.Errorf("unmount layer at %s: %v", mp, uerr)
+		}
 		if err != nil || string(b) != "kept across restarts\n" {
 			t.Fatalf("read: %q, %v", b, err)
 		}
@@ -96,5 +101,58 @@ func TestMetadataKeptInCache(t *testing.T) {
 	}
 	if st := s.cfg.Cache.Stats(); st.Corrupt != 1 {
 		t.Fatalf("corrupt cache entries %d, want 1 (the TOC)", st.Corrupt)
+	}
+}
+
+// TestMountNeedsRoomForMetadata: a layer whose manifest and TOC cannot be
+// kept in the node cache is not mounted (a restart would need the registry
+// for them); the error says why. With room, both are in the cache and
+// pinned for as long as the layer is mounted.
+func TestMountNeedsRoomForMetadata(t *testing.T) {
+	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	desc, _ := r.addLazyLayer(t, tarOf(t, map[string]string{"a.txt": "needs its metadata\n"}))
+	labels := r.addManifest(t, "test/room:1", desc)[0]
+	hosts := registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true})
+
+	// A bound smaller than the TOC: nothing of the layer fits.
+	tiny, err := chunkcache.Open(t.TempDir(), 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Hosts: hosts, Cache: tiny})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := t.TempDir()
+	err = s.Mount(t.Context(), mp, labels)
+	if err == nil {
+		unmountAtCleanup(t, s, mp)
+		t.Fatal("mounted a layer whose metadata the node cache cannot keep")
+	}
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "in the node cache") {
+		t.Errorf("Mount without room for the metadata: %v, want resource exhausted naming the node cache", err)
+	}
+	if st := s.Status(); len(st) != 0 {
+		t.Errorf("failed mount left state: %+v", st)
+	}
+
+	cache, err := chunkcache.Open(t.TempDir(), 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err = New(Config{Hosts: hosts, Cache: cache}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Mount(t.Context(), mp, labels); err != nil {
+		t.Fatal(err)
+	}
+	unmountAtCleanup(t, s, mp)
+	toc := digest.Digest(desc.Annotations[layerfmt.AnnotationTOCDigest])
+	manifest := digest.Digest(labels[snapshotter.LabelManifestDigest])
+	for _, d := range []digest.Digest{toc, manifest} {
+		if !cache.Contains(d) {
+			t.Errorf("%s not kept in the node cache while the layer is mounted", d)
+		}
 	}
 }

@@ -34,7 +34,7 @@ func TestNativeCopyAfterFill(t *testing.T) {
 	if err := s.Mount(t.Context(), mp, lazy); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	shareLayer(s, mp)
 	dir := waitNativeDir(t, s, copies, lazy)
 	b, err := os.ReadFile(filepath.Join(dir, "hello.txt"))
@@ -61,7 +61,7 @@ func TestPassthroughFromNativeCopy(t *testing.T) {
 	if err := s.Mount(t.Context(), mp, labels); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	shareLayer(s, mp)
 	s.mu.Lock()
 	srv := s.mounts[mp].srv
@@ -161,7 +161,7 @@ func TestNativeCopyWaitsForSpareCPU(t *testing.T) {
 	if err := s.Mount(t.Context(), mp, lazy); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	s.NoteEnvironment(mp)
 	// The fill completes on its forced batches (MaxPause).
 	for deadline := time.Now().Add(30 * time.Second); ; {
@@ -254,7 +254,7 @@ func TestFillPolicyConfigured(t *testing.T) {
 	if err := s.Mount(t.Context(), mp, labels); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { s.Unmount(context.Background(), mp) })
+	unmountAtCleanup(t, s, mp)
 	// Three times the default AfterMount: the default policy would have
 	// filled the layer by then.
 	time.Sleep(3 * fetch.DefaultFillPolicy().AfterMount)

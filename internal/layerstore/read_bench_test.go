@@ -37,7 +37,7 @@ func BenchmarkCachedRead(b *testing.B) {
 	if err := s.Mount(b.Context(), mp, labels); err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() { s.Unmount(b.Context(), mp) })
+	unmountAtCleanup(b, s, mp)
 	p := filepath.Join(mp, "big.bin")
 	read := func() {
 		f, err := os.Open(p)

@@ -79,6 +79,10 @@ func (s *Store) forget(ctx context.Context, mountpoint string) {
 // instead of waiting; the snapshotter then remounts the layer fresh. The
 // fetch is not retried in the background: the containers would wait in
 // the kernel meanwhile, with nothing to tell that wait from a hang.
+//
+// When ctx is done (the daemon is told to stop while restoring) nothing
+// is aborted: the mounts not yet served stay with the keeper, and their
+// requests wait in the kernel for the next daemon.
 func (s *Store) Restore(ctx context.Context) ([]string, error) {
 	if s.cfg.Keeper == nil {
 		return nil, nil
@@ -92,7 +96,17 @@ func (s *Store) Restore(ctx context.Context) ([]string, error) {
 	g.SetLimit(restoreParallel)
 	for i, e := range entries {
 		g.Go(func() error {
+			if ctx.Err() != nil {
+				// Stopping: the entry stays with the keeper for the next
+				// daemon, its containers wait in the kernel meanwhile.
+				unix.Close(e.FD)
+				return nil
+			}
 			if err := s.takeOver(ctx, e); err != nil {
+				if ctx.Err() != nil {
+					log.G(ctx).WithError(err).WithField("mountpoint", e.Mountpoint).Warn("take-over interrupted by shutdown; the layer mount stays with the keeper for the next daemon")
+					return nil
+				}
 				log.G(ctx).WithError(err).WithField("mountpoint", e.Mountpoint).Error("cannot take over layer mount of the previous daemon; its connection is aborted and the layer will be remounted")
 				s.forget(ctx, e.Key)
 				return nil
@@ -145,13 +159,17 @@ func (s *Store) takeOver(ctx context.Context, e fdstore.Entry) error {
 	// registry round trip here is bounded by the read timeout.
 	o, err := s.open(ctx, meta.Labels, true, false)
 	if err != nil {
-		s.abandon(ctx, e)
+		if ctx.Err() == nil {
+			s.abandon(ctx, e)
+		}
 		return err
 	}
 	h := lazyfs.Handover{FD: fd, Init: meta.Init}
 	fd = -1
 	if _, err := s.serve(ctx, e.Mountpoint, o, &h); err != nil {
-		s.abandon(ctx, e)
+		if ctx.Err() == nil {
+			s.abandon(ctx, e)
+		}
 		return err
 	}
 	return nil

@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"os"
 	"testing"
+
+	"github.com/envsnap/envsnap/internal/mounttest"
 )
 
 // Reason is a skip CI accepts. The list is closed: a new one is added
@@ -105,11 +107,14 @@ func RequireRoot(t testing.TB) {
 	}
 }
 
-// RequireFUSE stops t unless it runs as root with /dev/fuse.
+// RequireFUSE stops t unless it runs as root with /dev/fuse, and fails t
+// if it leaves a mount below its temporary directories
+// (mounttest.NoLeaks): call it before t mounts anything.
 func RequireFUSE(t testing.TB) {
 	t.Helper()
 	RequireRoot(t)
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		Missing(t, "needs /dev/fuse: %v", err)
 	}
+	mounttest.NoLeaks(t)
 }

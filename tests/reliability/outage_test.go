@@ -2,7 +2,6 @@ package reliability_test
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -51,6 +50,8 @@ type outageRig struct {
 	signals          string
 	dataMount        string       // the layer mount holding /data
 	down             atomic.Bool  // the registry is unreachable
+	stall            atomic.Bool  // the registry accepts requests and never answers
+	stalled          atomic.Int64 // requests held while stalling
 	manifestRequests atomic.Int64 // manifest GETs while down
 }
 
@@ -68,18 +69,19 @@ func newOutageRig(t *testing.T) *outageRig {
 	// Unreachable as a dead link or a stopped proxy is: every connection
 	// is reset before an answer.
 	r.env.Registry.Intercept(func(w http.ResponseWriter, req *http.Request) bool {
+		if r.stall.Load() {
+			r.stalled.Add(1)
+			for r.stall.Load() && req.Context().Err() == nil {
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
 		if !r.down.Load() {
 			return false
 		}
 		if strings.Contains(req.URL.Path, "/manifests/") {
 			r.manifestRequests.Add(1)
 		}
-		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
-			if tc, ok := conn.(*net.TCPConn); ok {
-				tc.SetLinger(0)
-			}
-			conn.Close()
-		}
+		resetConnection(w)
 		return true
 	})
 	r.rc = startContainer(t, r.env, image, r.signals, "/bin/sh", "-c", outageScript)
