@@ -230,8 +230,8 @@ type Node struct {
 	// Reserve is the share of the node kept free of use; default 0.15.
 	Reserve *float64 `toml:"reserve"`
 	// Overcommit bounds the sum of initial quotas as a multiple of the
-	// node (envlet.DefaultOvercommit: cpu 20, memory 8); 1 admits by
-	// request.
+	// node (envlet.DefaultOvercommit: none, admission is by measured
+	// use); 1 admits by request.
 	Overcommit Overcommit `toml:"overcommit"`
 	// Victims is the victim policy, e.g. "priority,youngest" (default).
 	Victims string `toml:"victim-policy"`
