@@ -235,6 +235,9 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	if len(r.Status) > 0 {
 		rec.info.Status = r.Status
 	}
+	if r.Gaps != nil {
+		rec.info.Gaps = r.Gaps
+	}
 	rec.timeline = append(rec.timeline, r.Timeline...)
 	if n := len(rec.timeline) - DefaultTimelinePoints; n > 0 {
 		rec.timeline = append(rec.timeline[:0:0], rec.timeline[n:]...)

@@ -273,7 +273,7 @@ func (c Config) NodeOpts() ([]envlet.NodeOpt, error) {
 // Arbiter configures the shims' arbiter client.
 type Arbiter struct {
 	Socket   string `toml:"socket"`   // default /run/envsnap/arbiter.sock
-	Timeout  string `toml:"timeout"`  // default 100ms
+	Timeout  string `toml:"timeout"`  // default 1s (arbiter.DefaultTimeout)
 	Fallback string `toml:"fallback"` // "degraded" (default) or "local"
 	// Ledger is where the arbiter daemon persists its leases; default
 	// arbiter-ledger.json next to the socket; "none" keeps them in memory.
