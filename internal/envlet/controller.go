@@ -93,6 +93,7 @@ type Controller struct {
 	prevAt     time.Time
 	havePrev   bool
 	lastReport time.Time
+	reported   Resources // the limits the last report carried
 
 	wake chan struct{}
 
@@ -464,8 +465,8 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 
-	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {
-		c.lastReport = now
+	if now.Sub(c.lastReport) >= c.reportPeriod() {
+		c.lastReport, c.reported = now, c.st.Limit
 		var err error
 		if acts, err = c.report(ctx, o, acts); err != nil {
 			return err
@@ -473,6 +474,24 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	}
 	c.record(o, wake, acts)
 	return nil
+}
+
+// IdleReportPeriod is how often an idle environment whose limits did not
+// change reports to the arbiter. A report is the largest part of an idle
+// shim's CPU (a ttrpc round trip with the status and the new timeline
+// points, in the shim and in the arbiter); an idle environment's usage
+// hardly moves, and whatever wakes it makes it active, and report every
+// ReportPeriod, again. It stays well under the arbiter's ledger grace
+// (10 s) and stale limit (30 s).
+const IdleReportPeriod = 5 * time.Second
+
+// reportPeriod is ReportPeriod, or IdleReportPeriod for an idle
+// environment whose limits are those it last reported.
+func (c *Controller) reportPeriod() time.Duration {
+	if c.st.Idle && c.st.Limit == c.reported {
+		return max(c.cfg.ReportPeriod, IdleReportPeriod)
+	}
+	return c.cfg.ReportPeriod
 }
 
 // arbiterLogEvery rate-limits the warning about an arbiter that does not
