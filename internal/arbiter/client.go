@@ -96,6 +96,7 @@ type Client struct {
 type envState struct {
 	base, current envlet.Resources
 	priority      int
+	tier          envlet.Tier
 	src           StatusSource
 	lastPoint     []byte // JSON of the last timeline point reported
 }
@@ -200,7 +201,7 @@ func (c *Client) registerLocked(ctx context.Context, env string, st *envState) e
 	cur := toWire(st.current)
 	var resp EmptyResponse
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner, Priority: st.priority}, &resp, &resp.Boot)
+		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner, Priority: st.priority, Tier: string(st.tier)}, &resp, &resp.Boot)
 	if err == nil && resp.Node != nil {
 		c.node = resp.Node
 	}
@@ -292,11 +293,11 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources, o
 	}
 	// Admitting a known env again (the shim at Create, then the controller
 	// in Run) is idempotent here and at the arbiter.
-	st.base, st.priority = base, ad.Priority
+	st.base, st.priority, st.tier = base, ad.Priority, ad.Tier
 	cur := toWire(st.current)
 	var resp EmptyResponse
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority}, &resp, &resp.Boot)
+		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority, Tier: string(ad.Tier)}, &resp, &resp.Boot)
 	if err == nil {
 		if resp.Node != nil {
 			c.node = resp.Node
@@ -339,7 +340,7 @@ func (c *Client) ensureLocalLocked(ctx context.Context, env string, st *envState
 	if c.localEnvs[env] {
 		return
 	}
-	if err := c.local.Admit(ctx, env, st.base, envlet.WithPriority(st.priority)); err != nil {
+	if err := c.local.Admit(ctx, env, st.base, envlet.WithPriority(st.priority), envlet.WithTier(st.tier)); err != nil {
 		log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: local fallback arbiter rejects env")
 		return
 	}

@@ -61,6 +61,9 @@ type AdmitRequest struct {
 	Owner string `json:"owner,omitempty"`
 	// Priority orders environments for the node's victim policy.
 	Priority int `json:"priority,omitempty"`
+	// Tier is the CPU tier (latency, standard, besteffort; empty is
+	// standard).
+	Tier string `json:"tier,omitempty"`
 }
 
 // GrowRequest asks for the environment's limits to become Want.
@@ -140,6 +143,7 @@ type EnvInfo struct {
 	Ended    time.Time       `json:"ended,omitzero"`
 	Reason   string          `json:"reason,omitempty"`
 	Priority int             `json:"priority,omitempty"`
+	Tier     string          `json:"tier,omitempty"`
 	// Gaps: as last reported by the environment's shim.
 	Gaps *Gaps `json:"gaps,omitempty"`
 }

@@ -41,6 +41,9 @@ type Admission struct {
 	// Priority orders environments for the victim policy (higher is
 	// kept longer).
 	Priority int
+	// Tier is the environment's CPU class: best-effort use does not count
+	// against admission, and a grow takes CPU burst from lower tiers.
+	Tier Tier
 }
 
 // AdmitOpt sets a field of the Admission.
@@ -48,6 +51,9 @@ type AdmitOpt func(*Admission)
 
 // WithPriority sets the environment's priority.
 func WithPriority(p int) AdmitOpt { return func(a *Admission) { a.Priority = p } }
+
+// WithTier sets the environment's CPU tier.
+func WithTier(t Tier) AdmitOpt { return func(a *Admission) { a.Tier = t } }
 
 // EvictionError is Report's answer to an environment the node's victim
 // policy chose to fail.
@@ -162,6 +168,8 @@ type Lease struct {
 	// fail one (VictimPolicy).
 	Priority int
 	Admitted time.Time
+	// Tier is the CPU class (Admission.Tier).
+	Tier Tier
 	// Ramping: the grant grew since the last report, so Used predates it
 	// and says nothing of what the new grant is for. A ramping lease's
 	// burst is not reclaimed.
@@ -271,7 +279,7 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 		// Re-admission (a shim re-registering after an arbiter restart,
 		// or the controller after the shim) only moves the base.
 		base = a.fit(base)
-		l.Base, l.Priority = base, ad.Priority
+		l.Base, l.Priority, l.Tier = base, ad.Priority, ad.Tier
 		l.Grant = Resources{CPU: math.Max(l.Grant.CPU, base.CPU), Memory: max(l.Grant.Memory, base.Memory)}
 		return nil
 	}
@@ -283,7 +291,7 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 	// granted more than the node has, whatever a shim asks. The
 	// overcommit bound above still sees what was asked.
 	base = a.fit(base)
-	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Admitted: a.now()}
+	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Tier: ad.Tier, Admitted: a.now()}
 	// Restore the reserve from idle burst (best effort), counting the
 	// newcomers at their base: they are about to use some of it.
 	lim, used := a.growLimit(), a.used("", true)
@@ -327,7 +335,9 @@ func (a *NodeArbiter) cpuUse() float64 {
 	now := a.now()
 	var total float64
 	for _, l := range a.leases {
-		if l.Reported {
+		// Best-effort work runs on CPU nobody else wants: it yields
+		// to a newcomer (Tier.Weights), so it leaves room.
+		if l.Reported && l.Tier != TierBestEffort {
 			total += l.Used.CPU
 		}
 	}
@@ -391,6 +401,35 @@ func (a *NodeArbiter) reclaimCPU(need float64, skip *Lease) {
 	}
 }
 
+// cpuRank orders the tiers: a grow's CPU budget leaves out the use of
+// lower tiers.
+func cpuRank(t Tier) int {
+	switch t {
+	case TierBestEffort:
+		return 0
+	case TierLatency:
+		return 2
+	}
+	return 1
+}
+
+// othersCPU is the CPU the others' counted use leaves out of the asker's
+// budget: only tiers at or above the asker's count. A lower tier's CPU,
+// used or not, is the asker's for the taking: the scheduler weights give
+// it to the higher tier under contention (Tier.Weights), and counting it
+// let whoever grew first decide instead (a latency environment started
+// after best-effort work got 68-74% of its CPU, 92-95% when it started
+// first).
+func (a *NodeArbiter) othersCPU(asker *Lease) float64 {
+	var sum float64
+	for _, l := range a.leases {
+		if l != asker && cpuRank(l.Tier) >= cpuRank(asker.Tier) {
+			sum += use(l, false).CPU
+		}
+	}
+	return sum
+}
+
 func (a *NodeArbiter) reclaimMem(need int64, skip *Lease) {
 	for _, l := range a.byIdle(func(l *Lease) float64 { return float64(l.Grant.Memory - l.Used.Memory) }) {
 		if need <= 0 {
@@ -420,11 +459,12 @@ func (a *NodeArbiter) Grow(ctx context.Context, env string, want Resources) (Res
 	lim, others := a.growLimit(), a.used(env, false)
 	old := l.Grant
 	if want.CPU > l.Grant.CPU {
-		if short := want.CPU - (lim.CPU - others.CPU); short > 1e-9 {
+		othersCPU := a.othersCPU(l)
+		if short := want.CPU - (lim.CPU - othersCPU); short > 1e-9 {
 			a.reclaimCPU(short, l)
-			others = a.used(env, false)
+			othersCPU = a.othersCPU(l)
 		}
-		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-others.CPU-l.Grant.CPU), 0)
+		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-othersCPU-l.Grant.CPU), 0)
 	}
 	if want.Memory > l.Grant.Memory {
 		if short := want.Memory - (lim.Memory - others.Memory); short > 0 {

@@ -158,7 +158,7 @@ func (c *Controller) Admit(ctx context.Context) error {
 	}
 	actx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout*10)
 	defer cancel()
-	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority)); err != nil {
+	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority), WithTier(c.cfg.Tier)); err != nil {
 		f := Failure{Env: c.env, Reason: ReasonAdmissionRejected, Requested: c.cfg.Initial.Memory, Cap: c.cfg.Cap.Memory,
 			Message: fmt.Sprintf("node cannot admit %v: %v", c.cfg.Initial, err)}
 		c.mu.Lock()
@@ -603,7 +603,7 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 	switch {
 	case errdefs.IsNotFound(err):
 		// The arbiter lost us (restart): the shim holds the truth.
-		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority)); err == nil {
+		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority), WithTier(c.cfg.Tier)); err == nil {
 			_, err = c.arb.Grow(rctx, c.env, c.st.Limit)
 			if err != nil {
 				c.logger(ctx).WithError(err).Warn("envlet: re-register current limits")
