@@ -26,10 +26,16 @@ import (
 	"github.com/envsnap/envsnap/internal/envlet"
 )
 
-// pidsTick is how often the guard reads pids.events: a fork bomb that
-// runs a few ticks longer costs nothing (the limit already holds it), so
-// this only bounds how soon it is reported.
-const pidsTick = 500 * time.Millisecond
+// pidsTick is how often the guard reads pids.events while forks are
+// refused or the cgroup is at its limit, pidsIdleTick while they are not:
+// a fork bomb that runs a few ticks longer costs nothing (the limit
+// already holds it), so these only bound how soon it is reported (within
+// pidsIdleTick + the grace). Every wake-up of an idle shim costs more than
+// its reads (the Go scheduler spins up for it).
+const (
+	pidsTick     = 500 * time.Millisecond
+	pidsIdleTick = 2 * time.Second
+)
 
 // The guard measures the writable layer every diskTick, or less often:
 // one measurement stats every file of the upper directory (containerd's
@@ -211,17 +217,29 @@ func (g *guard) fail(f envlet.Failure) {
 
 // watchPids reads the pids cgroup dir every pidsTick until ctx ends.
 func (g *guard) watchPids(ctx context.Context, dir string) {
+	pf, err := openPids(dir)
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			log.G(ctx).WithError(err).Warn("envlet: fork bombs will be contained but not reported")
+		}
+		return
+	}
+	defer pf.close()
 	var st pidsState
-	t := time.NewTicker(pidsTick)
+	t := time.NewTimer(pidsIdleTick)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			refused, atLimit, err := readPids(dir)
+			refused, atLimit, err := pf.read()
+			t.Reset(pidsIdleTick)
+			if refused > st.refused || atLimit {
+				t.Reset(pidsTick)
+			}
 			if err != nil {
-				if errors.Is(err, os.ErrNotExist) {
+				if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENODEV) {
 					return // the cgroup went with the task
 				}
 				log.G(ctx).WithError(err).Warn("envlet: read pids events")
@@ -241,10 +259,51 @@ func (g *guard) watchPids(ctx context.Context, dir string) {
 	}
 }
 
-// readPids reads the refused-fork count of the pids cgroup dir and
-// whether it is at its limit.
-func readPids(dir string) (refused uint64, atLimit bool, err error) {
-	b, err := os.ReadFile(filepath.Join(dir, "pids.events"))
+// pidsFiles keeps a pids cgroup's files open and reads them with pread:
+// opening and closing three files twice a second was, after the arbiter
+// reports, the largest part of an idle shim's CPU.
+type pidsFiles struct {
+	dir                  string
+	events, current, max *os.File
+	buf                  [256]byte
+}
+
+func openPids(dir string) (*pidsFiles, error) {
+	p := &pidsFiles{dir: dir}
+	for _, f := range []struct {
+		name string
+		dst  **os.File
+	}{{"pids.events", &p.events}, {"pids.current", &p.current}, {"pids.max", &p.max}} {
+		fd, err := os.Open(filepath.Join(dir, f.name))
+		if err != nil {
+			p.close()
+			return nil, err
+		}
+		*f.dst = fd
+	}
+	return p, nil
+}
+
+func (p *pidsFiles) close() {
+	for _, f := range []*os.File{p.events, p.current, p.max} {
+		if f != nil {
+			f.Close()
+		}
+	}
+}
+
+func (p *pidsFiles) readAt(f *os.File) ([]byte, error) {
+	n, err := f.ReadAt(p.buf[:], 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("read %s: %w", f.Name(), err)
+	}
+	return p.buf[:n], nil
+}
+
+// read returns the refused-fork count of the pids cgroup and whether it
+// is at its limit.
+func (p *pidsFiles) read() (refused uint64, atLimit bool, err error) {
+	b, err := p.readAt(p.events)
 	if err != nil {
 		return 0, false, err
 	}
@@ -252,23 +311,23 @@ func readPids(dir string) (refused uint64, atLimit bool, err error) {
 	for line := range bytes.Lines(b) {
 		if v, ok := bytes.CutPrefix(bytes.TrimSpace(line), []byte("max ")); ok {
 			if refused, err = strconv.ParseUint(string(v), 10, 64); err != nil {
-				return 0, false, fmt.Errorf("parse %s/pids.events: %w", dir, err)
+				return 0, false, fmt.Errorf("parse %s/pids.events: %w", p.dir, err)
 			}
 			found = true
 		}
 	}
 	if !found {
-		return 0, false, fmt.Errorf("%s/pids.events has no max line", dir)
+		return 0, false, fmt.Errorf("%s/pids.events has no max line", p.dir)
 	}
-	cur, err := os.ReadFile(filepath.Join(dir, "pids.current"))
-	if err != nil {
-		return 0, false, err
-	}
-	limit, err := os.ReadFile(filepath.Join(dir, "pids.max"))
+	cur, err := p.readAt(p.current)
 	if err != nil {
 		return 0, false, err
 	}
 	c, cerr := strconv.ParseUint(string(bytes.TrimSpace(cur)), 10, 64)
+	limit, err := p.readAt(p.max)
+	if err != nil {
+		return 0, false, err
+	}
 	l, lerr := strconv.ParseUint(string(bytes.TrimSpace(limit)), 10, 64) // "max" (none) fails: never at a limit
 	return refused, cerr == nil && lerr == nil && c >= l, nil
 }

@@ -299,7 +299,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		log.G(ctx).WithField("id", r.ID).WithField("added", changed).Info("envlet: spec hardened")
 	}
 	e.guard = &guard{env: r.ID, limits: limits, grace: s.opts.Guard.PidsGrace, trip: func(f envlet.Failure) { s.guardFail(e, f) }}
-	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority)); err != nil {
+	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority), envlet.WithTier(cfg.Tier)); err != nil {
 		createFailed()
 		if errdefs.IsResourceExhausted(err) {
 			f := envlet.Failure{

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/containerd/ttrpc"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/envsnap/envsnap/internal/envlet"
@@ -182,6 +183,17 @@ func TestReregisterAfterRestart(t *testing.T) {
 	}
 	if len(envs) != 1 || envs[0].Env != "a" || envs[0].Current.Memory != 3*gib {
 		t.Fatalf("after restart: %+v, want a re-registered with 3 GiB", envs)
+	}
+	// The outage is counted once, however many calls it failed, and the
+	// shim's next report tells the arbiter (metrics).
+	if gaps, failed := c.Gaps(); gaps != 1 || failed < 1 {
+		t.Fatalf("client counted %d gaps, %d failed calls; want 1 gap", gaps, failed)
+	}
+	if _, err := c.Report(ctx, "a", envlet.Resources{CPU: 2, Memory: 3 * gib}, envlet.Resources{CPU: 2, Memory: 2900 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if envs, err = other.List(ctx, false); err != nil || len(envs) != 1 || envs[0].Gaps == nil || envs[0].Gaps.Gaps != 1 {
+		t.Fatalf("listing after the report: %+v (%v), want 1 gap recorded", envs, err)
 	}
 	// a's grant is real again: a newcomer cannot grow into it.
 	if err := other.Admit(ctx, "b", envlet.Resources{CPU: 0.5, Memory: gib / 2}); err != nil {
@@ -465,5 +477,51 @@ func TestTimelineByContainerID(t *testing.T) {
 	}
 	if _, err := s.timelineOf(ctx, &TimelineRequest{Env: "bc"}); !errdefs.IsNotFound(err) {
 		t.Errorf("a partial id matched: %v", err)
+	}
+}
+
+// A busy node answers slowly, not never: an arbiter that takes 300 ms per
+// call (its share of 2 cores next to 12 busy environments) keeps every
+// shim connected with the default deadline. The former 100 ms deadline
+// dropped it at the first call and decided locally.
+func TestClientWaitsForBusyArbiter(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	s := NewServer(byRequest(envlet.Resources{CPU: 4, Memory: 4 * gib}))
+	srv, err := ttrpc.NewServer(ttrpc.WithUnaryServerInterceptor(
+		func(ctx context.Context, u ttrpc.Unmarshaler, _ *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
+			time.Sleep(300 * time.Millisecond)
+			return m(ctx, u)
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Register(srv)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ctx, l)
+	t.Cleanup(func() { srv.Close() })
+
+	c := NewClient(ClientConfig{Socket: sock})
+	t.Cleanup(func() { c.Close() })
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	if err := c.Admit(ctx, "a", base); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Grow(ctx, "a", envlet.Resources{Memory: 2 * gib}); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if _, err := c.Report(ctx, "a", envlet.Resources{CPU: 1, Memory: 2 * gib}, envlet.Resources{CPU: 0.1, Memory: gib}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if gaps, failed := c.Gaps(); gaps != 0 || failed != 0 || !c.Connected() {
+		t.Fatalf("slow arbiter: %d gaps, %d failed calls, connected %v; want none", gaps, failed, c.Connected())
+	}
+	if g := s.arb.Leases()["a"].Grant.Memory; g != 2*gib {
+		t.Fatalf("grant at the arbiter %d, want the 2 GiB grown", g)
 	}
 }

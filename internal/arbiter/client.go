@@ -38,7 +38,9 @@ const (
 
 // Client defaults.
 const (
-	DefaultTimeout = 100 * time.Millisecond
+	// DefaultTimeout is envlet's default arbiter-timeout: the deadline a
+	// loaded node can meet (envlet.Config.ArbiterTimeout).
+	DefaultTimeout = time.Second
 	// redialInterval keeps a down arbiter from costing every controller
 	// tick a connect attempt.
 	redialInterval = time.Second
@@ -83,11 +85,18 @@ type Client struct {
 	local     *envlet.NodeArbiter // nil while connected
 	localEnvs map[string]bool
 	node      *NodeInfo // the arbiter's view of the node, from Admit
+
+	// gaps counts the times the arbiter stopped answering (a run of
+	// failed calls between two answers), failed the calls that failed;
+	// both go to the arbiter with every report, for its metrics.
+	gaps, failed int
+	inGap        bool
 }
 
 type envState struct {
 	base, current envlet.Resources
 	priority      int
+	tier          envlet.Tier
 	src           StatusSource
 	lastPoint     []byte // JSON of the last timeline point reported
 }
@@ -168,6 +177,7 @@ func (c *Client) connectLocked(ctx context.Context) error {
 	conn, err := d.DialContext(ctx, "unix", c.cfg.Socket)
 	if err != nil {
 		c.dialFail = time.Now()
+		c.noteFailureLocked()
 		return fmt.Errorf("%w: %v", errUnreachable, err)
 	}
 	c.conn = ttrpc.NewClient(conn)
@@ -191,7 +201,7 @@ func (c *Client) registerLocked(ctx context.Context, env string, st *envState) e
 	cur := toWire(st.current)
 	var resp EmptyResponse
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner, Priority: st.priority}, &resp, &resp.Boot)
+		&AdmitRequest{Env: env, Base: toWire(st.base), Current: &cur, Owner: c.cfg.Owner, Priority: st.priority, Tier: string(st.tier)}, &resp, &resp.Boot)
 	if err == nil && resp.Node != nil {
 		c.node = resp.Node
 	}
@@ -226,12 +236,15 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 	if err := c.conn.Call(cctx, ServiceName, method, in, &out); err != nil {
 		nerr := errgrpc.ToNative(err)
 		if isAnswer(nerr) {
+			c.inGap = false
 			return nerr
 		}
 		c.dropLocked()
 		c.dialFail = time.Now()
+		c.noteFailureLocked()
 		return fmt.Errorf("%w: %s: %v", errUnreachable, method, err)
 	}
+	c.inGap = false
 	if err := decode(&out, resp); err != nil {
 		return err
 	}
@@ -245,6 +258,24 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 	}
 	c.boot = *boot
 	return nil
+}
+
+// noteFailureLocked counts a call that got no answer, and a gap when it
+// is the first since an answer.
+func (c *Client) noteFailureLocked() {
+	c.failed++
+	if !c.inGap {
+		c.inGap = true
+		c.gaps++
+	}
+}
+
+// Gaps returns how many times the arbiter stopped answering this client,
+// and how many of its calls got no answer.
+func (c *Client) Gaps() (gaps, failedCalls int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.gaps, c.failed
 }
 
 // Admit asks the arbiter to admit env with base. When the arbiter cannot
@@ -262,11 +293,11 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources, o
 	}
 	// Admitting a known env again (the shim at Create, then the controller
 	// in Run) is idempotent here and at the arbiter.
-	st.base, st.priority = base, ad.Priority
+	st.base, st.priority, st.tier = base, ad.Priority, ad.Tier
 	cur := toWire(st.current)
 	var resp EmptyResponse
 	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
-		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority}, &resp, &resp.Boot)
+		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority, Tier: string(ad.Tier)}, &resp, &resp.Boot)
 	if err == nil {
 		if resp.Node != nil {
 			c.node = resp.Node
@@ -309,7 +340,7 @@ func (c *Client) ensureLocalLocked(ctx context.Context, env string, st *envState
 	if c.localEnvs[env] {
 		return
 	}
-	if err := c.local.Admit(ctx, env, st.base, envlet.WithPriority(st.priority)); err != nil {
+	if err := c.local.Admit(ctx, env, st.base, envlet.WithPriority(st.priority), envlet.WithTier(st.tier)); err != nil {
 		log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: local fallback arbiter rejects env")
 		return
 	}
@@ -372,7 +403,8 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 		return current, fmt.Errorf("report %s: not admitted: %w", env, errdefs.ErrNotFound)
 	}
 	st.current = current
-	req := &ReportRequest{Env: env, Current: toWire(current), Used: toWire(used)}
+	req := &ReportRequest{Env: env, Current: toWire(current), Used: toWire(used),
+		Gaps: &Gaps{Gaps: c.gaps, FailedCalls: c.failed}}
 	var last []byte
 	if st.src != nil {
 		if b, err := json.Marshal(st.src.Status()); err == nil {

@@ -48,6 +48,7 @@ type ledgerEntry struct {
 	Used     Resources `json:"used"`
 	Admitted time.Time `json:"admitted"`
 	Priority int       `json:"priority,omitempty"`
+	Tier     string    `json:"tier,omitempty"`
 }
 
 // UseLedger makes s persist its leases at path after every change of a
@@ -80,9 +81,9 @@ func (s *Server) UseLedger(ctx context.Context, path string) error {
 			log.G(ctx).WithField("env", e.Env).Warn("arbiter: skipping an invalid ledger entry")
 			continue
 		}
-		s.arb.Restore(e.Env, envlet.Lease{Base: fromWire(e.Base), Grant: fromWire(e.Grant), Used: fromWire(e.Used), Priority: e.Priority, Admitted: e.Admitted})
+		s.arb.Restore(e.Env, envlet.Lease{Base: fromWire(e.Base), Grant: fromWire(e.Grant), Used: fromWire(e.Used), Priority: e.Priority, Tier: envlet.Tier(e.Tier), Admitted: e.Admitted})
 		s.envs[e.Env] = &record{info: EnvInfo{Env: e.Env, Owner: e.Owner, Base: e.Base, Current: e.Grant, Used: e.Used,
-			Admitted: e.Admitted, Updated: now, Priority: e.Priority}}
+			Admitted: e.Admitted, Updated: now, Priority: e.Priority, Tier: e.Tier}}
 		s.restored[e.Env] = now.Add(s.grace)
 	}
 	s.lastLedger = s.ledgerKeyLocked()
@@ -107,7 +108,7 @@ func (s *Server) ledgerLocked(withUse bool) ledgerFile {
 			continue
 		}
 		e := ledgerEntry{Env: id, Owner: rec.info.Owner, Base: toWire(l.Base), Grant: toWire(l.Grant),
-			Admitted: rec.info.Admitted, Priority: l.Priority}
+			Admitted: rec.info.Admitted, Priority: l.Priority, Tier: string(l.Tier)}
 		if withUse {
 			e.Used = toWire(l.Used)
 		}

@@ -27,6 +27,8 @@ var (
 	descBaseMem  = prometheus.NewDesc("envlet_base_memory_bytes", "Admitted (initial) memory limit of the environment.", []string{"env"}, nil)
 	descEnvs     = prometheus.NewDesc("envlet_arbiter_envs", "Environments admitted on this node.", nil, nil)
 	descDenials  = prometheus.NewDesc("envlet_arbiter_denials_total", "Admissions rejected and grows granted less than asked.", []string{"kind"}, nil)
+	descGaps     = prometheus.NewDesc("envlet_arbiter_client_gaps_total", "Times the arbiter stopped answering the environment's shim (as its shim last reported).", []string{"env"}, nil)
+	descFailed   = prometheus.NewDesc("envlet_arbiter_client_failed_calls_total", "Arbiter calls of the environment's shim that got no answer (as its shim last reported).", []string{"env"}, nil)
 )
 
 // Describe sends nothing: the status gauges are discovered at collection
@@ -49,6 +51,10 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descUsedMem, prometheus.GaugeValue, float64(i.Used.Memory), i.Env)
 		ch <- prometheus.MustNewConstMetric(descBaseCPU, prometheus.GaugeValue, i.Base.CPU, i.Env)
 		ch <- prometheus.MustNewConstMetric(descBaseMem, prometheus.GaugeValue, float64(i.Base.Memory), i.Env)
+		if g := i.Gaps; g != nil {
+			ch <- prometheus.MustNewConstMetric(descGaps, prometheus.CounterValue, float64(g.Gaps), i.Env)
+			ch <- prometheus.MustNewConstMetric(descFailed, prometheus.CounterValue, float64(g.FailedCalls), i.Env)
+		}
 		for _, f := range NumericFields(i.Status) {
 			d := prometheus.NewDesc("envlet_status_"+f.Name, "Controller status field "+f.Name+".", []string{"env"}, nil)
 			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, f.Value, i.Env)

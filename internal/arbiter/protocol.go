@@ -61,6 +61,9 @@ type AdmitRequest struct {
 	Owner string `json:"owner,omitempty"`
 	// Priority orders environments for the node's victim policy.
 	Priority int `json:"priority,omitempty"`
+	// Tier is the CPU tier (latency, standard, besteffort; empty is
+	// standard).
+	Tier string `json:"tier,omitempty"`
 }
 
 // GrowRequest asks for the environment's limits to become Want.
@@ -78,6 +81,16 @@ type ReportRequest struct {
 	Used     Resources         `json:"used"`
 	Status   json.RawMessage   `json:"status,omitempty"`
 	Timeline []json.RawMessage `json:"timeline,omitempty"`
+	// Gaps is what the reporting shim's client counted since it started:
+	// the times the arbiter stopped answering it, and its calls that got
+	// no answer (timeouts, refused connects).
+	Gaps *Gaps `json:"gaps,omitempty"`
+}
+
+// Gaps counts a client's lost contact with the arbiter.
+type Gaps struct {
+	Gaps        int `json:"gaps"`
+	FailedCalls int `json:"failed_calls"`
 }
 
 // ReleaseRequest returns an environment's grant to the node.
@@ -130,6 +143,9 @@ type EnvInfo struct {
 	Ended    time.Time       `json:"ended,omitzero"`
 	Reason   string          `json:"reason,omitempty"`
 	Priority int             `json:"priority,omitempty"`
+	Tier     string          `json:"tier,omitempty"`
+	// Gaps: as last reported by the environment's shim.
+	Gaps *Gaps `json:"gaps,omitempty"`
 }
 
 // ListResponse answers List.

@@ -145,6 +145,11 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 	if err := valid(r.Base, cur); err != nil {
 		return nil, fmt.Errorf("admit %s: %w", r.Env, err)
 	}
+	if r.Tier != "" {
+		if _, err := envlet.ParseTier(r.Tier); err != nil {
+			return nil, fmt.Errorf("admit %s: %w: %w", r.Env, err, errdefs.ErrInvalidArgument)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	defer s.persistLocked(ctx)
@@ -152,7 +157,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 	s.confirmLocked(r.Env)
 	rec, known := s.envs[r.Env]
 	if !known {
-		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base), envlet.WithPriority(r.Priority)); err != nil {
+		if err := s.arb.Admit(ctx, r.Env, fromWire(r.Base), envlet.WithPriority(r.Priority), envlet.WithTier(envlet.Tier(r.Tier))); err != nil {
 			if errdefs.IsResourceExhausted(err) {
 				s.rejects["admission"]++
 			}
@@ -161,7 +166,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 			return nil, err
 		}
 		now := time.Now()
-		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now, Priority: r.Priority}}
+		rec = &record{info: EnvInfo{Env: r.Env, Base: r.Base, Current: r.Base, Admitted: now, Updated: now, Priority: r.Priority, Tier: r.Tier}}
 		s.envs[r.Env] = rec
 	}
 	// An Admit for a known env is a retry or a re-registration: idempotent,
@@ -234,6 +239,9 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	rec.info.Updated = time.Now()
 	if len(r.Status) > 0 {
 		rec.info.Status = r.Status
+	}
+	if r.Gaps != nil {
+		rec.info.Gaps = r.Gaps
 	}
 	rec.timeline = append(rec.timeline, r.Timeline...)
 	if n := len(rec.timeline) - DefaultTimelinePoints; n > 0 {

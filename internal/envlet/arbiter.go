@@ -41,6 +41,9 @@ type Admission struct {
 	// Priority orders environments for the victim policy (higher is
 	// kept longer).
 	Priority int
+	// Tier is the environment's CPU class: best-effort use does not count
+	// against admission, and a grow takes CPU burst from lower tiers.
+	Tier Tier
 }
 
 // AdmitOpt sets a field of the Admission.
@@ -48,6 +51,9 @@ type AdmitOpt func(*Admission)
 
 // WithPriority sets the environment's priority.
 func WithPriority(p int) AdmitOpt { return func(a *Admission) { a.Priority = p } }
+
+// WithTier sets the environment's CPU tier.
+func WithTier(t Tier) AdmitOpt { return func(a *Admission) { a.Tier = t } }
 
 // EvictionError is Report's answer to an environment the node's victim
 // policy chose to fail.
@@ -69,18 +75,23 @@ type NodeSizer interface {
 // report.
 const DefaultReserve = 0.15
 
-// DefaultOvercommit bounds the sum of admitted bases (initial quotas) as a
-// multiple of the node, per resource. The bound is a ratio, so it scales
-// with the node. CPU 20: DSec measured about 90% of agent sandboxes using
-// under 5% of the CPU they request (1/0.05 = 20), and CPU overcommit only
-// slows (CPU tiers protect latency-sensitive work). Memory 8: promised
-// memory that is really used turns into failures chosen by the victim
-// policy, so the bound is lower; admission by use does the real gating,
-// the bound only caps how much a burst of admissions within one report
-// period (whose usage the arbiter has not seen yet) can promise.
-var DefaultOvercommit = Overcommit{CPU: 20, Memory: 8}
+// DefaultOvercommit is no bound on the sum of admitted bases (initial
+// quotas): admission is by measured use, and the base is a starting
+// limit, not a reservation. With the former bound of 20x the CPU, the
+// 21st idle environment (default 2-core base) was refused on an idle
+// 2-core node with 20 GiB free. Operators may still set one
+// (WithOvercommit, [node.overcommit]).
+var DefaultOvercommit = Overcommit{}
 
-// Overcommit is a ratio of promised (sum of bases) to node capacity.
+// DefaultCPUWindow is the time constant over which the node's measured
+// CPU use is averaged for admission. A node saturated for tens of
+// seconds has no CPU for a newcomer; one that was busy for a second
+// (environments starting: about 1.5 CPU-seconds each for the agent CLI)
+// has.
+const DefaultCPUWindow = 10 * time.Second
+
+// Overcommit is a ratio of promised (sum of bases) to node capacity; 0
+// leaves a resource unbounded.
 type Overcommit struct {
 	CPU, Memory float64
 }
@@ -88,8 +99,8 @@ type Overcommit struct {
 // NodeOpt configures a NodeArbiter.
 type NodeOpt func(*NodeArbiter)
 
-// WithOvercommit bounds the sum of bases (DefaultOvercommit); a ratio of 1
-// admits by request, like fixed quotas.
+// WithOvercommit bounds the sum of bases (DefaultOvercommit: none); a
+// ratio of 1 admits by request, like fixed quotas.
 func WithOvercommit(o Overcommit) NodeOpt { return func(a *NodeArbiter) { a.overcommit = o } }
 
 // WithVictimPolicy sets whom the node fails first (DefaultVictimPolicy).
@@ -106,26 +117,28 @@ func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) {
 // min(used, base), plus its burst (grant - base), which was granted
 // because it was needed. Per resource:
 //
-//   - Admit succeeds while the counted memory use of all leases leaves
-//     the reserve free (sum <= capacity x (1 - reserve)) and the sum of
-//     bases stays within the overcommit bound, per resource. A new lease
-//     counts nothing until it reports. CPU use never refuses an
-//     admission: CPU is compressible, and the use of a busy node's CPU is
-//     capped by its supply, so a node running its environments flat out
-//     (an RL iteration's steady state) would refuse whoever came next,
-//     depending only on when the others last reported. A newcomer takes
-//     its CPU share from the others (CFS weights, tiers) and from the
-//     idle burst reclaimed below; the overcommit bound caps how many
-//     share the node.
+//   - Admit succeeds while the measured use leaves the reserve free,
+//     per resource: the counted memory use of all leases (sum <=
+//     capacity x (1 - reserve)), and their reported CPU use averaged over
+//     DefaultCPUWindow. A new lease counts nothing until it reports. The
+//     average keeps a busy second (environments starting) from refusing
+//     anyone while a node saturated for tens of seconds refuses: its
+//     newcomers would only slow everyone. An operator's overcommit bound
+//     on the sum of bases applies too (none by default). A refusal names
+//     the resource that is short and by how much.
 //   - Grow draws only on capacity x (1 - reserve) minus the others' counted
-//     use and the asker's whole grant, and may be partial.
+//     use and the asker's whole grant, and may be partial. What it lacks
+//     is first reclaimed from idle burst (below), except from leases that
+//     grew since their last report (ramping): a grant far above its
+//     holder's working set is not what denies, and fails, a neighbour.
 //   - Admit then reclaims idle burst (largest grant - usage first, never
 //     below the base, 1.5 x CPU usage, nor a memory limit at which the
 //     working set would reach the grow threshold) while the counted use,
 //     with unreported leases at their base, is above capacity x (1 -
 //     reserve).
 //   - Report: when the counted memory use passes capacity x (1 - reserve
-//     / 2), promised memory is really needed and the node cannot supply it:
+//     / 2), idle burst is reclaimed first; if that is not enough,
+//     promised memory is really needed and the node cannot supply it:
 //     the victim policy chooses whom to fail until it is back under, and
 //     their next Report answers *EvictionError. A victim not told yet is
 //     spared when the excess goes away first.
@@ -139,6 +152,11 @@ type NodeArbiter struct {
 	leases     map[string]*Lease
 	evict      map[string]string // env -> why
 	told       map[string]bool   // evicted envs whose Report said so
+
+	// cpuAvg is the reported CPU use of all leases, averaged over
+	// DefaultCPUWindow, as of cpuAt.
+	cpuAvg float64
+	cpuAt  time.Time
 }
 
 // Lease is what the arbiter holds for one environment.
@@ -150,6 +168,12 @@ type Lease struct {
 	// fail one (VictimPolicy).
 	Priority int
 	Admitted time.Time
+	// Tier is the CPU class (Admission.Tier).
+	Tier Tier
+	// Ramping: the grant grew since the last report, so Used predates it
+	// and says nothing of what the new grant is for. A ramping lease's
+	// burst is not reclaimed.
+	Ramping bool
 }
 
 // NewNodeArbiter returns an arbiter for a node of the given capacity
@@ -255,36 +279,75 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 		// Re-admission (a shim re-registering after an arbiter restart,
 		// or the controller after the shim) only moves the base.
 		base = a.fit(base)
-		l.Base, l.Priority = base, ad.Priority
+		l.Base, l.Priority, l.Tier = base, ad.Priority, ad.Tier
 		l.Grant = Resources{CPU: math.Max(l.Grant.CPU, base.CPU), Memory: max(l.Grant.Memory, base.Memory)}
 		return nil
 	}
-	lim, used, promised := a.growLimit(), a.used("", false), a.promised()
-	bound := Resources{CPU: a.capacity.CPU * a.overcommit.CPU, Memory: int64(float64(a.capacity.Memory) * a.overcommit.Memory)}
-	switch {
-	case used.Memory > lim.Memory:
-		return fmt.Errorf("node %v: %s of memory in use leaves less than the %.0f%% reserve: %w",
-			a.capacity, FormatBytes(used.Memory), a.reserve*100, errdefs.ErrResourceExhausted)
-	case promised.CPU+base.CPU > bound.CPU+1e-9 || promised.Memory+base.Memory > bound.Memory:
-		return fmt.Errorf("node %v: %v already promised, overcommit bound %gx cpu %gx memory: %w",
-			a.capacity, promised, a.overcommit.CPU, a.overcommit.Memory, errdefs.ErrResourceExhausted)
+	if err := a.admissible(base); err != nil {
+		return err
 	}
 	// A base larger than the node (the default 8 GiB initial quota on a
 	// smaller node) is held as the whole node once admitted: no lease is
 	// granted more than the node has, whatever a shim asks. The
 	// overcommit bound above still sees what was asked.
 	base = a.fit(base)
-	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Admitted: a.now()}
+	a.leases[env] = &Lease{Base: base, Grant: base, Priority: ad.Priority, Tier: ad.Tier, Admitted: a.now()}
 	// Restore the reserve from idle burst (best effort), counting the
 	// newcomers at their base: they are about to use some of it.
-	used = a.used("", true)
+	lim, used := a.growLimit(), a.used("", true)
 	if over := used.CPU - lim.CPU; over > 1e-9 {
-		a.reclaimCPU(over)
+		a.reclaimCPU(over, nil)
 	}
 	if over := used.Memory - lim.Memory; over > 0 {
-		a.reclaimMem(over)
+		a.reclaimMem(over, nil)
 	}
 	return nil
+}
+
+// admissible says why a new environment with base cannot be admitted:
+// the resource that is short, and by how much.
+func (a *NodeArbiter) admissible(base Resources) error {
+	lim, used := a.growLimit(), a.used("", false)
+	if over := used.Memory - lim.Memory; over > 0 {
+		return fmt.Errorf("node %v: memory short by %s: %s in use of %s leaves less than the %.0f%% reserve: %w",
+			a.capacity, FormatBytes(over), FormatBytes(used.Memory), FormatBytes(a.capacity.Memory), a.reserve*100, errdefs.ErrResourceExhausted)
+	}
+	if cpu := a.cpuUse(); cpu > lim.CPU+1e-9 {
+		return fmt.Errorf("node %v: cpu short by %.2f cores: %.2f of %g cores in use (%v average) leaves less than the %.0f%% reserve: %w",
+			a.capacity, cpu-lim.CPU, cpu, a.capacity.CPU, DefaultCPUWindow, a.reserve*100, errdefs.ErrResourceExhausted)
+	}
+	promised := a.promised()
+	if b := a.capacity.CPU * a.overcommit.CPU; a.overcommit.CPU > 0 && promised.CPU+base.CPU > b+1e-9 {
+		return fmt.Errorf("node %v: cpu short by %.2f cores of bases: %.4g promised, overcommit bound %gx: %w",
+			a.capacity, promised.CPU+base.CPU-b, promised.CPU, a.overcommit.CPU, errdefs.ErrResourceExhausted)
+	}
+	if b := int64(float64(a.capacity.Memory) * a.overcommit.Memory); a.overcommit.Memory > 0 && promised.Memory+base.Memory > b {
+		return fmt.Errorf("node %v: memory short by %s of bases: %s promised, overcommit bound %gx: %w",
+			a.capacity, FormatBytes(promised.Memory+base.Memory-b), FormatBytes(promised.Memory), a.overcommit.Memory, errdefs.ErrResourceExhausted)
+	}
+	return nil
+}
+
+// cpuUse brings the node's averaged CPU use up to now and returns it:
+// the reported use of every lease, seen through an exponential average
+// with time constant DefaultCPUWindow.
+func (a *NodeArbiter) cpuUse() float64 {
+	now := a.now()
+	var total float64
+	for _, l := range a.leases {
+		// Best-effort work runs on CPU nobody else wants: it yields
+		// to a newcomer (Tier.Weights), so it leaves room.
+		if l.Reported && l.Tier != TierBestEffort {
+			total += l.Used.CPU
+		}
+	}
+	if !a.cpuAt.IsZero() {
+		if dt := now.Sub(a.cpuAt); dt > 0 {
+			a.cpuAvg += (total - a.cpuAvg) * (1 - math.Exp(-dt.Seconds()/DefaultCPUWindow.Seconds()))
+		}
+	}
+	a.cpuAt = now
+	return a.cpuAvg
 }
 
 // fit caps r at the node's capacity.
@@ -322,10 +385,15 @@ func (a *NodeArbiter) byIdle(idle func(*Lease) float64) []*Lease {
 	return out
 }
 
-func (a *NodeArbiter) reclaimCPU(need float64) {
+// reclaimCPU and reclaimMem take up to need of idle burst, largest idle
+// grant first, from every lease but skip's and the ramping ones.
+func (a *NodeArbiter) reclaimCPU(need float64, skip *Lease) {
 	for _, l := range a.byIdle(func(l *Lease) float64 { return l.Grant.CPU - l.Used.CPU }) {
 		if need <= 1e-9 {
 			return
+		}
+		if l == skip || l.Ramping {
+			continue
 		}
 		take := math.Min(math.Max(l.Grant.CPU-cpuFloor(l), 0), need)
 		l.Grant.CPU -= take
@@ -333,10 +401,42 @@ func (a *NodeArbiter) reclaimCPU(need float64) {
 	}
 }
 
-func (a *NodeArbiter) reclaimMem(need int64) {
+// cpuRank orders the tiers: a grow's CPU budget leaves out the use of
+// lower tiers.
+func cpuRank(t Tier) int {
+	switch t {
+	case TierBestEffort:
+		return 0
+	case TierLatency:
+		return 2
+	}
+	return 1
+}
+
+// othersCPU is the CPU the others' counted use leaves out of the asker's
+// budget: only tiers at or above the asker's count. A lower tier's CPU,
+// used or not, is the asker's for the taking: the scheduler weights give
+// it to the higher tier under contention (Tier.Weights), and counting it
+// let whoever grew first decide instead (a latency environment started
+// after best-effort work got 68-74% of its CPU, 92-95% when it started
+// first).
+func (a *NodeArbiter) othersCPU(asker *Lease) float64 {
+	var sum float64
+	for _, l := range a.leases {
+		if l != asker && cpuRank(l.Tier) >= cpuRank(asker.Tier) {
+			sum += use(l, false).CPU
+		}
+	}
+	return sum
+}
+
+func (a *NodeArbiter) reclaimMem(need int64, skip *Lease) {
 	for _, l := range a.byIdle(func(l *Lease) float64 { return float64(l.Grant.Memory - l.Used.Memory) }) {
 		if need <= 0 {
 			return
+		}
+		if l == skip || l.Ramping {
+			continue
 		}
 		take := min(max(l.Grant.Memory-memFloor(l), 0), need)
 		l.Grant.Memory -= take
@@ -351,13 +451,30 @@ func (a *NodeArbiter) Grow(ctx context.Context, env string, want Resources) (Res
 	if !ok {
 		return Resources{}, fmt.Errorf("grow %s: not admitted: %w", env, errdefs.ErrNotFound)
 	}
-	// The asker is at its limit: its whole grant is in use.
+	// The asker is at its limit: its whole grant is in use. What the
+	// node lacks is first taken from grants far above their holders'
+	// working sets (an environment that grew while nobody else asked):
+	// a neighbour must not be denied, and failed, for memory that is
+	// promised but not used.
 	lim, others := a.growLimit(), a.used(env, false)
+	old := l.Grant
 	if want.CPU > l.Grant.CPU {
-		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-others.CPU-l.Grant.CPU), 0)
+		othersCPU := a.othersCPU(l)
+		if short := want.CPU - (lim.CPU - othersCPU); short > 1e-9 {
+			a.reclaimCPU(short, l)
+			othersCPU = a.othersCPU(l)
+		}
+		l.Grant.CPU += math.Max(math.Min(want.CPU-l.Grant.CPU, lim.CPU-othersCPU-l.Grant.CPU), 0)
 	}
 	if want.Memory > l.Grant.Memory {
+		if short := want.Memory - (lim.Memory - others.Memory); short > 0 {
+			a.reclaimMem(short, l)
+			others = a.used(env, false)
+		}
 		l.Grant.Memory += max(min(want.Memory-l.Grant.Memory, lim.Memory-others.Memory-l.Grant.Memory), 0)
+	}
+	if l.Grant.CPU > old.CPU || l.Grant.Memory > old.Memory {
+		l.Ramping = true
 	}
 	return l.Grant, nil
 }
@@ -369,7 +486,8 @@ func (a *NodeArbiter) Report(ctx context.Context, env string, current, used Reso
 	if !ok {
 		return Resources{}, fmt.Errorf("report %s: not admitted: %w", env, errdefs.ErrNotFound)
 	}
-	l.Used, l.Reported = used, true
+	a.cpuUse() // the average up to now, at the usage reported so far
+	l.Used, l.Reported, l.Ramping = used, true, false
 	// An environment that shrank on its own frees its burst.
 	if current.CPU < l.Grant.CPU {
 		l.Grant.CPU = math.Max(current.CPU, l.Base.CPU)
@@ -396,6 +514,15 @@ func (a *NodeArbiter) chooseVictims() {
 		if !a.told[id] {
 			delete(a.evict, id)
 		}
+	}
+	// Before anyone fails, grants far above their holders' working sets
+	// go back: the node may be short of promises, not of memory.
+	var counted int64
+	for _, l := range a.leases {
+		counted += use(l, false).Memory
+	}
+	if counted > line {
+		a.reclaimMem(counted-line, nil)
 	}
 	var used, freeing int64
 	cands := make([]Candidate, 0, len(a.leases))
@@ -429,6 +556,7 @@ func (a *NodeArbiter) Restore(env string, l Lease) {
 func (a *NodeArbiter) Release(ctx context.Context, env string) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.cpuUse() // the released lease's use counted up to now
 	delete(a.leases, env)
 	delete(a.evict, env)
 	delete(a.told, env)

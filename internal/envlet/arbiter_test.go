@@ -6,6 +6,7 @@ import (
 	"math"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/containerd/errdefs"
 )
@@ -83,7 +84,7 @@ func TestNodeArbiter(t *testing.T) {
 			}
 			// 9000 MiB in use of 10 GiB, 85% = 8704 MiB.
 			err := a.Admit(ctx, "f", base)
-			if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "reserve") {
+			if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "reserve") || !strings.Contains(err.Error(), "memory short by 296.0Mi") {
 				t.Fatalf("got %v, want ErrResourceExhausted for the reserve", err)
 			}
 			if len(a.Leases()) != 5 {
@@ -98,12 +99,13 @@ func TestNodeArbiter(t *testing.T) {
 			// 9 cores in use of 10 (above 85%), 5 GiB of memory.
 			mustAdmit(t, a, "f", base)
 		}},
-		{"admission rejected beyond the overcommit bound", func(t *testing.T, a *NodeArbiter) {
+		{"admission rejected beyond an operator's overcommit bound", func(t *testing.T, _ *NodeArbiter) {
+			a := NewNodeArbiter(node, DefaultReserve, WithOvercommit(Overcommit{Memory: 8}))
 			// 8 x 10 GiB of memory may be promised: 40 bases of 2 GiB.
 			for i := range 40 {
 				mustAdmit(t, a, fmt.Sprint("e", i), base)
 			}
-			if err := a.Admit(ctx, "one-more", base); !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "overcommit") {
+			if err := a.Admit(ctx, "one-more", base); !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "overcommit") || !strings.Contains(err.Error(), "memory short by 2.00Gi") {
 				t.Fatalf("got %v, want ErrResourceExhausted for the overcommit bound", err)
 			}
 		}},
@@ -241,5 +243,66 @@ func TestNodeArbiterBaseLargerThanNode(t *testing.T) {
 	}
 	if g := a.Granted(); g.CPU > node.CPU || g.Memory > node.Memory {
 		t.Fatalf("granted %v after re-admission and a report, more than the node %v", g, node)
+	}
+}
+
+// The node (2 cores, 24 GiB): idle agent environments (0.5% of a
+// core, 190 MiB each) with the default 2-core / 8 GiB initial quota are
+// admitted by what they use. The former 20x CPU bound on the sum of
+// initial quotas refused the 21st while the node was idle.
+func TestNodeArbiterAdmitsIdleBeyondBases(t *testing.T) {
+	ctx := context.Background()
+	a := NewNodeArbiter(Resources{CPU: 2, Memory: 24 * GiB}, DefaultReserve)
+	base := DefaultConfig().Initial
+	for i := range 64 {
+		id := fmt.Sprint("idle", i)
+		if err := a.Admit(ctx, id, base); err != nil {
+			t.Fatalf("environment %d refused on an idle node: %v", i+1, err)
+		}
+		if _, err := a.Report(ctx, id, base, Resources{CPU: 0.005, Memory: 190 * MiB}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// A node whose CPU stays saturated refuses newcomers, naming CPU and by
+// how much; a busy second does not (TestNodeArbiterAdmitsOnBusyCPU).
+func TestNodeArbiterRefusesOnSustainedCPU(t *testing.T) {
+	ctx := context.Background()
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	a := NewNodeArbiter(Resources{CPU: 2, Memory: 24 * GiB}, DefaultReserve, WithNodeClock(func() time.Time { return now }))
+	base := DefaultConfig().Initial
+	for i := range 3 {
+		mustAdmit(t, a, fmt.Sprint("busy", i), base)
+	}
+	report := func(cpu float64) {
+		for i := range 3 {
+			if _, err := a.Report(ctx, fmt.Sprint("busy", i), base, Resources{CPU: cpu, Memory: 200 * MiB}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	report(0.65)
+	now = now.Add(2 * time.Second)
+	report(0.65)
+	if err := a.Admit(ctx, "after-a-busy-second", base); err != nil {
+		t.Fatalf("admit after 2 s at 1.95 cores: %v", err)
+	}
+	a.Release(ctx, "after-a-busy-second")
+	for range 60 {
+		now = now.Add(time.Second)
+		report(0.65)
+	}
+	err := a.Admit(ctx, "late", base)
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "cpu short by 0.2") {
+		t.Fatalf("admit next to 1.95 of 2 cores busy for a minute: %v, want cpu short by about 0.25 cores", err)
+	}
+	// The CPU frees up: admitted again.
+	for range 60 {
+		now = now.Add(time.Second)
+		report(0.1)
+	}
+	if err := a.Admit(ctx, "late", base); err != nil {
+		t.Fatalf("admit after the node went idle: %v", err)
 	}
 }

@@ -93,6 +93,7 @@ type Controller struct {
 	prevAt     time.Time
 	havePrev   bool
 	lastReport time.Time
+	reported   Resources // the limits the last report carried
 
 	wake chan struct{}
 
@@ -157,7 +158,7 @@ func (c *Controller) Admit(ctx context.Context) error {
 	}
 	actx, cancel := context.WithTimeout(ctx, c.cfg.ArbiterTimeout*10)
 	defer cancel()
-	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority)); err != nil {
+	if err := c.arb.Admit(actx, c.env, c.cfg.Initial, WithPriority(c.cfg.Priority), WithTier(c.cfg.Tier)); err != nil {
 		f := Failure{Env: c.env, Reason: ReasonAdmissionRejected, Requested: c.cfg.Initial.Memory, Cap: c.cfg.Cap.Memory,
 			Message: fmt.Sprintf("node cannot admit %v: %v", c.cfg.Initial, err)}
 		c.mu.Lock()
@@ -464,8 +465,8 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 
-	if now.Sub(c.lastReport) >= c.cfg.ReportPeriod {
-		c.lastReport = now
+	if now.Sub(c.lastReport) >= c.reportPeriod() {
+		c.lastReport, c.reported = now, c.st.Limit
 		var err error
 		if acts, err = c.report(ctx, o, acts); err != nil {
 			return err
@@ -473,6 +474,24 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	}
 	c.record(o, wake, acts)
 	return nil
+}
+
+// IdleReportPeriod is how often an idle environment whose limits did not
+// change reports to the arbiter. A report is the largest part of an idle
+// shim's CPU (a ttrpc round trip with the status and the new timeline
+// points, in the shim and in the arbiter); an idle environment's usage
+// hardly moves, and whatever wakes it makes it active, and report every
+// ReportPeriod, again. It stays well under the arbiter's ledger grace
+// (10 s) and stale limit (30 s).
+const IdleReportPeriod = 5 * time.Second
+
+// reportPeriod is ReportPeriod, or IdleReportPeriod for an idle
+// environment whose limits are those it last reported.
+func (c *Controller) reportPeriod() time.Duration {
+	if c.st.Idle && c.st.Limit == c.reported {
+		return max(c.cfg.ReportPeriod, IdleReportPeriod)
+	}
+	return c.cfg.ReportPeriod
 }
 
 // arbiterLogEvery rate-limits the warning about an arbiter that does not
@@ -584,7 +603,7 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 	switch {
 	case errdefs.IsNotFound(err):
 		// The arbiter lost us (restart): the shim holds the truth.
-		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority)); err == nil {
+		if err := c.arb.Admit(rctx, c.env, c.st.Base, WithPriority(c.cfg.Priority), WithTier(c.cfg.Tier)); err == nil {
 			_, err = c.arb.Grow(rctx, c.env, c.st.Limit)
 			if err != nil {
 				c.logger(ctx).WithError(err).Warn("envlet: re-register current limits")

@@ -1,6 +1,7 @@
 package envlet
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -44,5 +45,51 @@ func TestTraceIdleReclaim(t *testing.T) {
 	}
 	if len(grows) == 0 || !strings.HasPrefix(grows[0], fmt.Sprintf("%d:", woke+1)) {
 		t.Fatalf("grows after waking %q, want the first at once", grows)
+	}
+}
+
+// countingArbiter counts reports.
+type countingArbiter struct {
+	Arbiter
+	reports int
+}
+
+func (a *countingArbiter) Report(ctx context.Context, env string, current, used Resources) (Resources, error) {
+	a.reports++
+	return a.Arbiter.Report(ctx, env, current, used)
+}
+
+// An idle environment whose limits do not change reports every
+// IdleReportPeriod, not every second: the report is most of what an idle
+// shim costs. A change of its limits is reported at the next
+// ReportPeriod.
+func TestIdleReportsLessOften(t *testing.T) {
+	cfg := testConfig()
+	cfg.IdleReclaimAfter = 0
+	arb := &countingArbiter{Arbiter: bigNode()}
+	tr := newTrace(t, cfg, arb, 2)
+	idle := func(s *Sample) { s.MemUsage = 10 * MiB; tr.cpu(0.001) }
+	for range 50 { // 10 s: idle after 5 s
+		tr.mustStep(idle)
+	}
+	if !tr.c.st.Idle {
+		t.Fatal("not idle after 10 s at 0.1% CPU")
+	}
+	arb.reports = 0
+	for range 300 { // one minute idle
+		tr.mustStep(idle)
+	}
+	if want := int(time.Minute / IdleReportPeriod); arb.reports != want {
+		t.Fatalf("%d reports in an idle minute, want %d", arb.reports, want)
+	}
+	if err := tr.c.SetCap(Resources{CPU: 0.5, Memory: 128 * MiB}); err != nil {
+		t.Fatal(err)
+	}
+	arb.reports = 0
+	for range 5 { // one second: the lowered limits are reported
+		tr.mustStep(idle)
+	}
+	if arb.reports != 1 {
+		t.Fatalf("%d reports in the second after the limits changed, want 1", arb.reports)
 	}
 }

@@ -111,7 +111,7 @@ func TestTraceArbiterOutageFails(t *testing.T) {
 	if tr.tick != 21 {
 		t.Fatalf("failed at tick %d, want 21", tr.tick)
 	}
-	if fe.Granted != 256*MiB || fe.Requested != GiB || fe.WorkingSet != 250*MiB {
+	if fe.Granted != 256*MiB || fe.Requested != 250*MiB*5/4 || fe.Asked != GiB || fe.WorkingSet != 250*MiB {
 		t.Fatalf("failure %+v", fe.Failure)
 	}
 	if !fc.frozen {
@@ -158,5 +158,37 @@ func TestArbiterOutageLogOnce(t *testing.T) {
 	out := buf.String()
 	if n := strings.Count(out, "\n"); n != 2 || !strings.Contains(out, "arbiter grow failed") || !strings.Contains(out, "failed_calls=50") {
 		t.Fatalf("%d log lines, want the outage's start and end:\n%s", n, out)
+	}
+}
+
+// After an arbiter outage a task paused at its limit grows once, from its
+// working set, and stops there. The v1 sampler refreshes under_oom with
+// memory.stat (once a second, or at half the limit and above), so the
+// ticks after the grow still carry the pause seen before it; growing on
+// that compounded x4 per tick (256Mi -> 1Gi -> 4Gi -> 16Gi) for a task
+// whose working set stayed at 250Mi.
+func TestTraceOutageGrowsOnce(t *testing.T) {
+	cfg := testConfig()
+	arb := &flakyArbiter{Arbiter: bigNode()}
+	tr := newTrace(t, cfg, arb, 2)
+	arb.down.Store(true)
+	for range 10 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 250 * MiB; s.UnderOOM = true })
+	}
+	arb.down.Store(false)
+	for range 5 { // one second: the stale flag until memory.stat is read again
+		tr.mustStep(func(s *Sample) { s.MemUsage = 250 * MiB; s.UnderOOM = true })
+	}
+	for range 5 {
+		tr.mustStep(func(s *Sample) { s.MemUsage = 250 * MiB; s.UnderOOM = false })
+	}
+	want := make([]string, 0, 11)
+	for i := 1; i <= 10; i++ {
+		want = append(want, fmt.Sprintf("%d: mem wait", i))
+	}
+	want = append(want, "11: mem x4")
+	equalLog(t, tr.log, want)
+	if got := tr.c.Status().Limit.Memory; got != GiB {
+		t.Fatalf("memory limit %s, want 1Gi (one x4 grow from 256Mi)", FormatBytes(got))
 	}
 }

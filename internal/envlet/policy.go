@@ -159,14 +159,22 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 		// lock) charges nothing, so memory.events high stops counting
 		// while it runs on memory the node never granted.
 		over := o.WS > lim
-		pressure := o.NewOOMs > 0 || o.UnderOOM || over || (o.LimitHits && frac >= cfg.MemGrowWS)
+		// Tasks paused at the limit (v1 under_oom) have their working set
+		// at the limit: the kernel drops file cache before it pauses
+		// anyone. A pause reported with the working set far below the limit
+		// predates the last grow (the flag is a level, read with
+		// memory.stat, not every tick), and growing on it again compounds:
+		// an environment back from an arbiter outage went 1 -> 4 -> 16 ->
+		// 20 GiB with a working set of 1 GiB.
+		underOOM := o.UnderOOM && frac >= cfg.MemGrowWS
+		pressure := o.NewOOMs > 0 || underOOM || over || (o.LimitHits && frac >= cfg.MemGrowWS)
 		for range o.NewOOMs {
 			s.ooms[s.oomNext%len(s.ooms)] = now
 			s.oomNext++
 		}
 		// Stuck: the kernel is killing, pausing, or squeezing the group at
 		// its limit. A high working set alone is not stuck.
-		if o.NewOOMs > 0 || o.UnderOOM || over || (o.LimitHits && frac >= cfg.MemGrow4WS) {
+		if o.NewOOMs > 0 || underOOM || over || (o.LimitHits && frac >= cfg.MemGrow4WS) {
 			if s.atLimitSince.IsZero() {
 				s.atLimitSince = now
 			}
@@ -253,6 +261,13 @@ func (p *Policy) memFloor(ws int64) int64 {
 	return int64(math.Ceil(float64(ws) * p.Cfg.MemMinHeadroom))
 }
 
+// need is what a task stuck at its memory limit needs: more than the
+// limit, and at least MemMinHeadroom x its working set. The grow step the
+// policy asked for (x4) is a guess at the future, not a need.
+func (p *Policy) need(s State, o Observation) int64 {
+	return max(p.memFloor(o.WS), s.Limit.Memory)
+}
+
 // Failure reasons.
 const (
 	ReasonNodeExhausted     = "MEM_NODE_EXHAUSTED"
@@ -333,7 +348,8 @@ func (p *Policy) Resolve(s State, o Observation, d Decision, granted Resources) 
 			s.waitSince, s.Waiting = time.Time{}, false
 			return s, s.Limit, &Failure{
 				Reason:     ReasonArbiterUnreachable,
-				Requested:  d.Mem.Want,
+				Requested:  p.need(s, o),
+				Asked:      d.Mem.Want,
 				Granted:    s.Limit.Memory,
 				Cap:        cfg.Cap.Memory,
 				WorkingSet: o.WS,
@@ -349,7 +365,8 @@ func (p *Policy) Resolve(s State, o Observation, d Decision, granted Resources) 
 			}
 			return s, s.Limit, &Failure{
 				Reason:     reason,
-				Requested:  d.Mem.Want,
+				Requested:  p.need(s, o),
+				Asked:      d.Mem.Want,
 				Granted:    max(granted.Memory, s.Limit.Memory),
 				Cap:        cfg.Cap.Memory,
 				WorkingSet: o.WS,

@@ -112,7 +112,7 @@ func TestTraceOOMStormDenied(t *testing.T) {
 		t.Fatalf("got %v, want a FailureError", err)
 	}
 	// cap: the node as the arbiter divides it (1 GiB), not the 32 GiB cap.
-	if fe.Reason != ReasonNodeExhausted || fe.OOMs != 2 || fe.Granted != 1*GiB || fe.Requested != 4*GiB || fe.WorkingSet != 1000*MiB || fe.Cap != GiB {
+	if fe.Reason != ReasonNodeExhausted || fe.OOMs != 2 || fe.Granted != 1*GiB || fe.Requested != 1250*MiB || fe.Asked != 4*GiB || fe.WorkingSet != 1000*MiB || fe.Cap != GiB {
 		t.Fatalf("failure %+v", fe.Failure)
 	}
 	if st := tr.c.Status(); st.Failures != 1 || st.Failure == nil {

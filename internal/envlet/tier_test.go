@@ -66,3 +66,46 @@ func TestRunAppliesTier(t *testing.T) {
 		t.Fatalf("weights applied %+v, want the latency tier's once", cg.set)
 	}
 }
+
+// A latency-tier environment gets its CPU whichever started first: the
+// CPU best-effort work holds does not count against its admission nor its
+// grows (the weights give it that CPU), so a quota taken by whoever grew
+// first no longer decides. Before, the latency environment started after
+// the best-effort ones was held at its initial quota.
+func TestNodeArbiterTierCPU(t *testing.T) {
+	ctx := context.Background()
+	base := Resources{CPU: 0.25, Memory: 256 * MiB}
+	for _, latencyFirst := range []bool{false, true} {
+		a := NewNodeArbiter(Resources{CPU: 2, Memory: 8 * GiB}, DefaultReserve)
+		admitLatency := func() {
+			if err := a.Admit(ctx, "latency", base, WithTier(TierLatency)); err != nil {
+				t.Fatalf("latency first %v: admit: %v", latencyFirst, err)
+			}
+		}
+		if latencyFirst {
+			admitLatency()
+		}
+		for _, id := range []string{"be1", "be2"} {
+			if err := a.Admit(ctx, id, base, WithTier(TierBestEffort)); err != nil {
+				t.Fatal(err)
+			}
+			g, err := a.Grow(ctx, id, Resources{CPU: 2})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := a.Report(ctx, id, g, Resources{CPU: g.CPU, Memory: 100 * MiB}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !latencyFirst {
+			admitLatency()
+		}
+		g, err := a.Grow(ctx, "latency", Resources{CPU: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g.CPU != 1 {
+			t.Fatalf("latency first %v: latency grew to %.3g cores next to best-effort work, want 1", latencyFirst, g.CPU)
+		}
+	}
+}

@@ -238,8 +238,8 @@ type Node struct {
 	// Reserve is the share of the node kept free of use; default 0.15.
 	Reserve *float64 `toml:"reserve"`
 	// Overcommit bounds the sum of initial quotas as a multiple of the
-	// node (envlet.DefaultOvercommit: cpu 20, memory 8); 1 admits by
-	// request.
+	// node (envlet.DefaultOvercommit: none, admission is by measured
+	// use); 1 admits by request.
 	Overcommit Overcommit `toml:"overcommit"`
 	// Victims is the victim policy, e.g. "priority,youngest" (default).
 	Victims string `toml:"victim-policy"`
@@ -281,7 +281,7 @@ func (c Config) NodeOpts() ([]envlet.NodeOpt, error) {
 // Arbiter configures the shims' arbiter client.
 type Arbiter struct {
 	Socket   string `toml:"socket"`   // default /run/envsnap/arbiter.sock
-	Timeout  string `toml:"timeout"`  // default 100ms
+	Timeout  string `toml:"timeout"`  // default 1s (arbiter.DefaultTimeout)
 	Fallback string `toml:"fallback"` // "degraded" (default) or "local"
 	// Ledger is where the arbiter daemon persists its leases; default
 	// arbiter-ledger.json next to the socket; "none" keeps them in memory.

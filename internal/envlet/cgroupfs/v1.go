@@ -36,6 +36,7 @@ type V1 struct {
 	events     chan Event
 	pending    atomic.Bool // an event arrived: read memory.stat on the next sample
 	lastStat   time.Time
+	underOOM   bool // the last read of oom_control saw tasks paused
 	closed     bool
 }
 
@@ -163,7 +164,10 @@ func (c *V1) Sample(s *Sample) error {
 	s.MemUsage = int64(u)
 	now := time.Now()
 	s.MemStat = false
-	if c.pending.Swap(false) || now.Sub(c.lastStat) >= statEvery || (c.cur.Memory > 0 && 2*s.MemUsage >= c.cur.Memory) {
+	// under_oom is a level, not a counter: once seen it is read again
+	// every sample until it clears, or a grow would be answered by the
+	// pause it just ended.
+	if c.pending.Swap(false) || c.underOOM || now.Sub(c.lastStat) >= statEvery || (c.cur.Memory > 0 && 2*s.MemUsage >= c.cur.Memory) {
 		c.lastStat = now
 		s.MemStat = true
 		if b, err = c.memStat.read(c.buf); err != nil {
@@ -177,6 +181,7 @@ func (c *V1) Sample(s *Sample) error {
 		s.OOMKill, _ = field(b, "oom_kill")
 		uo, _ := field(b, "under_oom")
 		s.UnderOOM = uo != 0
+		c.underOOM = s.UnderOOM
 		if s.Failcnt, err = c.failcnt.readUint(c.buf); err != nil {
 			return err
 		}

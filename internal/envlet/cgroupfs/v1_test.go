@@ -280,3 +280,51 @@ func TestV1SetShares(t *testing.T) {
 		t.Fatalf("cpu.shares %q, want 10240", got)
 	}
 }
+
+// under_oom is a level: once tasks were seen paused at the limit, the next
+// sample after the limit is raised reads it again and says they run,
+// although usage is far below half the new limit (where memory.stat is
+// otherwise read once a second). A stale pause made the controller grow
+// x4 again at every tick.
+func TestV1UnderOOMNotStale(t *testing.T) {
+	cg, c := openV1(t)
+	if err := c.Apply(cgroupfs.Limits{CPU: 1, Memory: 64 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SetPauseOnOOM(true); err != nil {
+		t.Fatal(err)
+	}
+	p := envlettest.Start(t)
+	cg.Add(t, p.Pid())
+	done := make(chan error, 1)
+	go func() { _, err := p.Do("alloc 100"); done <- err }()
+	var s cgroupfs.Sample
+	deadline := time.Now().Add(30 * time.Second)
+	for !s.UnderOOM {
+		if time.Now().After(deadline) {
+			t.Fatalf("no under_oom with 100 MiB allocated at a 64 MiB limit: %+v", s)
+		}
+		time.Sleep(20 * time.Millisecond)
+		if err := c.Sample(&s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.Apply(cgroupfs.Limits{CPU: 1, Memory: 1 << 30}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("child after the limit was raised: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("child still paused after the limit was raised")
+	}
+	// The controller samples into the same struct every tick.
+	if err := c.Sample(&s); err != nil {
+		t.Fatal(err)
+	}
+	if s.UnderOOM {
+		t.Fatalf("under_oom still reported after the limit was raised and the task ran on (memory.stat read: %v)", s.MemStat)
+	}
+}
