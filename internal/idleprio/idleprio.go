@@ -1,0 +1,314 @@
+//go:build linux
+
+// Package idleprio runs the daemon's background work (the background
+// fill, native layer copies) on OS threads at idle CPU and I/O priority,
+// so that it takes only what the node's other work leaves of the CPU and
+// the disk, however busy the node is, instead of waiting for a core to be
+// measured idle.
+//
+// A Job runs its function on a thread of its own, locked to its goroutine
+// and never unlocked: the Go runtime then ends the thread with the
+// goroutine, so the lowered priority never passes to other goroutines,
+// and threads it creates meanwhile come from its template thread, not
+// from a lowered one. The thread is lowered three ways:
+//
+//   - SCHED_IDLE: below every SCHED_OTHER thread of its cgroup, and
+//     preempted at once by any waking one on its core;
+//   - I/O class idle (ioprio_set): served when no other I/O is pending,
+//     by the I/O schedulers that have classes (BFQ, mq-deadline);
+//   - on a cgroup v1 cpu hierarchy, the thread moves to a cgroup of its
+//     own at the hierarchy's top, BackgroundCgroup, with cpu.shares 2,
+//     where it competes with the node's top-level groups (the containers'
+//     included) at the least weight there is. SCHED_IDLE alone ranks a
+//     thread only against its own cgroup's threads. On cgroup v2 a thread
+//     cannot leave its process's cgroup, so there the daemon's work is
+//     idle against the daemon's other threads (the file-system requests
+//     it serves) and yields the core to any waking thread, but shares
+//     with an environment that stays runnable by the two cgroups' weights.
+//
+// Boost raises a job back to the daemon's priority: a foreground read
+// that waits on background work (a read joining a fill's fetch) must not
+// wait at idle priority.
+//
+// A thread that the kernel does not run holds its Go P (the runtime takes
+// a P back only from a thread in a system call), so at most Slots jobs
+// run lowered at once and GOMAXPROCS is raised by Slots when the first
+// one starts: starved background threads never leave the daemon's
+// foreground goroutines fewer Ps than the node has cores.
+package idleprio
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/containerd/log"
+	"github.com/opencontainers/cgroups"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// Slots bounds the jobs that run lowered at once: a fill of a few
+	// layers (a request of each in flight) and a native copy.
+	Slots = 4
+	// BackgroundCgroup is the cgroup v1 cpu group lowered threads move
+	// to, below the top of the hierarchy.
+	BackgroundCgroup = "envsnap-background"
+	// backgroundShares is the least cpu.shares v1 accepts.
+	backgroundShares = 2
+)
+
+// ioprio_set(2) values (linux/ioprio.h): x/sys has the system call number
+// only.
+const (
+	ioprioWhoProcess = 1 // a thread, by its id
+	ioprioClassShift = 13
+	ioprioClassIdle  = 3
+)
+
+var (
+	slots    = make(chan struct{}, Slots)
+	procsFor sync.Once
+)
+
+// Job is one piece of background work. Create it with NewJob, run it
+// once with Run; Boost may come from any goroutine at any time.
+type Job struct {
+	mu      sync.Mutex
+	boosted bool
+	boost   chan struct{} // closed by Boost
+	th      *lowered      // the lowered thread running the job, while it does
+}
+
+// NewJob returns a job that has not run.
+func NewJob() *Job { return &Job{boost: make(chan struct{})} }
+
+// Run runs fn at idle priority on a thread of its own and returns when fn
+// does. It waits for one of the Slots; a job boosted before it runs
+// (Boost) runs fn on the calling goroutine at once instead.
+func (j *Job) Run(fn func()) {
+	select {
+	case slots <- struct{}{}:
+	case <-j.boost:
+		fn()
+		return
+	}
+	defer func() { <-slots }()
+	procsFor.Do(func() { runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + Slots) })
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// Never unlocked: see the package doc.
+		runtime.LockOSThread()
+		j.mu.Lock()
+		if !j.boosted {
+			j.th = lower(unix.Gettid())
+		}
+		j.mu.Unlock()
+		defer func() {
+			j.mu.Lock()
+			j.th = nil
+			j.mu.Unlock()
+		}()
+		fn()
+	}()
+	<-done
+}
+
+// Boost raises the job to the priority of the daemon's other threads for
+// the rest of its run, or has it run at that priority if it has not
+// started. Further calls do nothing.
+func (j *Job) Boost() {
+	if j == nil {
+		return
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.boosted {
+		return
+	}
+	j.boosted = true
+	close(j.boost)
+	if j.th != nil {
+		// j.mu keeps the thread alive: Run's goroutine takes it
+		// before it ends.
+		j.th.raise()
+	}
+}
+
+// Boosted reports whether Boost was called.
+func (j *Job) Boosted() bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.boosted
+}
+
+// Run runs fn as a job nobody boosts (Job.Run).
+func Run(fn func()) { NewJob().Run(fn) }
+
+// lowered is a thread and what it was before lower.
+type lowered struct {
+	tid    int
+	attr   *unix.SchedAttr // nil when the policy could not be changed
+	ioprio int             // -1 when the I/O class could not be changed
+	cgroup string          // v1 cpu cgroup directory it came from; "" when it did not move
+}
+
+// Status is what lowering a thread achieves on this node: logged once at
+// the first job, and what tests check.
+type Status struct {
+	SchedIdle bool   // the thread runs SCHED_IDLE
+	IOIdle    bool   // its I/O class is idle
+	Cgroup    string // the v1 cpu cgroup directory it moves to; "" on v2 or when none could be made
+	Err       error  // what failed, if anything did
+}
+
+var (
+	statusOnce sync.Once
+	status     Status
+
+	bgOnce sync.Once
+	bgDir  string // v1 BackgroundCgroup directory, "" when unavailable
+	bgErr  error
+)
+
+// lower lowers thread tid, which must be the calling one, as far as the
+// node allows; what fails is logged once, and the job runs anyway.
+func lower(tid int) *lowered {
+	th := &lowered{tid: tid, ioprio: -1}
+	var st Status
+	var errs []error
+	if a, err := unix.SchedGetAttr(tid, 0); err != nil {
+		errs = append(errs, fmt.Errorf("read scheduling policy: %w", err))
+	} else if err := unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0); err != nil {
+		errs = append(errs, fmt.Errorf("set SCHED_IDLE: %w", err))
+	} else {
+		th.attr, st.SchedIdle = a, true
+	}
+	if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(tid), 0); e != 0 {
+		errs = append(errs, fmt.Errorf("read I/O priority: %w", e))
+	} else if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), ioprioClassIdle<<ioprioClassShift); e != 0 {
+		errs = append(errs, fmt.Errorf("set I/O class idle: %w", e))
+	} else {
+		th.ioprio, st.IOIdle = int(p), true
+	}
+	if dir, err := backgroundCgroup(); err != nil {
+		errs = append(errs, err)
+	} else if dir != "" {
+		from, err := threadCPUCgroup(tid)
+		if err == nil {
+			err = writeTask(dir, tid)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("move thread to %s: %w", dir, err))
+		} else {
+			th.cgroup, st.Cgroup = from, dir
+		}
+	}
+	st.Err = errors.Join(errs...)
+	statusOnce.Do(func() {
+		status = st
+		e := log.G(context.TODO()).WithField("sched_idle", st.SchedIdle).WithField("io_idle", st.IOIdle).WithField("cgroup", st.Cgroup)
+		if st.Err != nil {
+			e.WithError(st.Err).Warn("background work runs at idle priority only in part")
+			return
+		}
+		e.Info("background work runs at idle priority")
+	})
+	return th
+}
+
+// raise undoes lower; errors are logged, the job goes on either way.
+func (th *lowered) raise() {
+	var errs []error
+	if th.cgroup != "" {
+		if err := writeTask(th.cgroup, th.tid); err != nil {
+			errs = append(errs, fmt.Errorf("move thread back to %s: %w", th.cgroup, err))
+		}
+	}
+	if th.ioprio >= 0 {
+		if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(th.tid), uintptr(th.ioprio)); e != 0 {
+			errs = append(errs, fmt.Errorf("restore I/O priority: %w", e))
+		}
+	}
+	if th.attr != nil {
+		a := *th.attr
+		a.Size = unix.SizeofSchedAttr
+		if err := unix.SchedSetAttr(th.tid, &a, 0); err != nil {
+			errs = append(errs, fmt.Errorf("restore scheduling policy: %w", err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		log.G(context.TODO()).WithError(err).Warn("boosting background work")
+	}
+}
+
+// Lower reports what lowering a thread achieves on this node, lowering a
+// thread of its own to find out the first time.
+func Lower() Status {
+	Run(func() {})
+	return status
+}
+
+// backgroundCgroup returns the v1 cpu cgroup lowered threads move to,
+// making it the first time: "" with a nil error on cgroup v2 (unified),
+// where threads cannot move on their own.
+func backgroundCgroup() (string, error) {
+	bgOnce.Do(func() {
+		if cgroups.IsCgroup2UnifiedMode() {
+			return
+		}
+		// The top of what this process sees of the hierarchy.
+		mnt, err := cgroups.FindCgroupMountpoint("", "cpu")
+		if err != nil {
+			if cgroups.IsNotFound(err) {
+				return // no v1 cpu hierarchy: a hybrid host with cpu on v2
+			}
+			bgErr = fmt.Errorf("find the cgroup v1 cpu hierarchy: %w", err)
+			return
+		}
+		dir := filepath.Join(mnt, BackgroundCgroup)
+		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			bgErr = fmt.Errorf("make cgroup %s: %w", dir, err)
+			return
+		}
+		if err := os.WriteFile(filepath.Join(dir, "cpu.shares"), []byte(strconv.Itoa(backgroundShares)), 0); err != nil {
+			bgErr = fmt.Errorf("set cpu.shares of %s: %w", dir, err)
+			return
+		}
+		bgDir = dir
+	})
+	return bgDir, bgErr
+}
+
+// threadCPUCgroup returns the directory of thread tid's v1 cpu cgroup.
+func threadCPUCgroup(tid int) (string, error) {
+	m, err := cgroups.ParseCgroupFile(fmt.Sprintf("/proc/self/task/%d/cgroup", tid))
+	if err != nil {
+		return "", fmt.Errorf("read the thread's cgroups: %w", err)
+	}
+	own, ok := m["cpu"]
+	if !ok {
+		return "", fmt.Errorf("the thread has no cgroup v1 cpu group (%v)", m)
+	}
+	mnt, root, err := cgroups.FindCgroupMountpointAndRoot("", "cpu")
+	if err != nil {
+		return "", fmt.Errorf("find the cgroup v1 cpu hierarchy: %w", err)
+	}
+	rel := own
+	if root != "/" {
+		rel = strings.TrimPrefix(own, root)
+	}
+	return filepath.Join(mnt, rel), nil
+}
+
+// writeTask moves thread tid into the v1 cgroup dir.
+func writeTask(dir string, tid int) error {
+	return os.WriteFile(filepath.Join(dir, "tasks"), []byte(strconv.Itoa(tid)), 0)
+}

@@ -1,0 +1,199 @@
+//go:build linux
+
+package idleprio
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/opencontainers/cgroups"
+	"golang.org/x/sys/unix"
+)
+
+// priority is what a thread runs at.
+type priority struct {
+	policy uint32
+	class  int    // I/O class
+	cgroup string // v1 cpu cgroup directory; "" on v2
+}
+
+func threadPriority(t *testing.T, tid int) priority {
+	t.Helper()
+	a, err := unix.SchedGetAttr(tid, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(tid), 0)
+	if e != 0 {
+		t.Fatal(e)
+	}
+	pr := priority{policy: a.Policy, class: int(p) >> ioprioClassShift}
+	if !cgroups.IsCgroup2UnifiedMode() {
+		if pr.cgroup, err = threadCPUCgroup(tid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return pr
+}
+
+// wantV1Cgroup is the cgroup a lowered thread must be in: the background
+// one where a v1 cpu hierarchy is mounted.
+func wantV1Cgroup(t *testing.T) string {
+	if cgroups.IsCgroup2UnifiedMode() {
+		return ""
+	}
+	mnt, err := cgroups.FindCgroupMountpoint("", "cpu")
+	if err != nil {
+		return ""
+	}
+	return filepath.Join(mnt, BackgroundCgroup)
+}
+
+func TestJobRunsLowered(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	before := threadPriority(t, unix.Gettid())
+	var tid int
+	var in priority
+	Run(func() {
+		tid = unix.Gettid()
+		in = threadPriority(t, tid)
+	})
+	want := priority{policy: unix.SCHED_IDLE, class: ioprioClassIdle, cgroup: wantV1Cgroup(t)}
+	if in != want {
+		t.Fatalf("job ran at %+v, want %+v (status %+v)", in, want, Lower())
+	}
+	if tid == unix.Gettid() {
+		t.Fatal("the job ran on the caller's thread")
+	}
+	// The lowered thread ends with the job: no other goroutine runs on it.
+	if _, err := os.Stat(fmt.Sprintf("/proc/self/task/%d", tid)); !os.IsNotExist(err) {
+		t.Fatalf("thread %d of the job still exists after it: %v", tid, err)
+	}
+	if after := threadPriority(t, unix.Gettid()); after != before {
+		t.Fatalf("the caller's thread went from %+v to %+v", before, after)
+	}
+	if st := Lower(); st.Err != nil || !st.SchedIdle || !st.IOIdle {
+		t.Fatalf("status %+v", st)
+	}
+}
+
+func TestBoost(t *testing.T) {
+	runtime.LockOSThread()
+	normal := threadPriority(t, unix.Gettid())
+	runtime.UnlockOSThread()
+
+	j := NewJob()
+	started, boosted := make(chan struct{}), make(chan struct{})
+	var after priority
+	go func() {
+		<-started
+		j.Boost()
+		j.Boost() // a second call does nothing
+		close(boosted)
+	}()
+	j.Run(func() {
+		close(started)
+		<-boosted
+		after = threadPriority(t, unix.Gettid())
+	})
+	if after != normal {
+		t.Fatalf("boosted job runs at %+v, want the daemon's %+v", after, normal)
+	}
+
+	// Boosted before it runs: it runs on the caller at once, without a
+	// slot, even when every slot is taken.
+	release := make(chan struct{})
+	var wg sync.WaitGroup
+	var running atomic.Int32
+	for range Slots {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			Run(func() { running.Add(1); <-release })
+		}()
+	}
+	for running.Load() < Slots {
+		time.Sleep(time.Millisecond)
+	}
+	j = NewJob()
+	j.Boost()
+	runtime.LockOSThread()
+	caller := unix.Gettid()
+	var ranOn int
+	j.Run(func() { ranOn = unix.Gettid() })
+	runtime.UnlockOSThread()
+	close(release)
+	wg.Wait()
+	if ranOn != caller {
+		t.Fatalf("a job boosted before it ran ran on thread %d, not the caller's %d", ranOn, caller)
+	}
+}
+
+// TestIdleShare: a job spinning while every core spins at normal priority
+// gets a small share of the CPU of each of those: the foreground is not
+// slowed by background work. The shares are CPU times of threads of one
+// run, so other load on the machine affects both sides.
+func TestIdleShare(t *testing.T) {
+	n := runtime.NumCPU()
+	const spin = 2 * time.Second
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	fg := make([]time.Duration, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			fg[i] = spinUntil(stop)
+		}()
+	}
+	var bg time.Duration
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		Run(func() { bg = spinUntil(stop) })
+	}()
+	time.Sleep(spin)
+	close(stop)
+	wg.Wait()
+	var least time.Duration = -1
+	for _, d := range fg {
+		if least < 0 || d < least {
+			least = d
+		}
+	}
+	t.Logf("%d foreground threads: least CPU %v; background job: %v", n, least, bg)
+	if least <= 0 {
+		t.Fatal("the foreground threads did not run")
+	}
+	if r := float64(bg) / float64(least); r > 0.1 {
+		t.Fatalf("background job got %.2fx the CPU of a foreground thread; want at most 0.1x", r)
+	}
+}
+
+// spinUntil burns the CPU until stop is closed and returns the calling
+// thread's CPU time over it.
+func spinUntil(stop chan struct{}) time.Duration {
+	var ts unix.Timespec
+	unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts)
+	start := ts.Nano()
+	for {
+		select {
+		case <-stop:
+			unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts)
+			return time.Duration(ts.Nano() - start)
+		default:
+		}
+		for i := 0; i < 1e5; i++ {
+			_ = i * i
+		}
+	}
+}
