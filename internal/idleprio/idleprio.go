@@ -47,6 +47,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/containerd/log"
 	"github.com/opencontainers/cgroups"
@@ -101,21 +102,39 @@ func (j *Job) Run(fn func()) {
 	}
 	defer func() { <-slots }()
 	procsFor.Do(func() { runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + Slots) })
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		// Never unlocked: see the package doc.
-		runtime.LockOSThread()
+	onOwnThread(func() {
 		j.mu.Lock()
 		if !j.boosted {
 			j.th = lower(unix.Gettid())
 		}
 		j.mu.Unlock()
+		floor.add(j)
 		defer func() {
+			floor.remove(j)
 			j.mu.Lock()
 			j.th = nil
 			j.mu.Unlock()
 		}()
+		fn()
+	})
+}
+
+// onOwnThread runs fn on a goroutine locked to a thread that ends with
+// it, and waits for it. The runtime does not end the process's main
+// thread at the end of a locked goroutine but parks it for good, lowered:
+// a goroutine that lands there hands the thread back and starts fn again
+// on another one.
+func onOwnThread(fn func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			onOwnThread(fn) // lands elsewhere: this goroutine holds the main thread
+			runtime.UnlockOSThread()
+			return
+		}
+		// Never unlocked: see the package doc.
 		fn()
 	}()
 	<-done
@@ -158,6 +177,7 @@ type lowered struct {
 	attr   *unix.SchedAttr // nil when the policy could not be changed
 	ioprio int             // -1 when the I/O class could not be changed
 	cgroup string          // v1 cpu cgroup directory it came from; "" when it did not move
+	bg     string          // v1 cpu cgroup directory it moved to
 }
 
 // Status is what lowering a thread achieves on this node: logged once at
@@ -186,15 +206,15 @@ func lower(tid int) *lowered {
 	var errs []error
 	if a, err := unix.SchedGetAttr(tid, 0); err != nil {
 		errs = append(errs, fmt.Errorf("read scheduling policy: %w", err))
-	} else if err := unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0); err != nil {
-		errs = append(errs, fmt.Errorf("set SCHED_IDLE: %w", err))
+	} else if err := setIdle(tid); err != nil {
+		errs = append(errs, err)
 	} else {
 		th.attr, st.SchedIdle = a, true
 	}
 	if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(tid), 0); e != 0 {
 		errs = append(errs, fmt.Errorf("read I/O priority: %w", e))
-	} else if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), ioprioClassIdle<<ioprioClassShift); e != 0 {
-		errs = append(errs, fmt.Errorf("set I/O class idle: %w", e))
+	} else if err := setIOIdle(tid); err != nil {
+		errs = append(errs, err)
 	} else {
 		th.ioprio, st.IOIdle = int(p), true
 	}
@@ -208,7 +228,7 @@ func lower(tid int) *lowered {
 		if err != nil {
 			errs = append(errs, fmt.Errorf("move thread to %s: %w", dir, err))
 		} else {
-			th.cgroup, st.Cgroup = from, dir
+			th.cgroup, th.bg, st.Cgroup = from, dir, dir
 		}
 	}
 	st.Err = errors.Join(errs...)
@@ -222,6 +242,37 @@ func lower(tid int) *lowered {
 		e.Info("background work runs at idle priority")
 	})
 	return th
+}
+
+func setIdle(tid int) error {
+	if err := unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0); err != nil {
+		return fmt.Errorf("set SCHED_IDLE: %w", err)
+	}
+	return nil
+}
+
+func setIOIdle(tid int) error {
+	if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), ioprioClassIdle<<ioprioClassShift); e != 0 {
+		return fmt.Errorf("set I/O class idle: %w", e)
+	}
+	return nil
+}
+
+// lowerAgain lowers a raised thread again, as lower did.
+func (th *lowered) lowerAgain() {
+	var errs []error
+	if th.attr != nil {
+		errs = append(errs, setIdle(th.tid))
+	}
+	if th.ioprio >= 0 {
+		errs = append(errs, setIOIdle(th.tid))
+	}
+	if th.bg != "" {
+		errs = append(errs, writeTask(th.bg, th.tid))
+	}
+	if err := errors.Join(errs...); err != nil {
+		log.G(context.TODO()).WithError(err).Warn("lowering background work again")
+	}
 }
 
 // raise undoes lower; errors are logged, the job goes on either way.
@@ -247,6 +298,95 @@ func (th *lowered) raise() {
 	if err := errors.Join(errs...); err != nil {
 		log.G(context.TODO()).WithError(err).Warn("boosting background work")
 	}
+}
+
+// floor keeps background work from stalling on a node whose other work
+// keeps every core busy, where an idle thread gets nearly nothing (a few
+// microseconds in seconds here, with the cores saturated): every
+// FloorEvery, one running job, in turn, runs at the daemon's priority for
+// FloorFor. The background as a whole thus costs the node's other work at
+// most FloorFor of one core every FloorEvery (5%), and a native copy
+// or a fill completes on a saturated node, slowly, instead of never.
+var floor = floorTurns{jobs: map[*Job]time.Time{}}
+
+const (
+	FloorEvery = time.Second
+	FloorFor   = 50 * time.Millisecond
+)
+
+// floorTurns is the running jobs, with the end of each one's latest turn;
+// its goroutine runs while there are any.
+type floorTurns struct {
+	mu      sync.Mutex
+	jobs    map[*Job]time.Time
+	running bool
+}
+
+func (f *floorTurns) add(j *Job) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.jobs[j] = time.Now()
+	if !f.running {
+		f.running = true
+		go f.loop()
+	}
+}
+
+func (f *floorTurns) remove(j *Job) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.jobs, j)
+}
+
+// next returns the job whose turn is due the longest, or false when no
+// job runs (the loop then ends).
+func (f *floorTurns) next() (*Job, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.jobs) == 0 {
+		f.running = false
+		return nil, false
+	}
+	var pick *Job
+	for j, at := range f.jobs {
+		if pick == nil || at.Before(f.jobs[pick]) {
+			pick = j
+		}
+	}
+	f.jobs[pick] = time.Now().Add(FloorFor)
+	return pick, true
+}
+
+func (f *floorTurns) loop() {
+	for {
+		time.Sleep(FloorEvery - FloorFor)
+		j, ok := f.next()
+		if !ok {
+			return
+		}
+		if !j.turn(true) {
+			continue
+		}
+		time.Sleep(FloorFor)
+		j.turn(false)
+	}
+}
+
+// turn raises (up) or lowers again the job's thread for a floor turn; it
+// reports whether the thread was raised (a boosted or ended job is not
+// touched).
+func (j *Job) turn(up bool) bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.boosted || j.th == nil {
+		return false
+	}
+	if up {
+		j.th.raise()
+	} else {
+		j.th.lowerAgain()
+	}
+	return true
 }
 
 // Lower reports what lowering a thread achieves on this node, lowering a

@@ -6,9 +6,11 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -162,5 +164,50 @@ func TestStoreBudget(t *testing.T) {
 	}
 	if got := cache.Stats().Charged; got != 0 {
 		t.Errorf("charged %d after the copy was dropped", got)
+	}
+}
+
+// policyChunks reads chunks from a cache and records the scheduling
+// policy and I/O class of the thread asking.
+type policyChunks struct {
+	*chunkcache.Cache
+	mu       sync.Mutex
+	policies map[uint32]bool
+	classes  map[int]bool
+}
+
+func (c *policyChunks) Get(d digest.Digest) ([]byte, bool) {
+	a, err := unix.SchedGetAttr(0, 0)
+	p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, 1, 0, 0) // IOPRIO_WHO_PROCESS, this thread
+	c.mu.Lock()
+	if err == nil {
+		c.policies[a.Policy] = true
+	}
+	if e == 0 {
+		c.classes[int(p)>>13] = true
+	}
+	c.mu.Unlock()
+	return c.Cache.Get(d)
+}
+
+// TestBuildRunsIdle: a copy is decoded and written at idle CPU and I/O
+// priority (SCHED_IDLE, I/O class idle), not at the priority of the
+// environments whose CPU and disk it would take.
+func TestBuildRunsIdle(t *testing.T) {
+	requireRoot(t)
+	_, toc, cache := cachedLayer(t, buildTar(t, allKinds()))
+	s, err := Open(context.Background(), t.TempDir(), cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	chunks := &policyChunks{Cache: cache, policies: map[uint32]bool{}, classes: map[int]bool{}}
+	if err := buildNow(t, s, digest.FromString("layer"), toc, chunks); err != nil {
+		t.Fatal(err)
+	}
+	const ioClassIdle = 3
+	if len(chunks.policies) != 1 || !chunks.policies[unix.SCHED_IDLE] || len(chunks.classes) != 1 || !chunks.classes[ioClassIdle] {
+		t.Fatalf("the build read its chunks at policies %v, I/O classes %v; want SCHED_IDLE (%d) and idle (%d) alone",
+			chunks.policies, chunks.classes, unix.SCHED_IDLE, ioClassIdle)
 	}
 }
