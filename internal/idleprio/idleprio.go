@@ -102,16 +102,23 @@ func (j *Job) Run(fn func()) {
 	}
 	defer func() { <-slots }()
 	procsFor.Do(func() { runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + Slots) })
+	// On the floor's list before the thread is lowered: a lowered thread
+	// on a saturated node may not run again before its first turn.
+	floor.add(j)
+	defer floor.remove(j)
 	onOwnThread(func() {
 		j.mu.Lock()
 		if !j.boosted {
 			j.th = lower(unix.Gettid())
 		}
 		j.mu.Unlock()
-		floor.add(j)
 		defer func() {
-			floor.remove(j)
+			// The thread ends at the daemon's priority: its exit is
+			// on the path of whoever waits for the job.
 			j.mu.Lock()
+			if j.th != nil {
+				j.th.raise()
+			}
 			j.th = nil
 			j.mu.Unlock()
 		}()
