@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -60,15 +61,28 @@ func TestJobRunsLowered(t *testing.T) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	before := threadPriority(t, unix.Gettid())
-	var tid int
-	var in priority
-	Run(func() {
-		tid = unix.Gettid()
-		in = threadPriority(t, tid)
-	})
+	asked, resume := make(chan int), make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		Run(func() {
+			asked <- unix.Gettid()
+			<-resume
+		})
+	}()
+	tid := <-asked
+	// Looked at from outside a few times: a floor turn runs the job at
+	// the daemon's priority for FloorFor of every FloorEvery.
 	want := priority{policy: unix.SCHED_IDLE, class: ioprioClassIdle, cgroup: wantV1Cgroup(t)}
-	if in != want {
-		t.Fatalf("job ran at %+v, want %+v (status %+v)", in, want, Lower())
+	var seen []priority
+	for range 10 {
+		seen = append(seen, threadPriority(t, tid))
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(resume)
+	<-done
+	if !slices.Contains(seen, want) {
+		t.Fatalf("job ran at %+v, want %+v (status %+v)", seen, want, Lower())
 	}
 	if tid == unix.Gettid() {
 		t.Fatal("the job ran on the caller's thread")
