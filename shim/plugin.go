@@ -34,6 +34,7 @@ import (
 	"github.com/containerd/plugin/registry"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/lsm"
 	"github.com/envsnap/envsnap/shim/config"
 )
 
@@ -76,6 +77,9 @@ func init() {
 			guard, err := cfg.GuardLimits()
 			if err != nil {
 				return nil, fmt.Errorf("envlet guard: %w", err)
+			}
+			if guard.LSM && !cfg.Disabled {
+				go lsm.Warm()
 			}
 			cc, err := cfg.ArbiterClient()
 			if err != nil {

@@ -61,6 +61,12 @@ type Config struct {
 	// unpacked image: the steady state of later environments of an
 	// iteration rather than the one right after a cold start.
 	SettleWarm bool
+	// SecondAfter: for envsnap and overlayfs, pairs of environments
+	// start on a cold node, the second SecondAfter after the first,
+	// while the first runs (runSecond): the second, third, ...
+	// environment of an RL iteration arrives while the first still runs,
+	// on the groups the first is still fetching. Zero skips the pairs.
+	SecondAfter time.Duration
 	// Checkpoint, when set, is given the report so far once the
 	// iteration scenario is done: a run cut short afterwards still
 	// leaves its headline.
@@ -113,8 +119,10 @@ type Report struct {
 	Command string `json:"command"`
 	// SettleWarm: envsnap warm runs waited for their layers to be fully
 	// present (Config.SettleWarm); Settle is how long they waited.
-	SettleWarm bool    `json:"settle_warm"`
-	Settle     Summary `json:"settle_s"`
+	SettleWarm bool `json:"settle_warm"`
+	// SecondAfter: the delay between the pairs' starts (Config.SecondAfter), seconds.
+	SecondAfter float64 `json:"second_after_s,omitempty"`
+	Settle      Summary `json:"settle_s"`
 	// Agent is what `agent --version` printed in the environments: the
 	// agent CLI release the workload was built with.
 	Agent string   `json:"agent"`
@@ -192,8 +200,12 @@ type Headline struct {
 	// / overlayfs, medians.
 	WarmInitRatio    float64 `json:"warm_init_ratio,omitempty"`
 	WarmEpisodeRatio float64 `json:"warm_episode_ratio,omitempty"`
-	PulledPerRead    float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
-	FillPulledFrac   float64 `json:"fill_pulled_frac"` // envsnap registry bytes / image bytes
+	// Second: the second environment of a pair started while the first
+	// runs (Config.SecondAfter), envsnap / overlayfs, medians.
+	SecondInitRatio    float64 `json:"second_init_ratio,omitempty"`
+	SecondEpisodeRatio float64 `json:"second_episode_ratio,omitempty"`
+	PulledPerRead      float64 `json:"pulled_per_read"`  // envsnap-nofill registry bytes / bytes read
+	FillPulledFrac     float64 `json:"fill_pulled_frac"` // envsnap registry bytes / image bytes
 }
 
 type env struct {
@@ -212,7 +224,8 @@ func (c *Config) logf(format string, args ...any) {
 // Measure runs the benchmark.
 func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	rep := &Report{Started: time.Now(), Images: map[string]int64{}, GroupSize: map[string]int64{}, Summary: map[string]map[string]Summary{},
-		Iterations: map[string][]Iteration{}, SettleWarm: cfg.SettleWarm}
+		Iterations: map[string][]Iteration{}, SettleWarm: cfg.SettleWarm,
+		SecondAfter: cfg.SecondAfter.Seconds()}
 	var settled []float64
 	rep.Machine = machine()
 	w, err := episode.LoadWorkload(cfg.Tasks)
@@ -357,6 +370,18 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 				rep.Runs = append(rep.Runs, r)
 				cfg.logf("%-15s %-5s %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d registry %s read %s %s",
 					sys, phase, i+1, n, e.name, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, mib(r.RegistryBytes), mib(r.ReadBytes), r.Error)
+			}
+		}
+		if (sys == Envsnap || sys == Overlayfs) && cfg.SecondAfter > 0 {
+			for i := 0; i+1 < len(envs); i += 2 {
+				rs, err := b.runSecond(ctx, envs[i], envs[i+1], sys, cfg.SecondAfter)
+				if err != nil {
+					return nil, err
+				}
+				rep.Runs = append(rep.Runs, rs...)
+				for _, r := range rs {
+					cfg.logf("%-15s %-6s %-28s ready %6.2fs episode %6.2fs reward %d %s", sys, r.Phase, r.Task, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, r.Error)
+				}
 			}
 		}
 		if sys == Envsnap || sys == Overlayfs {
@@ -569,6 +594,36 @@ func (b *bench) runConcurrent(ctx context.Context, envs []env, sys string, n int
 	return out
 }
 
+// runSecond starts first on a cold node and second after the given
+// delay, while first runs: phases "first" and "second". Both are distinct
+// environments of the same groups, as an iteration's are.
+func (b *bench) runSecond(ctx context.Context, first, second env, sys string, after time.Duration) ([]Run, error) {
+	if err := b.reset(); err != nil {
+		return nil, fmt.Errorf("reset before %s %s, %s: %w", sys, first.name, second.name, err)
+	}
+	out := make([]Run, 2)
+	var wg sync.WaitGroup
+	for i, e := range []env{first, second} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if i == 1 {
+				select {
+				case <-time.After(after):
+				case <-ctx.Done():
+				}
+			}
+			res := episode.Run(ctx, b.env, e.ref, e.task, b.system(sys), b.cfg.Timeout)
+			res.Phase, res.ImageBytes = []string{"first", "second"}[i], episode.ImageSize(e.image)
+			// Registry bytes cannot be told apart per environment here.
+			res.RegistryBytes = 0
+			out[i] = Run{Result: res}
+		}()
+	}
+	wg.Wait()
+	return out, nil
+}
+
 // runIteration runs envs on an empty node, k at a time in list order (a
 // new one starts when one ends), as an RL iteration's rollout workers
 // do: the first environments are cold, later ones find the shared
@@ -711,6 +766,10 @@ func (rep *Report) summarize() {
 	if o := med(Overlayfs+"/warm", "ready_s"); o > 0 {
 		rep.Headline.WarmInitRatio = med(Envsnap+"/warm", "ready_s") / o
 		rep.Headline.WarmEpisodeRatio = med(Envsnap+"/warm", "episode_s") / med(Overlayfs+"/warm", "episode_s")
+	}
+	if o := med(Overlayfs+"/second", "ready_s"); o > 0 {
+		rep.Headline.SecondInitRatio = med(Envsnap+"/second", "ready_s") / o
+		rep.Headline.SecondEpisodeRatio = med(Envsnap+"/second", "episode_s") / med(Overlayfs+"/second", "episode_s")
 	}
 	if o := med(Overlayfs+"/cold", "ready_s"); o > 0 {
 		rep.Headline.InitRatio = med(Envsnap+"/cold", "ready_s") / o

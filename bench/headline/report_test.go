@@ -102,6 +102,10 @@ func TestReportRatios(t *testing.T) {
 		{Result: episode.Result{System: Overlayfs, Phase: "warm", Ready: 2 * time.Second, Episode: 10 * time.Second, Output: "2.1.332 (Claude Code)\n" + episode.ReadyMarker + "\n"}},
 		{Result: episode.Result{System: Envsnap, Phase: "warm", Ready: time.Second, Episode: 8 * time.Second}},
 		{Result: episode.Result{System: Envsnap, Phase: "warm", Episode: time.Hour, Error: "failed"}},
+		{Result: episode.Result{System: Overlayfs, Phase: "first", Ready: 20 * time.Second, Episode: 30 * time.Second}},
+		{Result: episode.Result{System: Overlayfs, Phase: "second", Ready: 4 * time.Second, Episode: 16 * time.Second}},
+		{Result: episode.Result{System: Envsnap, Phase: "first", Ready: time.Second, Episode: 20 * time.Second}},
+		{Result: episode.Result{System: Envsnap, Phase: "second", Ready: 3 * time.Second, Episode: 24 * time.Second}},
 	} {
 		rep.Runs = append(rep.Runs, r)
 	}
@@ -109,12 +113,27 @@ func TestReportRatios(t *testing.T) {
 	if h := rep.Headline; h.WarmInitRatio != 0.5 || h.WarmEpisodeRatio != 0.8 {
 		t.Errorf("warm ratios %v, %v; want 0.5, 0.8 (a failed run does not count)", h.WarmInitRatio, h.WarmEpisodeRatio)
 	}
+	// The second of a pair against the second; the first of a pair is
+	// not a cold run one at a time.
+	if h := rep.Headline; h.SecondInitRatio != 0.75 || h.SecondEpisodeRatio != 1.5 || h.InitRatio != 0 {
+		t.Errorf("second ratios %v, %v (cold %v); want 0.75, 1.5 (and no cold ratio)", h.SecondInitRatio, h.SecondEpisodeRatio, h.InitRatio)
+	}
+	rep.SecondAfter = 5
 	if err := rep.WriteMarkdown(path, "benchmarks.json", nil); err != nil {
 		t.Fatal(err)
 	}
 	got, _ = os.ReadFile(path)
 	if !strings.Contains(string(got), "| warm: whole episode, envsnap / overlayfs | **0.800x** | <= 1.0x |") {
 		t.Errorf("warm row missing:\n%s", got)
+	}
+	for _, want := range []string{
+		"| second environment while the first runs: time to ready, envsnap / overlayfs | 0.750x | |",
+		"| second environment while the first runs: whole episode, envsnap / overlayfs | **1.500x** | <= 1.0x |",
+		"another of the same groups 5 s later, while the first runs",
+	} {
+		if !strings.Contains(string(got), want) {
+			t.Errorf("%q missing:\n%s", want, got)
+		}
 	}
 	if !strings.Contains(string(got), "`agent --version` printed `2.1.332 (Claude Code)`") {
 		t.Errorf("agent release missing:\n%s", got)

@@ -17,7 +17,7 @@ func TestFillColumn(t *testing.T) {
 		st   fetch.FillStatus
 		want string
 	}{
-		{fetch.FillStatus{State: fetch.FillHeld, Hold: fetch.HoldCPU, Since: now.Add(-7200 * time.Millisecond)}, "held: cpu 7s"},
+		{fetch.FillStatus{State: fetch.FillHeld, Hold: fetch.HoldMount, Since: now.Add(-7200 * time.Millisecond)}, "held: mount 7s"},
 		{fetch.FillStatus{State: fetch.FillHeld, Hold: fetch.HoldWaiting, Since: now}, "held: waiting 0s"},
 		{fetch.FillStatus{State: fetch.FillRunning, Since: now.Add(-time.Minute)}, "running"},
 		{fetch.FillStatus{State: fetch.FillCacheFull}, "cache full"},

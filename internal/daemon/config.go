@@ -5,7 +5,6 @@ package daemon
 
 import (
 	"fmt"
-	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -232,9 +231,7 @@ type PeerConfig struct {
 // FillPolicyConfig holds fetch.FillPolicy: a fill batch waits while a
 // foreground read waits on the network and Quiet after it; AfterMount
 // after a mount; within Startup of a mount, Quiet after any file-system
-// operation; for a layer one environment uses, while the node's other
-// processes leave fewer than FreeCPU cores idle; the second and third
-// workers Calm after any read; and the first worker, held MaxPause, sends
+// operation; the second and third workers Calm after any read; and the first worker, held MaxPause, sends
 // one batch anyway. A layer of at most SmallLayer is fetched whole at its
 // first miss. The
 // defaults (fetch.DefaultFillPolicy) were measured on 2-core nodes with a
@@ -246,7 +243,10 @@ type FillPolicyConfig struct {
 	Startup    Duration `toml:"startup"`
 	Calm       Duration `toml:"calm"`
 	MaxPause   Duration `toml:"max_pause"`
-	// FreeCPU is in cores; 0 turns the CPU signal off.
+	// FreeCPU is read so that configurations written for earlier
+	// daemons still load, and ignored with a warning (FreeCPUIgnored):
+	// the fill no longer waits for idle cores, its work runs at idle
+	// priority (idleprio).
 	FreeCPU float64 `toml:"free_cpu"`
 	// SmallLayer is in compressed bytes; 0 turns it off.
 	SmallLayer Size `toml:"small_layer"`
@@ -260,10 +260,13 @@ func defaultFillPolicy() FillPolicyConfig {
 		Startup:    Duration(p.Startup),
 		Calm:       Duration(p.Calm),
 		MaxPause:   Duration(p.MaxPause),
-		FreeCPU:    p.FreeCPU,
 		SmallLayer: Size(p.SmallLayer),
 	}
 }
+
+// FreeCPUIgnored reports whether the configuration sets free_cpu, which
+// the daemon no longer uses.
+func (c FillPolicyConfig) FreeCPUIgnored() bool { return c.FreeCPU != 0 }
 
 // Policy returns the fill policy these durations make.
 func (c FillPolicyConfig) Policy() fetch.FillPolicy {
@@ -273,7 +276,6 @@ func (c FillPolicyConfig) Policy() fetch.FillPolicy {
 	p.Startup = time.Duration(c.Startup)
 	p.Calm = time.Duration(c.Calm)
 	p.MaxPause = time.Duration(c.MaxPause)
-	p.FreeCPU = c.FreeCPU
 	p.SmallLayer = int64(c.SmallLayer)
 	return p
 }
@@ -281,9 +283,6 @@ func (c FillPolicyConfig) Policy() fetch.FillPolicy {
 func (c FillPolicyConfig) validate() error {
 	if c.Quiet < 0 || c.AfterMount < 0 || c.Startup < 0 || c.Calm < 0 || c.MaxPause < 0 {
 		return fmt.Errorf("fill_policy %+v: durations must not be negative", c)
-	}
-	if !(c.FreeCPU >= 0) || math.IsInf(c.FreeCPU, 1) {
-		return fmt.Errorf("fill_policy: free_cpu %v: want a number of cores, 0 or more", c.FreeCPU)
 	}
 	if c.SmallLayer < 0 {
 		return fmt.Errorf("fill_policy: small_layer %d: must not be negative", c.SmallLayer)

@@ -156,6 +156,9 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.FrameCacheSize > 0 {
 		frames = fetch.NewFrameCache(int64(cfg.FrameCacheSize))
 	}
+	if cfg.FillPolicy.FreeCPUIgnored() {
+		log.G(ctx).Warn("fill_policy.free_cpu is ignored: the background fill and native copies run at idle CPU and I/O priority instead of waiting for idle cores (docs/fetching.md)")
+	}
 	store, err := layerstore.New(layerstore.Config{
 		Hosts:              hosts,
 		Cache:              cache,
@@ -466,9 +469,7 @@ type LayerStatus struct {
 	FetchedBytes int64   `json:"fetched_bytes"`
 	FetchedPct   float64 `json:"fetched_percent"`
 	// Environments prepared over the layer since it was mounted (after a
-	// restart, those whose snapshots still exist): while
-	// there is one, its fill and its native copy wait for idle CPU
-	// (fetch.FillPolicy.FreeCPU).
+	// restart, those whose snapshots still exist).
 	Environments int `json:"environments"`
 	// Fill is what the layer's background fill is doing, and since when;
 	// a held fill says what it waits for.

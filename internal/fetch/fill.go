@@ -146,7 +146,7 @@ func (l *Layer) fill(parent context.Context) {
 						}
 					}
 				}
-				if l.o.fillYield && l.flights.yieldFill(ctx, w, &l.envs, held) != nil {
+				if l.o.fillYield && l.flights.yieldFill(ctx, w, held) != nil {
 					return
 				}
 				b, ok := <-work
@@ -212,52 +212,6 @@ func (l *Layer) fillSmall(ctx context.Context) {
 		log.G(ctx).WithError(err).WithField("layer", l.label).Warn("fetching a small layer whole at its first miss failed; reads fetch on demand")
 	}
 }
-
-// WaitSpareCPU returns once work on the layer that serves only
-// environments started later may take the CPU, or with ctx's error: at
-// once for a layer two environments use (or with FillPolicy.FreeCPU off),
-// otherwise once the node's other processes have left FreeCPU idle for
-// spareFor. The layer store waits on it before building the layer's
-// native copy, which takes about a core for a second or more, so that it
-// does not land on the build or test of the one environment using the
-// layer. A layer that does not yield its fill (WithFillYield(false)) does
-// not wait.
-func (l *Layer) WaitSpareCPU(ctx context.Context) error {
-	if !l.o.fillYield {
-		return ctx.Err()
-	}
-	p := l.flights.fillPolicy
-	var idleSince time.Time
-	for {
-		fg := l.flights.foreground()
-		fg.LayerEnvs = l.Environments()
-		now := time.Now()
-		switch {
-		case !p.cpuApplies(fg):
-			return ctx.Err()
-		case p.holdsForCPU(fg):
-			idleSince = time.Time{}
-		case idleSince.IsZero():
-			idleSince = now
-		case now.Sub(idleSince) >= spareFor:
-			return ctx.Err()
-		}
-		t := time.NewTimer(cpuSampleEvery)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
-}
-
-// spareFor is how long the CPU must stay spare before WaitSpareCPU lets
-// work go: a `go test` of the benchmark workload, which keeps 1.0-1.5 cores
-// busy, dipped to 0.6-0.8 for single 200 ms readings while it waited on
-// the daemon, and a native copy started in such a dip was built during
-// the test.
-const spareFor = time.Second
 
 // fillPlan groups the chunks not cached yet into batches of span indexes in
 // blob order.

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
+	"github.com/envsnap/envsnap/internal/idleprio"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -227,7 +228,17 @@ type flight struct {
 	holds atomic.Int32
 	bufs  [][]byte // appended by the flight's goroutine alone
 	recv  *recvBuffers
+
+	// job runs a background flight (the fill's) at idle priority; a
+	// reader that joins it boosts it (waited), as it is then on a
+	// foreground read's path. nil for a flight a read or a prefetch
+	// started. Fixed when the flight is registered.
+	job *idleprio.Job
 }
+
+// waited notes that a foreground read waits on f: a background flight
+// runs at the daemon's priority from then on.
+func (f *flight) waited() { f.job.Boost() }
 
 // hold notes one more reader of f's bytes; Flights.mu must be held and f
 // registered (after run unregisters it, nobody can join it any more).
@@ -522,6 +533,7 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 			f.joined = append(f.joined, joinedRead{l, j, c.Digest})
 		}
 		f.hold()
+		f.waited()
 		return f
 	}
 	if l.closed {
@@ -813,9 +825,7 @@ func (l *Layer) markCached(j int) {
 func (l *Layer) NoteActivity() { l.flights.noteOp() }
 
 // NoteEnvironment tells the layer one more environment (a container's
-// snapshot) was prepared over it. Its fill and WaitSpareCPU wait for idle
-// CPU (FillPolicy.FreeCPU) only while one environment uses it: that one
-// runs now, and a complete copy helps only those that start later.
+// snapshot) was prepared over it; the daemon's status reports the count.
 func (l *Layer) NoteEnvironment() { l.envs.Add(1) }
 
 // Environments returns how many environments were prepared over the layer.
@@ -859,7 +869,11 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 	var flights []*flight
 	if !l.closed {
 		for _, chunks := range runs {
-			flights = append(flights, l.registerLocked(chunks, l.o.peers != nil && !servingPeer(ctx)))
+			f := l.registerLocked(chunks, l.o.peers != nil && !servingPeer(ctx))
+			if kind == "fill" {
+				f.job = idleprio.NewJob()
+			}
+			flights = append(flights, f)
 		}
 	}
 	l.flights.mu.Unlock()
@@ -871,9 +885,19 @@ func (l *Layer) fetchSpans(ctx context.Context, idx []int, kind string, before f
 			if before != nil {
 				before(chunks[len(chunks)-1].Offset + chunks[len(chunks)-1].CompressedSize - chunks[0].Offset)
 			}
-			rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
-			defer cancel()
-			l.run(rctx, f, chunks, kind)
+			run := func() {
+				rctx, cancel := context.WithTimeout(ctx, l.o.readTimeout)
+				defer cancel()
+				l.run(rctx, f, chunks, kind)
+			}
+			if f.job != nil {
+				// Receiving, hashing and caching the batch take
+				// the CPU and disk an environment may need; its
+				// time starts when it may run.
+				f.job.Run(run)
+			} else {
+				run()
+			}
 			for _, a := range f.arrivals {
 				if a.err != nil {
 					return a.err

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -634,67 +636,6 @@ func TestLayerConcurrentDecode(t *testing.T) {
 	}
 }
 
-// fakeCPU makes flights read a 2-core node whose counters advance by one
-// unit a reading, busy with other processes or idle as busy says for the
-// reading's number (from 1), none of it this process's; the first reading
-// is taken.
-func fakeCPU(flights *Flights, busy func(n int) bool) {
-	var n int
-	var c cpuCounters
-	flights.cpu = cpuLoad{read: func() (cpuCounters, error) {
-		n++
-		c.cores, c.total = 2, c.total+1
-		if busy(n) {
-			c.busy++
-		}
-		return c, nil
-	}}
-	flights.cpu.sample(time.Now().Add(-cpuSampleEvery))
-}
-
-// TestWaitSpareCPU: what the layer store's native copy waits for. With
-// every core busy, or busy every other reading, one environment's layer
-// waits; a second environment or a layer that does not yield lets it go
-// at once, an idle node after spareFor.
-func TestWaitSpareCPU(t *testing.T) {
-	checkGoroutines(t)
-	newFlights := func(busy func(n int) bool) *Flights {
-		flights := NewFlights()
-		fakeCPU(flights, busy)
-		return flights
-	}
-	always := func(int) bool { return true }
-	wait := func(l *Layer, d time.Duration) (time.Duration, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), d)
-		defer cancel()
-		start := time.Now()
-		err := l.WaitSpareCPU(ctx)
-		return time.Since(start), err
-	}
-
-	f := newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(always)))
-	f.layer.NoteEnvironment()
-	if _, err := wait(f.layer, 3*cpuSampleEvery); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("one environment, every core busy: %v, want to wait past the deadline", err)
-	}
-	f.layer.NoteEnvironment()
-	if took, err := wait(f.layer, time.Minute); err != nil || took > spareFor/2 {
-		t.Fatalf("two environments: %v after %v, want at once", err, took)
-	}
-	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(func(n int) bool { return n%2 == 0 })))
-	if _, err := wait(f.layer, spareFor+4*cpuSampleEvery); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("cores busy every other reading: %v, want to wait past the deadline", err)
-	}
-	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(func(int) bool { return false })))
-	if took, err := wait(f.layer, time.Minute); err != nil || took < spareFor {
-		t.Fatalf("idle node: %v after %v, want after %v", err, took, spareFor)
-	}
-	f = newLayerFixture(t, nil, standardFiles(), WithFlights(newFlights(always)), WithFillYield(false))
-	if took, err := wait(f.layer, time.Minute); err != nil || took > spareFor/2 {
-		t.Fatalf("a layer that does not yield: %v after %v, want at once", err, took)
-	}
-}
-
 // TestFillSmallLayerAtMiss: once its fill has started, a layer no larger
 // than SmallLayer is fetched whole at its first miss, although every hold
 // of the fill applies, so its later reads are served from the node cache;
@@ -713,7 +654,7 @@ func TestFillSmallLayerAtMiss(t *testing.T) {
 			checkGoroutines(t)
 			p := DefaultFillPolicy()
 			// The fill itself would wait an hour: a mount just happened.
-			p.AfterMount, p.MaxPause, p.FreeCPU, p.SmallLayer = time.Hour, time.Hour, 0, tc.small
+			p.AfterMount, p.MaxPause, p.SmallLayer = time.Hour, time.Hour, tc.small
 			// No read-ahead: on demand, every frame is a request.
 			fx := newLayerFixture(t, nil, standardFiles(), WithFlights(NewFlights(WithFillPolicy(p))), WithReadAhead(0))
 			fx.layer.StartFill(context.Background())
@@ -919,55 +860,117 @@ func TestFillYieldsNodeWide(t *testing.T) {
 	waitFilled(t, b.layer)
 }
 
-// TestFillWaitsForCPU: with the node's other processes keeping every core
-// busy, the fill of a layer one environment uses sends nothing; once a
-// second environment is prepared over the layer it completes.
-func TestFillWaitsForCPU(t *testing.T) {
+// TestFillStatusJSON: an operator sees why a fill is held
+// (containerd-envsnap status), and a fill that holds nothing shows no
+// reason.
+func TestFillStatusJSON(t *testing.T) {
 	checkGoroutines(t)
-	cache, err := chunkcache.Open(t.TempDir(), 1<<30)
-	if err != nil {
-		t.Fatal(err)
-	}
 	p := DefaultFillPolicy()
-	p.AfterMount, p.Startup, p.MaxPause = 0, 0, time.Hour
-	flights := NewFlights(WithFillPolicy(p))
-	fakeCPU(flights, func(int) bool { return true })
-	f := newLayerFixture(t, cache, standardFiles(), WithFlights(flights))
-	before := f.reg.requests()
+	p.AfterMount, p.MaxPause = time.Hour, time.Hour
+	f := newLayerFixture(t, nil, standardFiles(), WithFlights(NewFlights(WithFillPolicy(p))))
 	if st := f.layer.FillStatus(); st.State != FillPending {
 		t.Errorf("fill status before StartFill %+v, want pending", st)
 	}
-	f.layer.NoteEnvironment()
 	f.layer.StartFill(context.Background())
-	time.Sleep(3 * cpuSampleEvery)
-	if n := f.reg.requests() - before; n != 0 {
-		t.Fatalf("the fill sent %d requests with every core busy and one environment on the layer", n)
+	var st FillStatus
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if st = f.layer.FillStatus(); st.State == FillHeld {
+			break
+		}
 	}
-	// An operator sees why (containerd-envsnap status).
-	st := f.layer.FillStatus()
-	if st.State != FillHeld || st.Hold != HoldCPU || time.Since(st.Since) < 2*cpuSampleEvery {
-		t.Errorf("fill status while held for the CPU %+v (%v ago), want held for cpu since the start", st, time.Since(st.Since))
+	if st.State != FillHeld || st.Hold != HoldMount {
+		t.Fatalf("fill status after a mount %+v, want held for the mount", st)
 	}
 	b, err := json.Marshal(st)
-	if err != nil || !strings.Contains(string(b), `"state":"held","hold":"cpu"`) {
+	if err != nil || !strings.Contains(string(b), `"state":"held","hold":"mount"`) {
 		t.Errorf("fill status as JSON %s, %v", b, err)
 	}
 	var back FillStatus
 	if err := json.Unmarshal(b, &back); err != nil || back.State != st.State || back.Hold != st.Hold || !back.Since.Equal(st.Since) {
 		t.Errorf("fill status back from JSON %+v, %v; want %+v", back, err, st)
 	}
-	f.layer.NoteEnvironment()
-	waitFilled(t, f.layer)
-	if st := f.layer.FillStatus(); st.State != FillComplete || st.Hold != FillSend {
-		t.Errorf("fill status after the fill %+v, want complete", st)
-	}
-	b, _ = json.Marshal(f.layer.FillStatus())
+	b, _ = json.Marshal(FillStatus{State: FillComplete, Since: time.Now()})
 	if strings.Contains(string(b), "hold") {
 		t.Errorf("a fill that holds nothing shows a reason: %s", b)
 	}
 	if err := json.Unmarshal([]byte(`{"state":"napping"}`), &back); err == nil {
 		t.Errorf("an unknown fill state was accepted")
 	}
+	if err := json.Unmarshal([]byte(`{"state":"held","hold":"cpu"}`), &back); err == nil {
+		t.Errorf("the hold for idle cores, which no fill has any more, was accepted")
+	}
+}
+
+// idleThreads returns the threads of this process that run SCHED_IDLE.
+func idleThreads(t *testing.T) []int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var idle []int
+	for _, e := range ents {
+		tid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		a, err := unix.SchedGetAttr(tid, 0)
+		if err != nil {
+			continue // ended meanwhile
+		}
+		if a.Policy == unix.SCHED_IDLE {
+			idle = append(idle, tid)
+		}
+	}
+	return idle
+}
+
+// TestFillRunsIdle: a fill batch is received, verified and cached on a
+// thread at idle priority, whatever the node's CPU load: the fill never
+// waits for an idle core, and an environment's threads come first. A
+// foreground read of a chunk the batch carries boosts it to the daemon's
+// priority: the read does not wait at idle priority.
+func TestFillRunsIdle(t *testing.T) {
+	checkGoroutines(t)
+	// A lowered thread ends just after its job (earlier tests' fills).
+	for deadline := time.Now().Add(10 * time.Second); len(idleThreads(t)) != 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("threads %v idle before the fill", idleThreads(t))
+		}
+	}
+	p := DefaultFillPolicy()
+	p.AfterMount, p.Startup = 0, 0
+	f := newLayerFixture(t, nil, standardFiles(), WithFlights(NewFlights(WithFillPolicy(p))), WithFillBatch(DefaultFillBatch, 1))
+	f.reg.setLatency(2 * time.Second)
+	f.layer.StartFill(context.Background())
+	for f.reg.requests() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	var idle []int
+	for deadline := time.Now().Add(10 * time.Second); len(idle) == 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		idle = idleThreads(t)
+	}
+	if len(idle) != 1 {
+		t.Fatalf("%d threads idle while the fill's batch is in flight, want 1", len(idle))
+	}
+	read := make(chan error, 1)
+	go func() {
+		_, err := readChunk(f.layer, f.chunksOf(t, "big.bin")[0])
+		read <- err
+	}()
+	for deadline := time.Now().Add(10 * time.Second); len(idle) > 0 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		idle = idleThreads(t)
+	}
+	if len(idle) != 0 {
+		t.Fatalf("thread %v still idle with a read waiting on its batch", idle)
+	}
+	if err := <-read; err != nil {
+		t.Fatal(err)
+	}
+	if n := f.reg.requests(); n != 1 {
+		t.Errorf("%d requests, want the fill's alone (the read joins it)", n)
+	}
+	waitFilled(t, f.layer)
 }
 
 // TestFillStatusWithoutFill: a layer without background fill says so

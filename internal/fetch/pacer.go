@@ -18,12 +18,11 @@ import (
 //     several layers (content addressed: same digest, same bytes) that
 //     more than one of them misses at the same moment is fetched once;
 //   - the foreground activity of those Layers (reads waiting on the
-//     network, mounts, file-system operations, prefetches) and the CPU
-//     the node's other processes use (cpuload.go), which every
-//     Layer's background fill yields to through FillPolicy.Decide: on a
-//     small node the link and the CPU are shared by all layers, so one
-//     layer's fill slows another layer's container start as much as its
-//     own;
+//     network, mounts, file-system operations, prefetches), which every
+//     Layer's background fill yields to through FillPolicy.Decide: the
+//     link is shared by all layers, so one layer's fill slows another
+//     layer's container start as much as its own (the fill's CPU and
+//     disk work runs at idle priority: idleprio);
 //   - the prefetch gate, which lets PrefetchPolicy.Inflight prefetch
 //     requests of all layers out at a time, the earliest due first.
 //
@@ -45,8 +44,6 @@ type Flights struct {
 	lastForced  atomic.Int64 // unix ns of the latest batch sent past MaxPause
 
 	gate prefetchGate
-
-	cpu cpuLoad // what the other processes leave of the node's CPUs
 
 	open openLayers // the layers served to peers (peers.go)
 
@@ -70,17 +67,11 @@ func NewFlights(opts ...FlightsOption) *Flights {
 		fillPolicy:     DefaultFillPolicy(),
 		prefetchPolicy: DefaultPrefetchPolicy(),
 		m:              map[digest.Digest]*flight{},
-		cpu:            cpuLoad{read: readCPUCounters},
 	}
 	for _, o := range opts {
 		o(f)
 	}
 	f.gate.limit = max(f.prefetchPolicy.Inflight, 1)
-	if f.fillPolicy.FreeCPU > 0 {
-		// The first reading: the fill's first decision then has an
-		// interval to go by.
-		f.cpu.sample(time.Now())
-	}
 	return f
 }
 
@@ -106,22 +97,18 @@ func (f *Flights) foreground() Foreground {
 		LastRead:    at(&f.lastRead),
 		LastForced:  at(&f.lastForced),
 	}
-	if f.fillPolicy.FreeCPU > 0 {
-		fg.Cores, fg.OthersCPU = f.cpu.sample(time.Now())
-	}
 	return fg
 }
 
-// yieldFill waits until fill worker w of a layer over which envs
-// environments were prepared may send its next batch (FillPolicy.Decide):
-// node-wide foreground work goes first. note, when set, hears every
-// decision's reason to hold, and FillSend once the batch may go.
-func (f *Flights) yieldFill(ctx context.Context, w int, envs *atomic.Int32, note func(FillHold)) error {
+// yieldFill waits until fill worker w may send its next batch
+// (FillPolicy.Decide): node-wide foreground work goes first. note, when
+// set, hears every decision's reason to hold, and FillSend once the batch
+// may go.
+func (f *Flights) yieldFill(ctx context.Context, w int, note func(FillHold)) error {
 	held := time.Now()
 	for {
 		now := time.Now()
 		fg := f.foreground()
-		fg.LayerEnvs = int(envs.Load())
 		d := f.fillPolicy.Decide(now, fg, w, held)
 		if note != nil {
 			note(d.Hold)

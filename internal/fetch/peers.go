@@ -209,6 +209,7 @@ func (l *Layer) awaitFrame(ctx context.Context, d digest.Digest, j int) ([]byte,
 			}
 			continue
 		}
+		f.waited()
 		a := f.arrival(d)
 		select {
 		case <-a.done:

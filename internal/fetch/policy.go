@@ -2,10 +2,12 @@ package fetch
 
 import "time"
 
-// FillPolicy says when a background fill batch may go out. A fill on a
-// 2-core node takes the CPU (receiving, hashing, writing the cache) and
+// FillPolicy says when a background fill batch may go out. A fill takes
 // the link that a container start needs, whichever layer it belongs to,
-// so it yields to foreground work node-wide. Decide is a pure function of
+// so it yields to foreground work node-wide; its CPU and disk work
+// (receiving, hashing, writing the cache) runs at idle priority
+// (idleprio), so the kernel gives it only what the node's other work
+// leaves, and nothing here waits for an idle core. Decide is a pure function of
 // values: tests replay traces of foreground activity on a fake clock and
 // assert the exact sequence of decisions; Flights does the waiting around
 // it. Every duration is measured, with its reason, in docs/fetching.md
@@ -39,19 +41,6 @@ type FillPolicy struct {
 	// each forcing a batch every MaxPause would be a fill running at
 	// full speed through the starts.
 	MaxPause time.Duration
-	// FreeCPU: while at most one environment has been prepared over the
-	// layer, no batch starts (MaxPause aside) while the node's other
-	// processes leave fewer than FreeCPU cores idle (at most half the
-	// node's), measured since the previous reading, which is taken at most
-	// every 200 ms (cpuload.go). A batch's receive, hash,
-	// decompression and writes take about a core; while a workload keeps
-	// the cores busy (a compile) that core is the workload's, and the
-	// complete copy the fill builds serves only environments started
-	// later. Once a second environment uses the layer, the fill no longer
-	// waits for the CPU: the environments of an iteration share their
-	// base, harness and evaluator layers and start faster on complete
-	// ones. Zero turns the signal off.
-	FreeCPU float64
 	// SmallLayer: once its fill has started, a layer whose chunks take at
 	// most SmallLayer compressed bytes is fetched whole at its first
 	// foreground miss, none of the holds above applying
@@ -61,7 +50,7 @@ type FillPolicy struct {
 	// fill waits for the CPU that build keeps busy. Zero turns it off.
 	SmallLayer int64
 	// Poll is how often a fill held back by a count (a read waiting, a
-	// prefetch running, busy cores) looks again; a fill held back by a
+	// prefetch running) looks again; a fill held back by a
 	// time looks again when that time has passed.
 	Poll time.Duration
 }
@@ -74,7 +63,6 @@ func DefaultFillPolicy() FillPolicy {
 		Startup:    10 * time.Second,
 		Calm:       2 * time.Second,
 		MaxPause:   2 * time.Second,
-		FreeCPU:    1,
 		SmallLayer: 32 << 20,
 		Poll:       20 * time.Millisecond,
 	}
@@ -90,9 +78,6 @@ type Foreground struct {
 	LastOp      time.Time // latest file-system operation (Layer.NoteActivity)
 	LastRead    time.Time // latest Layer.ReadChunk
 	LastForced  time.Time // latest batch sent past MaxPause, node-wide
-	Cores       float64   // the node's CPUs; 0 when unknown
-	OthersCPU   float64   // cores the node's other processes kept busy lately
-	LayerEnvs   int       // environments prepared over the deciding layer
 }
 
 // FillHold is why a fill batch waits (FillSend: it does not).
@@ -106,10 +91,9 @@ const (
 	HoldMount             // a layer was mounted less than AfterMount ago
 	HoldStartup           // file-system activity during a start
 	HoldCalm              // reads less than Calm ago (workers after the first)
-	HoldCPU               // other processes leave less than FreeCPU idle (layer of one environment)
 )
 
-var fillHoldNames = [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm", "cpu"}
+var fillHoldNames = [...]string{"send", "waiting", "prefetch", "quiet", "mount", "startup", "calm"}
 
 func (h FillHold) String() string { return fillHoldNames[h] }
 
@@ -156,9 +140,6 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 		// Activity holds the fill only until the start-up window closes.
 		note(HoldStartup, minTime(fg.LastOp.Add(p.Quiet), fg.LastMount.Add(p.Startup)))
 	}
-	if p.holdsForCPU(fg) {
-		note(HoldCPU, poll)
-	}
 	if w == 0 {
 		if hold == FillSend {
 			return FillDecision{}
@@ -178,21 +159,6 @@ func (p FillPolicy) Decide(now time.Time, fg Foreground, w int, heldSince time.T
 		return FillDecision{}
 	}
 	return FillDecision{Hold: hold, Until: until}
-}
-
-// holdsForCPU reports whether work of the deciding layer that serves only
-// environments started later (its fill, its native copy) waits for the
-// CPU: at most one environment uses the layer and the node's other
-// processes leave fewer than FreeCPU cores idle.
-func (p FillPolicy) holdsForCPU(fg Foreground) bool {
-	return p.cpuApplies(fg) && fg.Cores-fg.OthersCPU < min(p.FreeCPU, fg.Cores/2)
-}
-
-// cpuApplies reports whether the CPU signal governs the deciding layer's
-// work at all: it is on, the node's CPUs are known, and at most one
-// environment uses the layer.
-func (p FillPolicy) cpuApplies(fg Foreground) bool {
-	return p.FreeCPU > 0 && fg.LayerEnvs < 2 && fg.Cores > 0
 }
 
 func minTime(a, b time.Time) time.Time {

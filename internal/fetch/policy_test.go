@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -40,16 +39,6 @@ func TestFillPolicyDecide(t *testing.T) {
 		{name: "file system in use during a start", fg: Foreground{LastWait: ago(long), LastMount: ago(p.Startup / 2), LastOp: now, LastRead: ago(long)},
 			worker0: HoldStartup, workerN: HoldStartup},
 		{name: "file system in use long after the mounts", fg: Foreground{LastWait: ago(long), LastMount: ago(2 * p.Startup), LastOp: now, LastRead: ago(long)}},
-		{name: "other processes keep the cores busy", fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 2, OthersCPU: 1.6},
-			worker0: HoldCPU, workerN: HoldCPU},
-		{name: "other processes keep the cores busy, a second environment uses the layer",
-			fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 2, OthersCPU: 2, LayerEnvs: 2}},
-		{name: "other processes leave a core", fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 2, OthersCPU: 1}},
-		{name: "one core, half of it idle", fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 1, OthersCPU: 0.5}},
-		{name: "one core, busy", fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 1, OthersCPU: 0.6},
-			worker0: HoldCPU, workerN: HoldCPU},
-		{name: "cores busy, held too long", fg: Foreground{LastWait: ago(long), LastMount: ago(long), LastRead: ago(long), Cores: 2, OthersCPU: 2}, held: p.MaxPause,
-			workerN: HoldCPU},
 		{name: "busy but held too long", fg: Foreground{Waiting: 1, LastWait: now, LastMount: now, LastRead: now}, held: p.MaxPause,
 			workerN: HoldWaiting},
 		{name: "held too long, but another layer forced a batch lately", held: p.MaxPause,
@@ -57,13 +46,6 @@ func TestFillPolicyDecide(t *testing.T) {
 			worker0: HoldWaiting, workerN: HoldWaiting},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			if tt.fg.Cores > 0 {
-				off := p
-				off.FreeCPU = 0
-				if got := off.Decide(now, tt.fg, 1, ago(tt.held)); got.Hold == HoldCPU {
-					t.Errorf("FreeCPU 0 held the fill on the CPU")
-				}
-			}
 			if got := p.Decide(now, tt.fg, 0, ago(tt.held)); got.Hold != tt.worker0 {
 				t.Errorf("first worker: %v, want %v", got.Hold, tt.worker0)
 			}
@@ -208,7 +190,7 @@ func TestForcedBatchNodeWide(t *testing.T) {
 	got := make(chan time.Duration, 2)
 	for range 2 {
 		go func() {
-			if err := f.yieldFill(context.Background(), 0, new(atomic.Int32), nil); err != nil {
+			if err := f.yieldFill(context.Background(), 0, nil); err != nil {
 				t.Error(err)
 			}
 			got <- time.Since(start)

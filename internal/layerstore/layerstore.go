@@ -197,7 +197,6 @@ type NativeState string
 
 const (
 	NativeWaitChunks NativeState = "waiting for chunks" // not every chunk is in the node cache yet
-	NativeWaitCPU    NativeState = "waiting for CPU"    // fetch.Layer.WaitSpareCPU
 	NativeQueued     NativeState = "queued"             // other copies are being built
 	NativeBuilding   NativeState = "building"
 	NativeReady      NativeState = "ready"   // new containers get it as their lower
@@ -441,7 +440,8 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 
 // buildNative has the native copy of the layer built once all its chunks
 // are in the node cache (a finished fill, or a warm cache), in the
-// background: never on a container's start path. It gives up when the
+// background at idle priority (native.Store.Build): never on a
+// container's start path, and never waiting for an idle core. It gives up when the
 // layer is unmounted (ctx) or the build fails; a later mount tries again.
 func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, toc *layerfmt.TOC) {
 	tick := time.NewTicker(nativePoll)
@@ -452,11 +452,6 @@ func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, to
 			return
 		}
 		if cached, total := m.layer.Progress(); cached >= total {
-			m.native.Store(NativeWaitCPU)
-			if m.layer.WaitSpareCPU(ctx) != nil {
-				m.native.Store(NativeStopped)
-				return
-			}
 			m.native.Store(NativeBuilding)
 			done := make(chan error, 1)
 			s.cfg.Native.Build(d, toc, s.cfg.Cache, func(err error) { done <- err })

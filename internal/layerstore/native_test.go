@@ -5,6 +5,7 @@ package layerstore
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -35,7 +36,6 @@ func TestNativeCopyAfterFill(t *testing.T) {
 		t.Fatal(err)
 	}
 	unmountAtCleanup(t, s, mp)
-	shareLayer(s, mp)
 	dir := waitNativeDir(t, s, copies, lazy)
 	b, err := os.ReadFile(filepath.Join(dir, "hello.txt"))
 	if err != nil || string(b) != "hello, lazy world\n" {
@@ -62,7 +62,6 @@ func TestPassthroughFromNativeCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	unmountAtCleanup(t, s, mp)
-	shareLayer(s, mp)
 	s.mu.Lock()
 	srv := s.mounts[mp].srv
 	s.mu.Unlock()
@@ -138,60 +137,76 @@ func TestOpenNativeFileStaysInside(t *testing.T) {
 	}
 }
 
-// waitNativeDir waits for the native copy of the layer labels name and
-// returns its directory.
-// TestNativeCopyWaitsForSpareCPU: with a busy process on every core, the
-// native copy of a complete layer one environment uses is not built; a
-// second environment lets it go.
-func TestNativeCopyWaitsForSpareCPU(t *testing.T) {
+// TestNativeCopyOnBusyNode: on a node whose other processes keep its
+// cores busy but for short gaps (as a build or a test does), the native
+// copy of a layer one environment uses is built at idle priority in those
+// gaps: it is ready within a bound set by the same layer's copy on the
+// node without them, instead of waiting for a core to stay idle for a
+// second, which such a node never has (the daemon's hold before it ran
+// its background work at idle priority left NATIVE at "waiting for CPU"
+// for minutes).
+func TestNativeCopyOnBusyNode(t *testing.T) {
 	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	layer := func(seed uint64) map[string]string {
+		files := map[string]string{}
+		for i := range 64 {
+			files[fmt.Sprintf("d%d/f%d.bin", i%8, i)] = string(randomBytes(64<<10, seed+uint64(i)))
+		}
+		desc, _ := r.addLazyLayer(t, tarOf(t, files))
+		return r.addManifest(t, fmt.Sprintf("test/busy-%d:1", seed), desc)[0]
+	}
+	// From the mount (one environment on the layer) to its native copy.
+	ready := func(s *Store, copies *native.Store, labels map[string]string, limit time.Duration) time.Duration {
+		t.Helper()
+		mp := t.TempDir()
+		start := time.Now()
+		if err := s.Mount(t.Context(), mp, labels); err != nil {
+			t.Fatal(err)
+		}
+		unmountAtCleanup(t, s, mp)
+		s.NoteEnvironment(mp)
+		d := digest.Digest(labels[snapshotter.LabelLayerDigest])
+		for ; ; time.Sleep(20 * time.Millisecond) {
+			if _, ok := s.NativeDir(d); ok {
+				return time.Since(start)
+			}
+			if time.Since(start) > limit {
+				t.Fatalf("no native copy %v after the mount: %+v, %+v", limit, s.Status()[mp], copies.Stats())
+			}
+		}
+	}
+	s, _, copies := newNativeStore(t, Config{})
+	idle := ready(s, copies, layer(100), 5*time.Minute)
+
+	// Busy processes, one per core, each spinning ~20 ms and sleeping
+	// 5 ms: the node's cores are 80% busy with them.
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+	var burners []*exec.Cmd
+	t.Cleanup(func() {
+		cancel()
+		for _, c := range burners {
+			c.Wait()
+		}
+	})
 	for range runtime.NumCPU() {
-		cmd := exec.CommandContext(ctx, "sh", "-c", "while :; do :; done")
+		cmd := exec.CommandContext(ctx, "sh", "-c", `while :; do i=0; while [ $i -lt 6000 ]; do i=$((i+1)); done; sleep 0.005; done`)
 		if err := cmd.Start(); err != nil {
 			t.Fatalf("start a busy process: %v", err)
 		}
-		t.Cleanup(func() { cancel(); cmd.Wait() })
+		burners = append(burners, cmd)
 	}
-	r := newFakeRegistry(t)
-	lazy, _, _ := testImage(t, r)
-	s, _, copies := newNativeStore(t, Config{})
-	mp := t.TempDir()
-	if err := s.Mount(t.Context(), mp, lazy); err != nil {
-		t.Fatal(err)
-	}
-	unmountAtCleanup(t, s, mp)
-	s.NoteEnvironment(mp)
-	// The fill completes on its forced batches (MaxPause).
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		if st := s.Status()[mp]; st.TotalBytes > 0 && st.CachedBytes == st.TotalBytes {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("fill incomplete 30 s after the mount: %+v", s.Status()[mp])
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	// Past the store's check for complete layers (nativePoll) and a
-	// second of spare CPU, had there been one.
-	time.Sleep(nativePoll + 2*time.Second)
-	if _, ok := s.NativeDir(digest.Digest(lazy[snapshotter.LabelLayerDigest])); ok {
-		t.Fatalf("native copy built with every core busy and one environment on the layer: %+v", copies.Stats())
-	}
-	s.NoteEnvironment(mp)
-	waitNativeDir(t, s, copies, lazy)
+	// On an idle node the copy is ready in about a second here; the
+	// floor covers the scheduler's slices for an idle-priority thread
+	// on a machine that other work loads too.
+	bound := max(20*idle, 30*time.Second)
+	t.Logf("native copy ready %v after the mount on an idle node; bound on a busy one %v", idle, bound)
+	busy := ready(s, copies, layer(200), bound)
+	t.Logf("native copy ready %v after the mount on a busy node (%.1fx)", busy, float64(busy)/float64(idle))
 }
 
-// shareLayer notes two environments on the layer mounted at mp, so that
-// its native copy does not wait for a second of idle CPU
-// (fetch.Layer.WaitSpareCPU), which a node running other tests may not
-// have.
-func shareLayer(s *Store, mp string) {
-	s.NoteEnvironment(mp)
-	s.NoteEnvironment(mp)
-}
-
+// waitNativeDir waits for the native copy of the layer labels name and
+// returns its directory.
 func waitNativeDir(t *testing.T, s *Store, copies *native.Store, labels map[string]string) string {
 	t.Helper()
 	d := digest.Digest(labels[snapshotter.LabelLayerDigest])

@@ -18,6 +18,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/idleprio"
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
@@ -203,7 +204,7 @@ func (s *Store) Dir(d digest.Digest) (string, bool) {
 }
 
 // Build makes the copy of layer d from toc and verified chunks in the
-// background, unless it exists, is being built, a build is running
+// background, at idle CPU and I/O priority (idleprio), unless it exists, is being built, a build is running
 // already (the caller asks again later), or the budget has no room. done,
 // if not nil, is called with the outcome (nil when the copy exists).
 func (s *Store) Build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks, done func(error)) {
@@ -239,7 +240,12 @@ func (s *Store) Build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks, done fu
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		err := s.build(d, toc, chunks)
+		// Decompressing and writing a whole layer takes seconds of CPU
+		// and disk that the node's environments come first for; at
+		// idle priority it takes what they leave, however busy the
+		// node, instead of waiting for a core to be idle.
+		var err error
+		idleprio.Run(func() { err = s.build(d, toc, chunks) })
 		<-s.slots
 		s.mu.Lock()
 		delete(s.building, d)

@@ -6,9 +6,12 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/layerfmt"
@@ -162,5 +165,59 @@ func TestStoreBudget(t *testing.T) {
 	}
 	if got := cache.Stats().Charged; got != 0 {
 		t.Errorf("charged %d after the copy was dropped", got)
+	}
+}
+
+// pausingChunks reads chunks from a cache; its first Get reports the
+// thread asking on asked and waits for resume.
+type pausingChunks struct {
+	*chunkcache.Cache
+	once   sync.Once
+	asked  chan int
+	resume chan struct{}
+}
+
+func (c *pausingChunks) Get(d digest.Digest) ([]byte, bool) {
+	c.once.Do(func() {
+		c.asked <- unix.Gettid()
+		<-c.resume
+	})
+	return c.Cache.Get(d)
+}
+
+// TestBuildRunsIdle: a copy is decoded and written at idle CPU and I/O
+// priority (SCHED_IDLE, I/O class idle), not at the priority of the
+// environments whose CPU and disk it would take. The build's thread is
+// looked at from outside a few times, as its floor turns
+// (idleprio.FloorFor every FloorEvery) run it at the daemon's priority.
+func TestBuildRunsIdle(t *testing.T) {
+	requireRoot(t)
+	_, toc, cache := cachedLayer(t, buildTar(t, allKinds()))
+	s, err := Open(context.Background(), t.TempDir(), cache)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	chunks := &pausingChunks{Cache: cache, asked: make(chan int), resume: make(chan struct{})}
+	done := make(chan error, 1)
+	s.Build(digest.FromString("layer"), toc, chunks, func(err error) { done <- err })
+	tid := <-chunks.asked
+	const ioClassIdle = 3
+	var sched, io bool
+	for range 10 {
+		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_IDLE {
+			sched = true
+		}
+		if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, 1, uintptr(tid), 0); e == 0 && int(p)>>13 == ioClassIdle {
+			io = true
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(chunks.resume)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !sched || !io {
+		t.Fatalf("the build's thread ran SCHED_IDLE: %v, at I/O class idle: %v; want both", sched, io)
 	}
 }

@@ -1,7 +1,6 @@
 // Package nodecpu reads how much CPU time the node has spent, and how much
-// of it was busy, from /proc/stat. The background fill decides on it and
-// the benchmark explains its makespans with it; both must count busy time
-// the same way.
+// of it was busy, from /proc/stat: the benchmark explains its makespans
+// with it (the iteration's CPU floor).
 package nodecpu
 
 import (

@@ -103,8 +103,7 @@ func TestAccess(t *testing.T) {
 		if res.ExitCode != 0 || !strings.Contains(res.Stdout, public.Digest().Encoded()) || !strings.Contains(res.Stdout, secret.Digest().Encoded()) {
 			t.Errorf("next container: exit %d stdout %q stderr %q", res.ExitCode, res.Stdout, res.Stderr)
 		}
-		// Both containers of this subtest were prepared over the layer:
-		// its fill no longer waits for idle CPU.
+		// Both containers of this subtest were prepared over the layer.
 		top := img.Layers[len(img.Layers)-1].Digest
 		for _, l := range envsnapStatus(t, env).Layers {
 			if l.Digest == top && l.Environments < 2 {

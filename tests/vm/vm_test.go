@@ -191,12 +191,15 @@ func stage(t *testing.T, root string) string {
 		copyFile(t, testenv.Tool(t, name), filepath.Join(bin, name))
 	}
 	// internal/lsm's tests, run in the guest, whose kernel runs BPF LSM
-	// programs (this machine kind's kernel refuses them).
-	build := exec.Command("go", "test", "-c", "-o", filepath.Join(bin, "lsm.test"), "./internal/lsm")
-	build.Dir = root
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build internal/lsm tests: %v\n%s", err, out)
+	// programs (this machine kind's kernel refuses them); internal/idleprio's,
+	// on the guest's cgroup v2 (threads stay in the process's cgroup).
+	for _, pkg := range []string{"lsm", "idleprio"} {
+		build := exec.Command("go", "test", "-c", "-o", filepath.Join(bin, pkg+".test"), "./internal/"+pkg)
+		build.Dir = root
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			t.Fatalf("build internal/%s tests: %v\n%s", pkg, err, out)
+		}
 	}
 	if err := os.CopyFS(filepath.Join(share, "deploy"), os.DirFS(filepath.Join(root, "deploy"))); err != nil {
 		t.Fatal(err)

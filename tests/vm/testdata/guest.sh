@@ -61,6 +61,16 @@ lsm_test() {
 	return $rc
 }
 check bpf-lsm "internal/lsm TestGuard failed in the guest (output above)" lsm_test
+
+# --- background work at idle priority (internal/idleprio) on cgroup v2:
+# SCHED_IDLE and I/O class idle, no thread moved between cgroups ---
+idleprio_test() {
+	/usr/local/bin/idleprio.test -test.run '^(TestJobRunsLowered|TestBoost)$' -test.v >/tmp/idleprio.out 2>&1
+	local rc=$?
+	sed 's/^/VMTEST: LOG idleprio.test: /' /tmp/idleprio.out
+	return $rc
+}
+check idleprio "internal/idleprio tests failed in the guest (output above)" idleprio_test
 cp "$S"/deploy/containerd/envsnap.toml /etc/containerd/conf.d/envsnap.toml
 cat >/etc/containerd/certs.d/127.0.0.1:5000/hosts.toml <<'EOF'
 server = "http://127.0.0.1:5000"

@@ -1,0 +1,461 @@
+//go:build linux
+
+// Package idleprio runs the daemon's background work (the background
+// fill, native layer copies) on OS threads at idle CPU and I/O priority,
+// so that it takes only what the node's other work leaves of the CPU and
+// the disk, however busy the node is, instead of waiting for a core to be
+// measured idle.
+//
+// A Job runs its function on a thread of its own, locked to its goroutine
+// and never unlocked: the Go runtime then ends the thread with the
+// goroutine, so the lowered priority never passes to other goroutines,
+// and threads it creates meanwhile come from its template thread, not
+// from a lowered one. The thread is lowered three ways:
+//
+//   - SCHED_IDLE: below every SCHED_OTHER thread of its cgroup, and
+//     preempted at once by any waking one on its core;
+//   - I/O class idle (ioprio_set): served when no other I/O is pending,
+//     by the I/O schedulers that have classes (BFQ, mq-deadline);
+//   - on a cgroup v1 cpu hierarchy, the thread moves to a cgroup of its
+//     own at the hierarchy's top, BackgroundCgroup, with cpu.shares 2,
+//     where it competes with the node's top-level groups (the containers'
+//     included) at the least weight there is. SCHED_IDLE alone ranks a
+//     thread only against its own cgroup's threads. On cgroup v2 a thread
+//     cannot leave its process's cgroup, so there the daemon's work is
+//     idle against the daemon's other threads (the file-system requests
+//     it serves) and yields the core to any waking thread, but shares
+//     with an environment that stays runnable by the two cgroups' weights.
+//
+// Boost raises a job back to the daemon's priority: a foreground read
+// that waits on background work (a read joining a fill's fetch) must not
+// wait at idle priority.
+//
+// A thread that the kernel does not run holds its Go P (the runtime takes
+// a P back only from a thread in a system call), so at most Slots jobs
+// run lowered at once and GOMAXPROCS is raised by Slots when the first
+// one starts: starved background threads never leave the daemon's
+// foreground goroutines fewer Ps than the node has cores.
+package idleprio
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/containerd/log"
+	"github.com/opencontainers/cgroups"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// Slots bounds the jobs that run lowered at once: a fill of a few
+	// layers (a request of each in flight) and a native copy.
+	Slots = 4
+	// BackgroundCgroup is the cgroup v1 cpu group lowered threads move
+	// to, below the top of the hierarchy.
+	BackgroundCgroup = "envsnap-background"
+	// backgroundShares is the least cpu.shares v1 accepts.
+	backgroundShares = 2
+)
+
+// ioprio_set(2) values (linux/ioprio.h): x/sys has the system call number
+// only.
+const (
+	ioprioWhoProcess = 1 // a thread, by its id
+	ioprioClassShift = 13
+	ioprioClassIdle  = 3
+)
+
+var (
+	slots    = make(chan struct{}, Slots)
+	procsFor sync.Once
+)
+
+// Job is one piece of background work. Create it with NewJob, run it
+// once with Run; Boost may come from any goroutine at any time.
+type Job struct {
+	mu      sync.Mutex
+	boosted bool
+	boost   chan struct{} // closed by Boost
+	th      *lowered      // the lowered thread running the job, while it does
+}
+
+// NewJob returns a job that has not run.
+func NewJob() *Job { return &Job{boost: make(chan struct{})} }
+
+// Run runs fn at idle priority on a thread of its own and returns when fn
+// does. It waits for one of the Slots; a job boosted before it runs
+// (Boost) runs fn on the calling goroutine at once instead.
+func (j *Job) Run(fn func()) {
+	select {
+	case slots <- struct{}{}:
+	case <-j.boost:
+		fn()
+		return
+	}
+	defer func() { <-slots }()
+	procsFor.Do(func() { runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + Slots) })
+	// On the floor's list before the thread is lowered: a lowered thread
+	// on a saturated node may not run again before its first turn.
+	floor.add(j)
+	defer floor.remove(j)
+	onOwnThread(func() {
+		j.mu.Lock()
+		if !j.boosted {
+			j.th = lower(unix.Gettid())
+		}
+		j.mu.Unlock()
+		defer func() {
+			// The thread ends at the daemon's priority: its exit is
+			// on the path of whoever waits for the job.
+			j.mu.Lock()
+			if j.th != nil {
+				j.th.raise()
+			}
+			j.th = nil
+			j.mu.Unlock()
+		}()
+		fn()
+	})
+}
+
+// onOwnThread runs fn on a goroutine locked to a thread that ends with
+// it, and waits for it. The runtime does not end the process's main
+// thread at the end of a locked goroutine but parks it for good, lowered:
+// a goroutine that lands there hands the thread back and starts fn again
+// on another one.
+func onOwnThread(fn func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			onOwnThread(fn) // lands elsewhere: this goroutine holds the main thread
+			runtime.UnlockOSThread()
+			return
+		}
+		// Never unlocked: see the package doc.
+		fn()
+	}()
+	<-done
+}
+
+// Boost raises the job to the priority of the daemon's other threads for
+// the rest of its run, or has it run at that priority if it has not
+// started. Further calls do nothing.
+func (j *Job) Boost() {
+	if j == nil {
+		return
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.boosted {
+		return
+	}
+	j.boosted = true
+	close(j.boost)
+	if j.th != nil {
+		// j.mu keeps the thread alive: Run's goroutine takes it
+		// before it ends.
+		j.th.raise()
+	}
+}
+
+// Boosted reports whether Boost was called.
+func (j *Job) Boosted() bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.boosted
+}
+
+// Run runs fn as a job nobody boosts (Job.Run).
+func Run(fn func()) { NewJob().Run(fn) }
+
+// lowered is a thread and what it was before lower.
+type lowered struct {
+	tid    int
+	attr   *unix.SchedAttr // nil when the policy could not be changed
+	ioprio int             // -1 when the I/O class could not be changed
+	cgroup string          // v1 cpu cgroup directory it came from; "" when it did not move
+	bg     string          // v1 cpu cgroup directory it moved to
+}
+
+// Status is what lowering a thread achieves on this node: logged once at
+// the first job, and what tests check.
+type Status struct {
+	SchedIdle bool   // the thread runs SCHED_IDLE
+	IOIdle    bool   // its I/O class is idle
+	Cgroup    string // the v1 cpu cgroup directory it moves to; "" on v2 or when none could be made
+	Err       error  // what failed, if anything did
+}
+
+var (
+	statusOnce sync.Once
+	status     Status
+
+	bgOnce sync.Once
+	bgDir  string // v1 BackgroundCgroup directory, "" when unavailable
+	bgErr  error
+)
+
+// lower lowers thread tid, which must be the calling one, as far as the
+// node allows; what fails is logged once, and the job runs anyway.
+func lower(tid int) *lowered {
+	th := &lowered{tid: tid, ioprio: -1}
+	var st Status
+	var errs []error
+	if a, err := unix.SchedGetAttr(tid, 0); err != nil {
+		errs = append(errs, fmt.Errorf("read scheduling policy: %w", err))
+	} else if err := setIdle(tid); err != nil {
+		errs = append(errs, err)
+	} else {
+		th.attr, st.SchedIdle = a, true
+	}
+	if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(tid), 0); e != 0 {
+		errs = append(errs, fmt.Errorf("read I/O priority: %w", e))
+	} else if err := setIOIdle(tid); err != nil {
+		errs = append(errs, err)
+	} else {
+		th.ioprio, st.IOIdle = int(p), true
+	}
+	if dir, err := backgroundCgroup(); err != nil {
+		errs = append(errs, err)
+	} else if dir != "" {
+		from, err := threadCPUCgroup(tid)
+		if err == nil {
+			err = writeTask(dir, tid)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("move thread to %s: %w", dir, err))
+		} else {
+			th.cgroup, th.bg, st.Cgroup = from, dir, dir
+		}
+	}
+	st.Err = errors.Join(errs...)
+	statusOnce.Do(func() {
+		status = st
+		e := log.G(context.TODO()).WithField("sched_idle", st.SchedIdle).WithField("io_idle", st.IOIdle).WithField("cgroup", st.Cgroup)
+		if st.Err != nil {
+			e.WithError(st.Err).Warn("background work runs at idle priority only in part")
+			return
+		}
+		e.Info("background work runs at idle priority")
+	})
+	return th
+}
+
+func setIdle(tid int) error {
+	if err := unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0); err != nil {
+		return fmt.Errorf("set SCHED_IDLE: %w", err)
+	}
+	return nil
+}
+
+func setIOIdle(tid int) error {
+	if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), ioprioClassIdle<<ioprioClassShift); e != 0 {
+		return fmt.Errorf("set I/O class idle: %w", e)
+	}
+	return nil
+}
+
+// lowerAgain lowers a raised thread again, as lower did.
+func (th *lowered) lowerAgain() {
+	var errs []error
+	if th.attr != nil {
+		errs = append(errs, setIdle(th.tid))
+	}
+	if th.ioprio >= 0 {
+		errs = append(errs, setIOIdle(th.tid))
+	}
+	if th.bg != "" {
+		errs = append(errs, writeTask(th.bg, th.tid))
+	}
+	if err := errors.Join(errs...); err != nil {
+		log.G(context.TODO()).WithError(err).Warn("lowering background work again")
+	}
+}
+
+// raise undoes lower; errors are logged, the job goes on either way.
+func (th *lowered) raise() {
+	var errs []error
+	if th.cgroup != "" {
+		if err := writeTask(th.cgroup, th.tid); err != nil {
+			errs = append(errs, fmt.Errorf("move thread back to %s: %w", th.cgroup, err))
+		}
+	}
+	if th.ioprio >= 0 {
+		if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(th.tid), uintptr(th.ioprio)); e != 0 {
+			errs = append(errs, fmt.Errorf("restore I/O priority: %w", e))
+		}
+	}
+	if th.attr != nil {
+		a := *th.attr
+		a.Size = unix.SizeofSchedAttr
+		if err := unix.SchedSetAttr(th.tid, &a, 0); err != nil {
+			errs = append(errs, fmt.Errorf("restore scheduling policy: %w", err))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		log.G(context.TODO()).WithError(err).Warn("boosting background work")
+	}
+}
+
+// floor keeps background work from stalling on a node whose other work
+// keeps every core busy, where an idle thread gets nearly nothing (a few
+// microseconds in seconds here, with the cores saturated): every
+// FloorEvery, one running job, in turn, runs at the daemon's priority for
+// FloorFor. The background as a whole thus costs the node's other work at
+// most FloorFor of one core every FloorEvery (5%), and a native copy
+// or a fill completes on a saturated node, slowly, instead of never.
+var floor = floorTurns{jobs: map[*Job]time.Time{}}
+
+const (
+	FloorEvery = time.Second
+	FloorFor   = 50 * time.Millisecond
+)
+
+// floorTurns is the running jobs, with the end of each one's latest turn;
+// its goroutine runs while there are any.
+type floorTurns struct {
+	mu      sync.Mutex
+	jobs    map[*Job]time.Time
+	running bool
+}
+
+func (f *floorTurns) add(j *Job) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.jobs[j] = time.Now()
+	if !f.running {
+		f.running = true
+		go f.loop()
+	}
+}
+
+func (f *floorTurns) remove(j *Job) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.jobs, j)
+}
+
+// next returns the job whose turn is due the longest, or false when no
+// job runs (the loop then ends).
+func (f *floorTurns) next() (*Job, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.jobs) == 0 {
+		f.running = false
+		return nil, false
+	}
+	var pick *Job
+	for j, at := range f.jobs {
+		if pick == nil || at.Before(f.jobs[pick]) {
+			pick = j
+		}
+	}
+	f.jobs[pick] = time.Now().Add(FloorFor)
+	return pick, true
+}
+
+func (f *floorTurns) loop() {
+	for {
+		time.Sleep(FloorEvery - FloorFor)
+		j, ok := f.next()
+		if !ok {
+			return
+		}
+		if !j.turn(true) {
+			continue
+		}
+		time.Sleep(FloorFor)
+		j.turn(false)
+	}
+}
+
+// turn raises (up) or lowers again the job's thread for a floor turn; it
+// reports whether the thread was raised (a boosted or ended job is not
+// touched).
+func (j *Job) turn(up bool) bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.boosted || j.th == nil {
+		return false
+	}
+	if up {
+		j.th.raise()
+	} else {
+		j.th.lowerAgain()
+	}
+	return true
+}
+
+// Lower reports what lowering a thread achieves on this node, lowering a
+// thread of its own to find out the first time.
+func Lower() Status {
+	Run(func() {})
+	return status
+}
+
+// backgroundCgroup returns the v1 cpu cgroup lowered threads move to,
+// making it the first time: "" with a nil error on cgroup v2 (unified),
+// where threads cannot move on their own.
+func backgroundCgroup() (string, error) {
+	bgOnce.Do(func() {
+		if cgroups.IsCgroup2UnifiedMode() {
+			return
+		}
+		// The top of what this process sees of the hierarchy.
+		mnt, err := cgroups.FindCgroupMountpoint("", "cpu")
+		if err != nil {
+			if cgroups.IsNotFound(err) {
+				return // no v1 cpu hierarchy: a hybrid host with cpu on v2
+			}
+			bgErr = fmt.Errorf("find the cgroup v1 cpu hierarchy: %w", err)
+			return
+		}
+		dir := filepath.Join(mnt, BackgroundCgroup)
+		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			bgErr = fmt.Errorf("make cgroup %s: %w", dir, err)
+			return
+		}
+		if err := os.WriteFile(filepath.Join(dir, "cpu.shares"), []byte(strconv.Itoa(backgroundShares)), 0); err != nil {
+			bgErr = fmt.Errorf("set cpu.shares of %s: %w", dir, err)
+			return
+		}
+		bgDir = dir
+	})
+	return bgDir, bgErr
+}
+
+// threadCPUCgroup returns the directory of thread tid's v1 cpu cgroup.
+func threadCPUCgroup(tid int) (string, error) {
+	m, err := cgroups.ParseCgroupFile(fmt.Sprintf("/proc/self/task/%d/cgroup", tid))
+	if err != nil {
+		return "", fmt.Errorf("read the thread's cgroups: %w", err)
+	}
+	own, ok := m["cpu"]
+	if !ok {
+		return "", fmt.Errorf("the thread has no cgroup v1 cpu group (%v)", m)
+	}
+	mnt, root, err := cgroups.FindCgroupMountpointAndRoot("", "cpu")
+	if err != nil {
+		return "", fmt.Errorf("find the cgroup v1 cpu hierarchy: %w", err)
+	}
+	rel := own
+	if root != "/" {
+		rel = strings.TrimPrefix(own, root)
+	}
+	return filepath.Join(mnt, rel), nil
+}
+
+// writeTask moves thread tid into the v1 cgroup dir.
+func writeTask(dir string, tid int) error {
+	return os.WriteFile(filepath.Join(dir, "tasks"), []byte(strconv.Itoa(tid)), 0)
+}

@@ -1,0 +1,114 @@
+package shim_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/cio"
+	"github.com/containerd/containerd/v2/pkg/oci"
+
+	"github.com/envsnap/envsnap/internal/prereq"
+)
+
+// BenchmarkStartOverhead starts a container whose process exits at once,
+// with runc's shim and with the envlet shim, alternating, and reports
+// where the envlet shim's extra time goes: the task's Create (spec
+// hardening, admission at the arbiter, runc create, cgroup check, egress
+// and LSM rules), its Start (the controller's cgroup files, the arbiter's
+// tracking, runc start) and the time from Start's return to the
+// process's first output. Medians, side by side in one run. Gated by
+// ENVSNAP_BENCH=1:
+//
+//	ENVSNAP_BENCH=1 go test -run '^$' -bench StartOverhead -benchtime 10x ./tests/shim/
+func BenchmarkStartOverhead(b *testing.B) {
+	prereq.RequireBench(b)
+	s := newSuite(b, node{})
+	runtimes := []string{"io.containerd.runc.v2", envletRuntime}
+	phases := []string{"create", "start", "first-output", "total"}
+	got := map[string]map[string][]time.Duration{}
+	for _, rt := range runtimes {
+		got[rt] = map[string][]time.Duration{}
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		order := runtimes
+		if i%2 == 1 {
+			order = []string{runtimes[1], runtimes[0]}
+		}
+		for _, rt := range order {
+			d := s.timeStart(b, rt)
+			for k, p := range phases {
+				got[rt][p] = append(got[rt][p], d[k])
+			}
+		}
+	}
+	b.StopTimer()
+	med := func(ds []time.Duration) time.Duration {
+		ds = slices.Clone(ds)
+		slices.Sort(ds)
+		return ds[len(ds)/2]
+	}
+	for _, p := range phases {
+		r, e := med(got[runtimes[0]][p]), med(got[runtimes[1]][p])
+		b.ReportMetric(r.Seconds(), "runc-"+p+"-s")
+		b.ReportMetric(e.Seconds(), "envlet-"+p+"-s")
+		b.Logf("%-12s runc %7.3fs  envlet %7.3fs  envlet-runc %+7.3fs", p, r.Seconds(), e.Seconds(), (e - r).Seconds())
+	}
+	b.Logf("load %s", loadavg())
+}
+
+// timeStart creates, starts and waits for one container of runtime rt
+// whose process prints its start time and exits: the durations of
+// NewTask (the shim's Create), Start, from Start's return to the
+// process's stamp, and the sum.
+func (s *suite) timeStart(b *testing.B, rt string) [4]time.Duration {
+	b.Helper()
+	ctx := s.env.Context()
+	ctrCount++
+	id := fmt.Sprintf("start-overhead-%d", ctrCount)
+	c, err := s.env.Client.NewContainer(ctx, id,
+		client.WithSnapshotter("overlayfs"),
+		client.WithNewSnapshot(id+"-snap", s.img),
+		client.WithRuntime(rt, nil),
+		client.WithNewSpec(oci.WithImageConfig(s.img), oci.WithProcessArgs("/workload", "-mode", "idle", "-hold", "0s")),
+	)
+	if err != nil {
+		b.Fatalf("create container %s: %v", id, err)
+	}
+	defer func() {
+		dctx, cancel := context.WithTimeout(s.env.Context(), 30*time.Second)
+		defer cancel()
+		_ = c.Delete(dctx, client.WithSnapshotCleanup)
+	}()
+	out := &syncBuffer{}
+	t0 := time.Now()
+	task, err := c.NewTask(ctx, cio.NewCreator(cio.WithStreams(nil, out, out)))
+	if err != nil {
+		b.Fatalf("%s: new task: %v", rt, err)
+	}
+	t1 := time.Now()
+	defer func() {
+		dctx, cancel := context.WithTimeout(s.env.Context(), 30*time.Second)
+		defer cancel()
+		_, _ = task.Delete(dctx, client.WithProcessKill)
+	}()
+	statusC, err := task.Wait(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	t2 := time.Now()
+	if err := task.Start(ctx); err != nil {
+		b.Fatalf("%s: start: %v", rt, err)
+	}
+	t3 := time.Now()
+	k := &ctr{id: id, task: task, statusC: statusC, out: out}
+	if code := k.wait(b, time.Minute); code != 0 {
+		b.Fatalf("%s: exit %d: %s", rt, code, out.String())
+	}
+	first := k.stamp(b, "done")
+	return [4]time.Duration{t1.Sub(t0), t3.Sub(t2), first.Sub(t3), t1.Sub(t0) + first.Sub(t2)}
+}
