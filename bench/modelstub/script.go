@@ -75,7 +75,9 @@ func EpisodeScript(repo, fix string, touched []string, final string) Script {
 		bash("test-before", "go test ./...", all(failed, contains("FAIL"))),
 		bash("apply-fix", "git apply "+fix, ok),
 		bash("test-after", "go test ./...", all(ok, contains("ok "), lacks("FAIL"))),
-		bash("git-diff", "git diff", all(ok, contains("diff --git"))),
+		// The fix is the bug's reverse: afterwards the tree is the
+		// repository's last commit again.
+		bash("git-diff", "git diff --stat; echo diff-lines=$(git diff | wc -l)", all(ok, contains("diff-lines=0"))),
 	)
 	return Script{Steps: steps, Final: final}
 }

@@ -283,7 +283,7 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, key string) {
 	case Fail:
 		content = []block{{Type: "text", Text: "Rollout failed: " + d.Err.Error()}}
 		think = 0
-		ev["step"], ev["error"] = "failed", d.Err.Error()
+		ev["step"], ev["error"], ev["think_ms"] = "failed", d.Err.Error(), 0
 	}
 	s.logf(key, ev)
 	if err := s.answer(w, r, req, key, think, in, content, stop); err != nil {

@@ -199,8 +199,8 @@ func repoExec(t *testing.T, broken string) (func(string, map[string]any) Result,
 			r = Result{Text: "--- FAIL: TestHash\nFAIL\tgithub.com/google/uuid\t0.01s\nFAIL", IsError: true}
 		case strings.HasSuffix(cmd, "go test ./..."):
 			r = Result{Text: "ok  \tgithub.com/google/uuid\t0.02s"}
-		case strings.HasSuffix(cmd, "git diff"):
-			r = Result{Text: "diff --git a/hash.go b/hash.go"}
+		case strings.HasSuffix(cmd, "git diff | wc -l)"):
+			r = Result{Text: "diff-lines=0"}
 		default:
 			t.Fatalf("unexpected tool call %s %v", name, in)
 		}
@@ -241,7 +241,7 @@ func TestEpisodeCompletes(t *testing.T) {
 			want := []string{"Bash cd /workspace/uuid && git status", "Bash cd /workspace/uuid && git log --oneline -5", "Bash cd /workspace/uuid && git ls-files",
 				"Bash cd /workspace/uuid && grep -rn --include='*.go' -m 3 '^func ' .", "Read /workspace/uuid/go.mod", "Read /workspace/uuid/hash.go",
 				"Bash cd /workspace/uuid && go test ./...", "Bash cd /workspace/uuid && git apply /opt/tasks/fix.diff", "Bash cd /workspace/uuid && go test ./...",
-				"Bash cd /workspace/uuid && git diff"}
+				"Bash cd /workspace/uuid && git diff --stat; echo diff-lines=$(git diff | wc -l)"}
 			if !slices.Equal(*ran, want) {
 				t.Fatalf("tool calls:\n%s\nwant\n%s", strings.Join(*ran, "\n"), strings.Join(want, "\n"))
 			}
