@@ -100,7 +100,7 @@ type RolloutReport struct {
 	Machine  string        `json:"machine"`
 	Link     string        `json:"link"`
 	Workload string        `json:"workload"`
-	Agent    string        `json:"agent"` // what the agent CLI reported as its version
+	Agent    string        `json:"agent"` // the agent CLI's User-Agent (its release)
 	Rollouts int           `json:"rollouts"`
 	Tasks    []string      `json:"tasks"`
 	Think    string        `json:"think"`
@@ -334,7 +334,7 @@ type rolloutBench struct {
 	nodes    []netshape.BridgeNode
 	envs     []env
 	memTotal int64
-	// agent is the first line `agent --version` printed.
+	// agent is the User-Agent the agent CLI sent the model.
 	agentOnce sync.Once
 	agent     string
 }
@@ -445,7 +445,7 @@ const agentExitMarker = "agent-exit="
 // rolloutScript runs the agent on the task, then the evaluator.
 func rolloutScript(t episode.Task) string {
 	prompt := fmt.Sprintf("The tests of the Go repository in %s fail. Find the bug and fix it.", t.Repo)
-	return fmt.Sprintf("cd %s && agent --version && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
+	return fmt.Sprintf("cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
 		t.Repo, prompt, agentExitMarker, t.Repo)
 }
 
@@ -509,8 +509,8 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.Error = err.Error()
 		return r
 	}
-	if v, _, _ := strings.Cut(out.Stdout, "\n"); strings.Contains(v, "Claude Code") {
-		rb.agentOnce.Do(func() { rb.agent = v })
+	if o.UserAgent != "" {
+		rb.agentOnce.Do(func() { rb.agent = o.UserAgent })
 	}
 	reward, ok := episode.ParseReward(out.Stdout)
 	r.Reward = reward

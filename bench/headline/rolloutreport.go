@@ -148,7 +148,7 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 	}
 	fmt.Fprintf(&b, "\nRewards: %s. Machine: %s.", rewards, rep.Machine)
 	if rep.Agent != "" {
-		fmt.Fprintf(&b, " `agent --version` printed `%s`.", rep.Agent)
+		fmt.Fprintf(&b, " The agent CLI sent the model the User-Agent `%s`.", rep.Agent)
 	}
 	fmt.Fprintf(&b, "\n")
 	for _, n := range rep.Notes {

@@ -54,6 +54,8 @@ type Outcome struct {
 	Err string `json:"error,omitempty"`
 	// Think is the total time the model spent on this rollout's answers.
 	Think time.Duration `json:"think_ns"`
+	// UserAgent is the agent's User-Agent header (its name and release).
+	UserAgent string `json:"user_agent"`
 }
 
 // New returns a server with think times from t, logging every turn to
@@ -246,7 +248,7 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, key string) {
 	}
 	ro.out.Requests++
 	if ro.out.FirstRequest.IsZero() {
-		ro.out.FirstRequest = now
+		ro.out.FirstRequest, ro.out.UserAgent = now, r.UserAgent()
 	}
 	script, sample := ro.script, ro.sample
 	side := !offers(req.Tools, script)

@@ -36,6 +36,7 @@ func (a *agent) call(tools []map[string]any) ([]block, string) {
 	body, _ := json.Marshal(map[string]any{"model": "claude-test", "max_tokens": 1024, "stream": a.stream, "messages": a.msgs, "tools": tools})
 	req, _ := http.NewRequest(http.MethodPost, a.url+"/v1/messages?beta=true", bytes.NewReader(body))
 	req.Header.Set("x-api-key", a.key)
+	req.Header.Set("User-Agent", "test-agent/1.0")
 	req.Header.Set("content-type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -249,7 +250,7 @@ func TestEpisodeCompletes(t *testing.T) {
 			if err := o.Verdict(); err != nil {
 				t.Fatalf("verdict %v (%+v)", err, o)
 			}
-			if o.Requests != len(want)+1 || o.Steps != len(want) || o.FirstRequest.IsZero() || o.Think != time.Duration(len(want)+1)*10*time.Millisecond {
+			if o.Requests != len(want)+1 || o.Steps != len(want) || o.FirstRequest.IsZero() || o.Think != time.Duration(len(want)+1)*10*time.Millisecond || o.UserAgent != "test-agent/1.0" {
 				t.Fatalf("outcome %+v", o)
 			}
 			if stream {
