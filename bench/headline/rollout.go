@@ -180,8 +180,10 @@ const gatewayPort = 8080
 
 // MeasureRollout runs the rollout scenario on every system of cfg.
 func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, retErr error) {
-	if cfg.Rollouts < 1 {
-		return nil, fmt.Errorf("rollout scenario: %d rollouts", cfg.Rollouts)
+	// One network namespace per rollout and one for the model, on one
+	// bridge (netshape.NewBridge holds 60).
+	if cfg.Rollouts < 1 || cfg.Rollouts > 59 {
+		return nil, fmt.Errorf("rollout scenario: %d rollouts, want 1 to 59", cfg.Rollouts)
 	}
 	for _, s := range cfg.Systems {
 		if _, ok := rolloutSystems[s]; !ok {
