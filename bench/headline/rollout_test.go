@@ -2,7 +2,9 @@ package headline
 
 import (
 	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/envsnap/envsnap/bench/episode"
 )
@@ -82,5 +84,20 @@ func TestSpreadTasks(t *testing.T) {
 	}
 	if got := ids(spreadTasks(all, 0, 4)); len(got) != 4 || got[0] != "u1" {
 		t.Fatalf("all, at most 4: %v", got)
+	}
+}
+
+func TestRolloutComparison(t *testing.T) {
+	rep := &RolloutReport{Rollouts: 8, Order: []string{StatusQuo, OverlayfsAll, Envsnap}, RewardsIdentical: true, Systems: map[string]*RolloutIteration{
+		StatusQuo:    {Makespan: 200 * time.Second, PeakConcurrent: 4},
+		OverlayfsAll: {Makespan: 100 * time.Second, PeakConcurrent: 8},
+		Envsnap:      {Makespan: 50 * time.Second, PeakConcurrent: 8, InitShare: 0.04, Failed: 1},
+	}}
+	got := rep.Comparison()
+	for _, want := range []string{"makespan 0.25x the status quo (50 s vs 200 s)", "0.50x overlayfs with everything at once (100 s)",
+		"initialisation 4.0%", "2.0x the peak concurrent environments of the status quo (8 vs 4)", "1 failed, rewards identical"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("comparison %q lacks %q", got, want)
+		}
 	}
 }
