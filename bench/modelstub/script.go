@@ -21,6 +21,7 @@ package modelstub
 import (
 	"fmt"
 	"strings"
+	"time"
 )
 
 // Step is one scripted tool call and the check of its result.
@@ -31,6 +32,9 @@ type Step struct {
 	// Check judges the tool result the agent returned; nil accepts any.
 	Check func(Result) error
 }
+
+// BashMaxTimeout is the longest timeout the agent CLI's Bash tool takes.
+const BashMaxTimeout = 10 * time.Minute
 
 // Result is what the agent returned for a tool call.
 type Result struct {
@@ -56,6 +60,15 @@ func EpisodeScript(repo, fix string, touched []string, final string) Script {
 	bash := func(name, cmd string, check func(Result) error) Step {
 		return Step{Name: name, Tool: "Bash", Input: map[string]any{"command": "cd " + repo + " && " + cmd, "description": name}, Check: check}
 	}
+	// A test run may outlast the Bash tool's default timeout (2 minutes)
+	// in a starved environment: the model asks for the tool's longest
+	// (10 minutes), as an agent expecting a slow suite does, so a slow
+	// environment shows as time, and only a stuck one as a failure.
+	test := func(name string, check func(Result) error) Step {
+		st := bash(name, "go test ./...", check)
+		st.Input["timeout"] = BashMaxTimeout.Milliseconds()
+		return st
+	}
 	read := func(name, path string, check func(Result) error) Step {
 		return Step{Name: name, Tool: "Read", Input: map[string]any{"file_path": path}, Check: check}
 	}
@@ -72,9 +85,9 @@ func EpisodeScript(repo, fix string, touched []string, final string) Script {
 	steps = append(steps,
 		// The task's bug is applied: its tests must fail, or the fix
 		// proves nothing.
-		bash("test-before", "go test ./...", all(failed, contains("FAIL"))),
+		test("test-before", all(failed, contains("FAIL"))),
 		bash("apply-fix", "git apply "+fix, ok),
-		bash("test-after", "go test ./...", all(ok, contains("ok "), lacks("FAIL"))),
+		test("test-after", all(ok, contains("ok "), lacks("FAIL"))),
 		// The fix is the bug's reverse: afterwards the tree is the
 		// repository's last commit again.
 		bash("git-diff", "git diff --stat; echo diff-lines=$(git diff | wc -l)", all(ok, contains("diff-lines=0"))),

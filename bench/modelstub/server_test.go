@@ -180,6 +180,9 @@ func repoExec(t *testing.T, broken string) (func(string, map[string]any) Result,
 			cmd, _ = in["file_path"].(string)
 		}
 		ran = append(ran, name+" "+cmd)
+		if strings.HasSuffix(cmd, "go test ./...") && in["timeout"] != float64(BashMaxTimeout.Milliseconds()) {
+			t.Errorf("%s without the Bash tool's longest timeout: %v", cmd, in)
+		}
 		var r Result
 		switch {
 		case strings.HasSuffix(cmd, "git status"):

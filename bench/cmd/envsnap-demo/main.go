@@ -41,7 +41,17 @@ func main() {
 	flag.DurationVar(&cfg.RTT, "rtt", 20*time.Millisecond, "registry round trip")
 	flag.Int64Var(&cfg.Rate, "rate", 1_000_000_000, "registry link rate in bits/s")
 	flag.DurationVar(&cfg.Timeout, "timeout", 10*time.Minute, "per-rollout timeout")
+	modelLog := flag.String("model-log", "", "write every model turn here, one JSON line each")
 	flag.Parse()
+	if *modelLog != "" {
+		f, err := os.Create(*modelLog)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "envsnap-demo: %v\n", err)
+			os.Exit(1)
+		}
+		defer f.Close()
+		cfg.ModelLog = f
+	}
 	cfg.Systems = strings.Split(*systems, ",")
 	// The demo shows the batch; the prefetch lists' profiling run is
 	// make bench's.
