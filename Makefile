@@ -66,16 +66,21 @@ test: deps vm-image build vet unit e2e fuzz
 demo: deps build
 	$(GO) run ./bench/cmd/envsnap-demo
 
-# Micro-benchmarks (format, fetcher, FUSE, sampler), then the end-to-end
-# benchmarks gated by ENVSNAP_BENCH=1, then the headline benchmark, which
-# regenerates docs/benchmarks.md and its plots, the peer tier's 4-node run
-# (its section of docs/benchmarks.md), and the peer tier's cluster model
-# (docs/scale.md's table; about a minute of CPU). Raw output in bench/out.
+# The rollout (48 agent episodes submitted at once to one node, status quo,
+# overlayfs everything at once, envsnap and the ablations side by side: its
+# section of docs/benchmarks.md and docs/img/rollout-*.png), then the
+# iteration headline, which regenerates docs/benchmarks.md and its plots
+# (keeping the rollout's section), the peer tier's 4-node run
+# (its section of docs/benchmarks.md), the peer tier's cluster model
+# (docs/scale.md's table; about a minute of CPU), the micro-benchmarks
+# (format, fetcher, FUSE, sampler) and the end-to-end benchmarks gated by
+# ENVSNAP_BENCH=1. Raw output in bench/out.
 MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/
 BENCH_ARGS ?=
 
 bench: deps build
 	@mkdir -p bench/out
+	$(GO) run ./bench/cmd/envsnap-bench -variant small -rollouts 48 -rollout-tasks 8 2>&1 | tee bench/out/rollout.txt
 	$(GO) run ./bench/cmd/envsnap-bench $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
 	$(GO) run ./bench/cmd/envsnap-bench -variant small -peers 4 -peer-envs 4 -peer-slow-hedge-after 2s -peer-slow-timeout 30s 2>&1 | tee bench/out/peers.txt
 	$(GO) run ./bench/cmd/envsnap-peersim 2>&1 | tee bench/out/peersim.txt

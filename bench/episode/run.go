@@ -120,14 +120,22 @@ func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, t
 		return res
 	}
 	res.Exit, res.Output, res.Container = out.ExitCode, out.Stdout+out.Stderr, out.ID
-	if m := rewardRE.FindAllStringSubmatch(out.Stdout, -1); len(m) > 0 {
-		res.Reward = int(m[len(m)-1][1][0] - '0')
-	}
+	res.Reward, _ = ParseReward(out.Stdout)
 	res.Steps = parseSteps(out.Stdout)
 	if res.Ready == 0 {
-		res.Error = "environment never became ready: " + lastLines(res.Output, 5)
+		res.Error = "environment never became ready: " + LastLines(res.Output, 5)
 	}
 	return res
+}
+
+// ParseReward is the last reward the evaluator printed (reward=N);
+// false when it printed none.
+func ParseReward(stdout string) (int, bool) {
+	m := rewardRE.FindAllStringSubmatch(stdout, -1)
+	if len(m) == 0 {
+		return 0, false
+	}
+	return int(m[len(m)-1][1][0] - '0'), true
 }
 
 // StepOrder is the order in which the episode script
@@ -150,7 +158,8 @@ func parseSteps(stdout string) map[string]float64 {
 	return steps
 }
 
-func lastLines(s string, n int) string {
+// LastLines joins the last n lines of s, for an error message.
+func LastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
 		lines = lines[len(lines)-n:]

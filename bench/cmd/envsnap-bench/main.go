@@ -16,7 +16,10 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/docker/go-units"
+
 	"github.com/envsnap/envsnap/bench/headline"
+	"github.com/envsnap/envsnap/bench/modelstub"
 	"github.com/envsnap/envsnap/internal/devenv"
 )
 
@@ -43,22 +46,42 @@ func main() {
 	var slow headline.PeersConfig
 	flag.DurationVar(&slow.SlowHedgeAfter, "peer-slow-hedge-after", 0, "peer tier's scenario: add a mode with peers hedging after this instead of the default")
 	flag.DurationVar(&slow.SlowTimeout, "peer-slow-timeout", 0, "peer tier's scenario: and this peer timeout")
+	var ro headline.RolloutConfig
+	var roSystems string
+	flag.IntVar(&ro.Rollouts, "rollouts", 0, "run only the rollout scenario with this many rollouts submitted at once (the agent CLI against the model stand-in), and replace its section of the markdown report")
+	flag.IntVar(&ro.TaskCount, "rollout-tasks", 0, "distinct tasks of the rollout scenario (0: every task of the workload, at most -rollouts)")
+	flag.StringVar(&roSystems, "rollout-systems", strings.Join(headline.RolloutSystems, ","), "systems of the rollout scenario, in order")
+	ro.Think = modelstub.DefaultThink
+	flag.DurationVar(&ro.Think.Median, "think-median", ro.Think.Median, "rollout scenario: the model's median think time per answer")
+	flag.DurationVar(&ro.Think.P95, "think-p95", ro.Think.P95, "rollout scenario: the think time's 95th percentile (lognormal)")
+	flag.BoolVar(&ro.Think.Fixed, "think-fixed", false, "rollout scenario: every answer takes -think-median")
+	flag.Uint64Var(&ro.Think.Seed, "think-seed", ro.Think.Seed, "rollout scenario: seed of the think times")
+	flag.Float64Var(&ro.FixedCPU, "fixed-cpu", 0.5, "rollout scenario: the fixed CPU quota (cores) of the status quo")
+	fixedMem := flag.String("fixed-memory", "2Gi", "rollout scenario: the fixed memory quota of the status quo")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
 	cfg.Systems = strings.Split(systems, ",")
 	cfg.Log = os.Stdout
+	if ro.Rollouts > 0 {
+		mem, err := units.RAMInBytes(*fixedMem)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "envsnap-bench: -fixed-memory %q: %v\n", *fixedMem, err)
+			os.Exit(2)
+		}
+		ro.FixedMemory, ro.Systems = mem, strings.Split(roSystems, ",")
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
-	if err := run(ctx, cfg, variant, *out, *doc, slow); err != nil {
+	if err := run(ctx, cfg, variant, *out, *doc, slow, ro); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -86,6 +109,9 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 		if peers.Nodes > 0 {
 			out = filepath.Join(root, "docs/benchmarks-peers.json")
 		}
+		if ro.Rollouts > 0 {
+			out = filepath.Join(root, "docs/benchmarks-rollout.json")
+		}
 	}
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
@@ -95,6 +121,10 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	if peers.Nodes > 0 {
 		peers.Tasks, peers.RTT, peers.Rate, peers.Timeout, peers.NoPrefetch, peers.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
 		return runPeers(ctx, peers, command, out, rel, doc)
+	}
+	if ro.Rollouts > 0 {
+		ro.Tasks, ro.RTT, ro.Rate, ro.Timeout, ro.NoPrefetch, ro.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
+		return runRollout(ctx, ro, command, out, rel, doc)
 	}
 	write := func(rep *headline.Report) ([]string, error) {
 		rep.Command = command
@@ -151,6 +181,43 @@ func redact(args []string, root string) []string {
 		out[i] = prefix + a
 	}
 	return out
+}
+
+// runRollout runs the rollout scenario and writes its JSON, its plots
+// and its section of the markdown report; the last line it prints is
+// the comparison.
+func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, rel, doc string) error {
+	// Every turn of every rollout: raw output, not the report.
+	root, err := devenv.RepoRoot()
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Join(root, "bench/out"), 0o755); err != nil {
+		return err
+	}
+	modelLog, err := os.Create(filepath.Join(root, "bench/out/rollout-model.jsonl"))
+	if err != nil {
+		return err
+	}
+	defer modelLog.Close()
+	cfg.ModelLog = modelLog
+	rep, err := headline.MeasureRollout(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	rep.Command = command
+	if err := rep.WriteJSON(out); err != nil {
+		return err
+	}
+	plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
+	if err != nil {
+		return err
+	}
+	if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
+		return err
+	}
+	fmt.Printf("wrote %s, %s, %s, %s\n%s\n", out, modelLog.Name(), doc, strings.Join(plots, ", "), rep.Comparison())
+	return nil
 }
 
 // runPeers runs the peer tier's scenario and writes its JSON and its

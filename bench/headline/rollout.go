@@ -1,0 +1,693 @@
+package headline
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/containerd/containerd/v2/pkg/oci"
+	"github.com/containerd/errdefs"
+	"github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/envsnap/envsnap/bench/episode"
+	"github.com/envsnap/envsnap/bench/modelstub"
+	"github.com/envsnap/envsnap/bench/netshape"
+	"github.com/envsnap/envsnap/internal/devenv"
+	"github.com/envsnap/envsnap/internal/egress"
+)
+
+// Rollout systems: the snapshotter, the runtime and how environments are
+// admitted.
+const (
+	// StatusQuo is what a Kubernetes node runs today: overlayfs, runc, a
+	// fixed quota per environment (requests = limits), and only as many
+	// environments at once as the node's CPU and memory hold at that
+	// request, as the scheduler places them.
+	StatusQuo = "status-quo"
+	// OverlayfsAll is overlayfs and runc with no quota, every environment
+	// started at once.
+	OverlayfsAll = "overlayfs-all"
+	// Envsnap (the snapshotter with background fill, the envlet shim with
+	// its defaults, every environment submitted at once) is the product.
+	// The ablations swap one part each.
+	EnvsnapRuncFixed = "envsnap-runc-fixed"
+	OverlayfsEnvlet  = "overlayfs-envlet"
+)
+
+// RolloutSystems in the order they run by default.
+var RolloutSystems = []string{StatusQuo, OverlayfsAll, Envsnap, EnvsnapRuncFixed, OverlayfsEnvlet}
+
+type rolloutSystem struct {
+	snapshotter string
+	envlet      bool // the envlet shim (its quotas, admission and egress); else runc
+	fixed       bool // a fixed quota per environment, admitted by request
+}
+
+var rolloutSystems = map[string]rolloutSystem{
+	StatusQuo:        {snapshotter: "overlayfs", fixed: true},
+	OverlayfsAll:     {snapshotter: "overlayfs"},
+	Envsnap:          {snapshotter: "envsnap", envlet: true},
+	EnvsnapRuncFixed: {snapshotter: "envsnap", fixed: true},
+	OverlayfsEnvlet:  {snapshotter: "overlayfs", envlet: true},
+}
+
+// RolloutConfig is the rollout scenario: a batch of agent episodes
+// submitted at once to one node, gated by the slowest.
+type RolloutConfig struct {
+	Tasks    string // workload task list
+	Rollouts int    // the batch: tasks x samples per task
+	// TaskCount distinct tasks (spread over the workload's repositories);
+	// rollout i runs task i mod TaskCount. 0 means every task in the list.
+	TaskCount int
+	Think     modelstub.Think
+	Systems   []string // subset of RolloutSystems, run in this order
+	RTT       time.Duration
+	Rate      int64
+	Timeout   time.Duration // per rollout, agent and evaluator
+	// FixedCPU and FixedMemory are the fixed quota (requests = limits) of
+	// the systems that have one.
+	FixedCPU    float64
+	FixedMemory int64
+	NoPrefetch  bool
+	Log         io.Writer
+	// ModelLog receives the model stand-in's log, one JSON line a turn.
+	ModelLog io.Writer
+}
+
+func (c *RolloutConfig) logf(format string, args ...any) {
+	if c.Log != nil {
+		fmt.Fprintf(c.Log, format+"\n", args...)
+	}
+}
+
+// RolloutReport is what the rollout scenario measured, every system side
+// by side in one run.
+type RolloutReport struct {
+	Started  time.Time     `json:"started"`
+	Duration time.Duration `json:"duration_ns"`
+	Command  string        `json:"command"`
+	Machine  string        `json:"machine"`
+	Link     string        `json:"link"`
+	Workload string        `json:"workload"`
+	Agent    string        `json:"agent"` // the agent CLI's User-Agent (its release)
+	Rollouts int           `json:"rollouts"`
+	Tasks    []string      `json:"tasks"`
+	Think    string        `json:"think"`
+	FixedCPU float64       `json:"fixed_cpu"`
+	FixedMem int64         `json:"fixed_memory"`
+	Order    []string      `json:"order"`
+	// Systems: system -> its iteration.
+	Systems map[string]*RolloutIteration `json:"systems"`
+	// RewardsIdentical: every rollout got the same reward on every system.
+	RewardsIdentical bool     `json:"rewards_identical"`
+	Notes            []string `json:"notes"`
+}
+
+// RolloutIteration is one system's batch.
+type RolloutIteration struct {
+	// Slots is how many environments were admitted at once (0: all).
+	Slots    int           `json:"slots"`
+	Makespan time.Duration `json:"makespan_ns"` // submit to the last rollout's end
+	// InitShare is the time from submit to ready (the agent's first
+	// request to the model), summed over rollouts, over the summed
+	// rollout time (submit to end), as WeEnv reports it.
+	InitShare float64 `json:"init_share"`
+	Ready     Summary `json:"ready_s"`
+	Rollout   Summary `json:"rollout_s"`
+	// Queue is the time from submit to admission (fixed quotas).
+	Queue          Summary `json:"queue_s"`
+	PeakConcurrent int     `json:"peak_concurrent"`
+	// NodeMemoryBase and NodeMemoryPeak are the node's used memory
+	// (MemTotal - MemAvailable) before the batch and at its peak.
+	NodeMemoryBase int64 `json:"node_memory_base"`
+	NodeMemoryPeak int64 `json:"node_memory_peak"`
+	// EnvMemory is each environment's working set (cgroup usage less
+	// inactive file) while the agent waited on the model, the median of
+	// its samples, over environments (MiB); EnvMemoryPeak the largest.
+	EnvMemory     Summary            `json:"env_memory_mib"`
+	EnvMemoryPeak Summary            `json:"env_memory_peak_mib"`
+	RegistryBytes int64              `json:"registry_bytes"`
+	CPU           map[string]float64 `json:"cpu_s,omitempty"`
+	Cores         int                `json:"cores"`
+	Failed        int                `json:"failed"`
+	// AdmissionRetries counts creates the envlet arbiter refused (node
+	// full) and the bench submitted again a second later.
+	AdmissionRetries int             `json:"admission_retries"`
+	Timeline         []TimelinePoint `json:"timeline"`
+	Runs             []RolloutRun    `json:"runs"`
+}
+
+// TimelinePoint is one sample of the node during a batch.
+type TimelinePoint struct {
+	T          float64 `json:"t_s"`
+	Concurrent int     `json:"concurrent"`
+	MemoryMiB  float64 `json:"node_memory_mib"` // above the batch's base
+}
+
+// RolloutRun is one rollout. Times are from the batch's submit.
+type RolloutRun struct {
+	Name      string        `json:"name"`
+	Task      string        `json:"task"`
+	Sample    string        `json:"sample"`
+	Admitted  time.Duration `json:"admitted_ns"`
+	Ready     time.Duration `json:"ready_ns"`
+	End       time.Duration `json:"end_ns"`
+	Think     time.Duration `json:"think_ns"` // the model's share
+	Turns     int           `json:"turns"`
+	Reward    int           `json:"reward"`
+	Retries   int           `json:"admission_retries"`
+	Container string        `json:"container"`
+	// MemoryMiB is the median of the working set samples, PeakMiB the
+	// largest; 0 when no sample caught the container running.
+	MemoryMiB float64 `json:"memory_mib"`
+	PeakMiB   float64 `json:"peak_mib"`
+	Error     string  `json:"error,omitempty"`
+}
+
+// gatewayPort is where the model stand-in listens in its namespace.
+const gatewayPort = 8080
+
+// MeasureRollout runs the rollout scenario on every system of cfg.
+func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, retErr error) {
+	// One network namespace per rollout and one for the model, on one
+	// bridge (netshape.NewBridge holds 60).
+	if cfg.Rollouts < 1 || cfg.Rollouts > 59 {
+		return nil, fmt.Errorf("rollout scenario: %d rollouts, want 1 to 59", cfg.Rollouts)
+	}
+	for _, s := range cfg.Systems {
+		if _, ok := rolloutSystems[s]; !ok {
+			return nil, fmt.Errorf("rollout scenario: unknown system %q (want some of %s)", s, strings.Join(RolloutSystems, ", "))
+		}
+	}
+	if len(cfg.Systems) == 0 {
+		cfg.Systems = RolloutSystems
+	}
+	w, err := episode.LoadWorkload(cfg.Tasks)
+	if err != nil {
+		return nil, err
+	}
+	tasks := spreadTasks(w.Tasks, cfg.TaskCount, cfg.Rollouts)
+	rep := &RolloutReport{Started: time.Now(), Machine: machine(), Workload: reportPath(cfg.Tasks), Rollouts: cfg.Rollouts,
+		Think: describeThink(cfg.Think), FixedCPU: cfg.FixedCPU, FixedMem: cfg.FixedMemory, Order: cfg.Systems, Systems: map[string]*RolloutIteration{}}
+	for _, t := range tasks {
+		rep.Tasks = append(rep.Tasks, t.ID)
+	}
+
+	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(cfg.Rate))
+	if err != nil {
+		return nil, fmt.Errorf("shaped link: %w", err)
+	}
+	defer link.Close(context.Background())
+	regNet := netshape.NewRegistryNet(ctx, link, cfg.RTT)
+	metricsAddr := "127.0.0.1:19166"
+	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
+		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
+	if err != nil {
+		return nil, err
+	}
+	defer denv.Close()
+	rep.Link = regNet.Describe()
+	b := &bench{cfg: Config{Timeout: cfg.Timeout, Log: cfg.Log}, env: denv, metrics: "http://" + metricsAddr + "/metrics"}
+
+	// The model's network: the stand-in in a namespace of its own (node 0
+	// of a bridge), each rollout in another, as a node's pods reach a
+	// model gateway; never the host's network.
+	br, err := netshape.NewBridge(ctx, fmt.Sprintf("%sro-%d", netshape.NamePrefix, os.Getpid()), cfg.Rollouts+1)
+	if err != nil {
+		return nil, fmt.Errorf("rollout namespaces: %w", err)
+	}
+	defer func() {
+		if err := br.Close(context.Background()); err != nil && retErr == nil {
+			retErr = err
+		}
+	}()
+	modelLog := cfg.ModelLog
+	if modelLog == nil {
+		modelLog = io.Discard
+	}
+	stub, err := modelstub.New(cfg.Think, modelLog)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := br.Nodes[0].Listen(ctx, gatewayPort)
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: stub, ReadHeaderTimeout: time.Minute}
+	go srv.Serve(ln)
+	defer srv.Close()
+	gw := net.JoinHostPort(br.Nodes[0].Addr.String(), strconv.Itoa(gatewayPort))
+	allow := fmt.Sprintf("%s:%d/tcp", br.Nodes[0].Addr, gatewayPort)
+	rep.Link += fmt.Sprintf("; the model stand-in at %s in its own network namespace, each rollout in another on bridge %s, egress allow-list %q", gw, br.Prefix, allow)
+
+	cfg.logf("publishing groups through the shaped link")
+	pub, err := episode.PublishGroups(ctx, denv.Hosts(), denv.Registry.Host, &episode.Workload{Tasks: tasks})
+	if err != nil {
+		return nil, err
+	}
+	cfg.logf("published %d groups in %s", len(pub.Refs), pub.Duration.Round(time.Second))
+	if !cfg.NoPrefetch {
+		cfg.logf("recording footprints with one episode of %s and attaching them to the shared groups", tasks[0].ID)
+		note, err := b.recordPrefetch(ctx, pub, tasks[0])
+		if err != nil {
+			return nil, fmt.Errorf("record prefetch lists: %w", err)
+		}
+		rep.Notes = append(rep.Notes, note)
+	}
+	// One image per task: the samples of a task share it, as GRPO's do.
+	envs, err := composeEnvs(ctx, denv.Hosts(), denv.Registry.Host, pub, tasks, len(tasks))
+	if err != nil {
+		return nil, err
+	}
+
+	memTotal, err := meminfo("MemTotal")
+	if err != nil {
+		return nil, err
+	}
+	rb := &rolloutBench{bench: b, cfg: cfg, stub: stub, gateway: gw, allow: allow, nodes: br.Nodes[1:], envs: envs, memTotal: memTotal}
+	for _, sys := range cfg.Systems {
+		cfg.logf("%-18s %d rollouts from an empty node", sys, cfg.Rollouts)
+		it, err := rb.iteration(ctx, sys)
+		if err != nil {
+			return nil, fmt.Errorf("rollouts on %s: %w", sys, err)
+		}
+		rep.Systems[sys] = it
+		cfg.logf("%-18s makespan %.1fs, init share %.1f%%, ready p50 %.1fs p95 %.1fs, rollout p50 %.1fs p95 %.1fs max %.1fs, peak %d envs, node memory +%s, env memory p50 %.0f MiB, registry %s, %d failed",
+			sys, it.Makespan.Seconds(), 100*it.InitShare, it.Ready.Median, it.Ready.P95, it.Rollout.Median, it.Rollout.P95, it.Rollout.Max,
+			it.PeakConcurrent, mib(it.NodeMemoryPeak-it.NodeMemoryBase), it.EnvMemory.Median, mib(it.RegistryBytes), it.Failed)
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+	}
+	rep.Agent = rb.agent
+	rep.RewardsIdentical = rewardsIdentical(rep)
+	rep.Duration = time.Since(rep.Started)
+	return rep, nil
+}
+
+// spreadTasks picks n tasks (all when n is 0, at most max) spread evenly
+// over the list, which build.sh writes grouped by repository.
+func spreadTasks(all []episode.Task, n, limit int) []episode.Task {
+	if n <= 0 || n > len(all) {
+		n = len(all)
+	}
+	n = min(n, limit)
+	out := make([]episode.Task, n)
+	for i := range n {
+		out[i] = all[i*len(all)/n]
+	}
+	return out
+}
+
+func describeThink(t modelstub.Think) string {
+	if t.Fixed || t.P95 <= t.Median {
+		return fmt.Sprintf("fixed %s", t.Median)
+	}
+	return fmt.Sprintf("lognormal, median %s, p95 %s (capped at %s), seed %d", t.Median, t.P95, t.Max, t.Seed)
+}
+
+// RequestSlots is how many environments a scheduler placing them by
+// request admits at once: the node's CPU and memory divided by one
+// environment's request, the smaller.
+func RequestSlots(nodeCPU float64, nodeMemory int64, cpu float64, memory int64) int {
+	if cpu <= 0 || memory <= 0 {
+		return 0
+	}
+	return max(1, min(int(math.Floor(nodeCPU/cpu+1e-9)), int(nodeMemory/memory)))
+}
+
+type rolloutBench struct {
+	*bench
+	cfg      RolloutConfig
+	stub     *modelstub.Server
+	gateway  string
+	allow    string
+	nodes    []netshape.BridgeNode
+	envs     []env
+	memTotal int64
+	// agent is the User-Agent the agent CLI sent the model.
+	agentOnce sync.Once
+	agent     string
+}
+
+// iteration runs the batch on sys from an empty node.
+func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIteration, error) {
+	spec := rolloutSystems[sys]
+	// The envsnap daemon runs (and is emptied) for every system: a
+	// background fill left from an earlier system must not run beside
+	// this one.
+	if err := rb.useSystem(Envsnap); err != nil {
+		return nil, err
+	}
+	if err := rb.reset(); err != nil {
+		return nil, err
+	}
+	if !spec.envlet {
+		// runc has no egress policy of its own: install the same one the
+		// shim would, as a network plugin's policy would on a node.
+		for _, n := range rb.nodes {
+			if err := applyEgress(ctx, n.Path(), rb.allow); err != nil {
+				return nil, err
+			}
+		}
+	}
+	it := &RolloutIteration{Cores: runtime.NumCPU()}
+	n := rb.cfg.Rollouts
+	var slots chan struct{}
+	if spec.fixed {
+		it.Slots = RequestSlots(float64(it.Cores), rb.memTotal, rb.cfg.FixedCPU, rb.cfg.FixedMemory)
+		slots = make(chan struct{}, it.Slots)
+	}
+	rb.env.Registry.ResetCounters()
+	var err error
+	if it.NodeMemoryBase, err = nodeMemoryUsed(); err != nil {
+		return nil, err
+	}
+	var running gauge
+	smp := newSampler(rb.env, &running, it.NodeMemoryBase)
+	sctx, stopSampling := context.WithCancel(ctx)
+	sampled := make(chan struct{})
+	go func() { defer close(sampled); smp.run(sctx, 2*time.Second) }()
+
+	it.Runs = make([]RolloutRun, n)
+	start, cpu := time.Now(), rb.sampleCPU()
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if slots != nil {
+				select {
+				case slots <- struct{}{}:
+					defer func() { <-slots }()
+				case <-ctx.Done():
+					it.Runs[i] = RolloutRun{Name: fmt.Sprintf("%s-%02d", sys, i), Error: ctx.Err().Error()}
+					return
+				}
+			}
+			it.Runs[i] = rb.rollout(ctx, sys, spec, i, start, &running)
+			r := it.Runs[i]
+			rb.cfg.logf("%-18s %2d/%d %-28s ready %6.1fs end %6.1fs reward %d turns %d %s", sys, i+1, n, r.Sample, r.Ready.Seconds(), r.End.Seconds(), r.Reward, r.Turns, r.Error)
+		}()
+	}
+	wg.Wait()
+	it.Makespan = time.Since(start)
+	it.CPU = rb.sampleCPU().since(cpu)
+	stopSampling()
+	<-sampled
+	it.RegistryBytes = rb.env.Registry.BlobBytesServed()
+	it.Timeline, _, it.NodeMemoryPeak = smp.timeline(start)
+	it.PeakConcurrent = int(running.peak.Load())
+	it.NodeMemoryPeak += it.NodeMemoryBase
+	var ready, total, queue, envMem, envPeak []float64
+	var readySum, totalSum float64
+	for i := range it.Runs {
+		r := &it.Runs[i]
+		r.MemoryMiB, r.PeakMiB = smp.memory(r.Container)
+		it.AdmissionRetries += r.Retries
+		if r.Error != "" {
+			it.Failed++
+			continue
+		}
+		ready, total, queue = append(ready, r.Ready.Seconds()), append(total, r.End.Seconds()), append(queue, r.Admitted.Seconds())
+		readySum, totalSum = readySum+r.Ready.Seconds(), totalSum+r.End.Seconds()
+		if r.MemoryMiB > 0 {
+			envMem, envPeak = append(envMem, r.MemoryMiB), append(envPeak, r.PeakMiB)
+		}
+	}
+	it.Ready, it.Rollout, it.Queue = summarize(ready), summarize(total), summarize(queue)
+	it.EnvMemory, it.EnvMemoryPeak = summarize(envMem), summarize(envPeak)
+	if totalSum > 0 {
+		it.InitShare = readySum / totalSum
+	}
+	return it, nil
+}
+
+// agentEnv is what the agent CLI needs to run offline against the model
+// stand-in in print mode (docs/benchmarks.md, "The rollout").
+func agentEnv(gateway, key string) []string {
+	return []string{"ANTHROPIC_BASE_URL=http://" + gateway, "ANTHROPIC_API_KEY=" + key, "IS_SANDBOX=1",
+		"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1", "DISABLE_TELEMETRY=1", "DISABLE_ERROR_REPORTING=1"}
+}
+
+// agentExitMarker follows the agent's output; the evaluator's comes after.
+const agentExitMarker = "agent-exit="
+
+// rolloutScript runs the agent on the task, then the evaluator.
+func rolloutScript(t episode.Task) string {
+	prompt := fmt.Sprintf("The tests of the Go repository in %s fail. Find the bug and fix it.", t.Repo)
+	return fmt.Sprintf("cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
+		t.Repo, prompt, agentExitMarker, t.Repo)
+}
+
+// rollout runs rollout i of the batch: pull, the agent episode against the
+// model stand-in, the evaluator.
+func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSystem, i int, start time.Time, running *gauge) RolloutRun {
+	e := rb.envs[i%len(rb.envs)]
+	key := fmt.Sprintf("%s-%02d", sys, i)
+	r := RolloutRun{Name: key, Task: e.task.ID, Sample: fmt.Sprintf("%s/%d", e.task.ID, i/len(rb.envs)), Admitted: time.Since(start)}
+	fix, err := os.ReadFile(e.task.Fix)
+	if err != nil {
+		r.Error = fmt.Sprintf("read the task's fix: %v", err)
+		return r
+	}
+	final := fmt.Sprintf("The tests of %s pass now (rollout %s).", e.task.Repo, key)
+	rb.stub.Register(key, r.Sample, modelstub.EpisodeScript(e.task.Repo, e.task.FixInRootfs, touchedFiles(string(fix)), final))
+
+	running.add(1)
+	defer running.add(-1)
+	img, err := rb.env.Pull(ctx, e.ref, spec.snapshotter)
+	if err != nil {
+		r.End, r.Error = time.Since(start), err.Error()
+		return r
+	}
+	opts := devenv.RunOptions{
+		Snapshotter: spec.snapshotter,
+		Runtime:     "io.containerd.runc.v2",
+		Args:        []string{"/bin/sh", "-c", rolloutScript(e.task)},
+		Env:         agentEnv(rb.gateway, key),
+		Timeout:     rb.cfg.Timeout,
+		SpecOpts:    []oci.SpecOpts{oci.WithLinuxNamespace(specs.LinuxNamespace{Type: specs.NetworkNamespace, Path: rb.nodes[i].Path()})},
+	}
+	if spec.envlet {
+		opts.Runtime = "io.containerd.envlet.v2"
+		opts.Annotations = map[string]string{egress.Annotation: rb.allow}
+	}
+	if spec.fixed {
+		opts.SpecOpts = append(opts.SpecOpts, oci.WithCPUCFS(int64(rb.cfg.FixedCPU*100000), 100000), oci.WithMemoryLimit(uint64(rb.cfg.FixedMemory)))
+	}
+	var out devenv.RunResult
+	for {
+		out, err = rb.env.Run(ctx, img, opts)
+		// The envlet arbiter refuses an environment the node cannot take
+		// now; a scheduler would place it again later.
+		if err == nil || !errdefs.IsResourceExhausted(err) && !strings.Contains(err.Error(), "ADMISSION_REJECTED") || time.Since(start) > rb.cfg.Timeout {
+			break
+		}
+		r.Retries++
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+	r.End, r.Container = time.Since(start), out.ID
+	o, _ := rb.stub.Outcome(key)
+	if !o.FirstRequest.IsZero() {
+		r.Ready = o.FirstRequest.Sub(start)
+	}
+	r.Turns, r.Think = o.Requests, o.Think
+	if err != nil {
+		r.Error = err.Error()
+		return r
+	}
+	if o.UserAgent != "" {
+		rb.agentOnce.Do(func() { rb.agent = o.UserAgent })
+	}
+	reward, ok := episode.ParseReward(out.Stdout)
+	r.Reward = reward
+	switch verdict := o.Verdict(); {
+	case verdict != nil:
+		r.Error = "model: " + verdict.Error()
+	case agentAnswer(out.Stdout) != final:
+		r.Error = fmt.Sprintf("the agent did not print the model's final answer (printed %q); %s", agentAnswer(out.Stdout), episode.LastLines(out.Stdout+out.Stderr, 5))
+	case !ok:
+		r.Error = "the evaluator printed no reward: " + episode.LastLines(out.Stdout+out.Stderr, 5)
+	case reward != 1:
+		r.Error = fmt.Sprintf("reward %d after a completed episode", reward)
+	case r.Ready == 0:
+		r.Error = "never ready"
+	}
+	return r
+}
+
+// touchedFiles lists the files a diff changes ("+++ b/PATH"; a reversed
+// diff names them "+++ a/PATH").
+func touchedFiles(diff string) []string {
+	var out []string
+	for _, line := range strings.Split(diff, "\n") {
+		p, ok := strings.CutPrefix(line, "+++ ")
+		if !ok || p == "/dev/null" {
+			continue
+		}
+		if _, rest, ok := strings.Cut(p, "/"); ok {
+			p = rest
+		}
+		if !slices.Contains(out, p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// agentAnswer is the result the agent CLI printed (--output-format
+// json: one object whose "result" is the final answer's text).
+func agentAnswer(stdout string) string {
+	for _, line := range strings.Split(stdout, "\n") {
+		if !strings.HasPrefix(line, "{") {
+			continue
+		}
+		var res struct {
+			Type   string `json:"type"`
+			Result string `json:"result"`
+		}
+		if json.Unmarshal([]byte(line), &res) == nil && res.Type == "result" {
+			return res.Result
+		}
+	}
+	return ""
+}
+
+// applyEgress installs the egress policy allowing only allow in the
+// network namespace at path, as the envlet shim does for its containers.
+func applyEgress(ctx context.Context, path, allow string) error {
+	p, _, err := egress.Node{}.Policy(ctx, map[string]string{egress.Annotation: allow}, egress.LookupIP, egress.NodeAddresses)
+	if err != nil {
+		return fmt.Errorf("egress policy for %s: %w", path, err)
+	}
+	rules, err := p.Rules()
+	if err != nil {
+		return fmt.Errorf("egress policy for %s: %w", path, err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("egress policy: %w", err)
+	}
+	defer f.Close()
+	if err := egress.Apply(int(f.Fd()), rules); err != nil {
+		return fmt.Errorf("egress policy for %s: %w", path, err)
+	}
+	return nil
+}
+
+// rewardsIdentical says whether every rollout got the same reward on
+// every system (rollout i is the same task and sample everywhere).
+func rewardsIdentical(rep *RolloutReport) bool {
+	var ref []int
+	for _, sys := range rep.Order {
+		it := rep.Systems[sys]
+		if it == nil {
+			continue
+		}
+		var got []int
+		for _, r := range it.Runs {
+			reward := r.Reward
+			if r.Error != "" {
+				reward = -1
+			}
+			got = append(got, reward)
+		}
+		if ref == nil {
+			ref = got
+		} else if !slices.Equal(ref, got) {
+			return false
+		}
+	}
+	return ref != nil
+}
+
+// meminfo reads one field of /proc/meminfo, in bytes.
+func meminfo(field string) (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, field+":"); ok {
+			f := strings.Fields(rest)
+			if len(f) == 0 {
+				break
+			}
+			kb, err := strconv.ParseInt(f[0], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("/proc/meminfo %s: %w", field, err)
+			}
+			return kb << 10, nil
+		}
+	}
+	return 0, fmt.Errorf("/proc/meminfo has no %s", field)
+}
+
+// nodeMemoryUsed is the memory the node cannot hand out without
+// reclaiming (MemTotal - MemAvailable).
+func nodeMemoryUsed() (int64, error) {
+	total, err := meminfo("MemTotal")
+	if err != nil {
+		return 0, err
+	}
+	avail, err := meminfo("MemAvailable")
+	if err != nil {
+		return 0, err
+	}
+	return total - avail, nil
+}
+
+// WriteJSON writes the raw report.
+func (rep *RolloutReport) WriteJSON(path string) error { return writeJSON(path, rep) }
+
+// Ratio of a to b, 0 when b is 0.
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// Comparison is the sentence that states the result: envsnap against
+// the status quo and against overlayfs with everything at once.
+func (rep *RolloutReport) Comparison() string {
+	e, sq, all := rep.Systems[Envsnap], rep.Systems[StatusQuo], rep.Systems[OverlayfsAll]
+	if e == nil {
+		return "no envsnap batch measured"
+	}
+	var parts []string
+	if sq != nil {
+		parts = append(parts, fmt.Sprintf("makespan %.2fx the status quo (%.0f s vs %.0f s)", ratio(e.Makespan.Seconds(), sq.Makespan.Seconds()), e.Makespan.Seconds(), sq.Makespan.Seconds()))
+	}
+	if all != nil {
+		parts = append(parts, fmt.Sprintf("%.2fx overlayfs with everything at once (%.0f s)", ratio(e.Makespan.Seconds(), all.Makespan.Seconds()), all.Makespan.Seconds()))
+	}
+	parts = append(parts, fmt.Sprintf("environment initialisation %.1f%% of rollout time", 100*e.InitShare))
+	if sq != nil {
+		parts = append(parts, fmt.Sprintf("%.1fx the peak concurrent environments of the status quo (%d vs %d)", ratio(float64(e.PeakConcurrent), float64(sq.PeakConcurrent)), e.PeakConcurrent, sq.PeakConcurrent))
+	}
+	failed := 0
+	for _, it := range rep.Systems {
+		failed += it.Failed
+	}
+	rewards := "rewards identical on every system"
+	if !rep.RewardsIdentical {
+		rewards = "rewards DIFFER between systems"
+	}
+	return fmt.Sprintf("%d rollouts, envsnap: %s; %d failed, %s", rep.Rollouts, strings.Join(parts, ", "), failed, rewards)
+}

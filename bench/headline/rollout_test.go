@@ -1,0 +1,103 @@
+package headline
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/envsnap/envsnap/bench/episode"
+)
+
+func TestRequestSlots(t *testing.T) {
+	for _, c := range []struct {
+		cpu    float64
+		mem    int64
+		reqCPU float64
+		reqMem int64
+		want   int
+	}{
+		{2, 24 << 30, 0.5, 2 << 30, 4},   // CPU-bound: this machine
+		{64, 24 << 30, 0.5, 2 << 30, 12}, // memory-bound
+		{1, 1 << 30, 2, 8 << 30, 1},      // one always fits, or nothing runs
+		{2, 24 << 30, 0, 2 << 30, 0},     // no request: no limit
+	} {
+		if got := RequestSlots(c.cpu, c.mem, c.reqCPU, c.reqMem); got != c.want {
+			t.Errorf("RequestSlots(%v, %v, %v, %v) = %d, want %d", c.cpu, c.mem, c.reqCPU, c.reqMem, got, c.want)
+		}
+	}
+}
+
+func TestTouchedFiles(t *testing.T) {
+	// build.sh's fix is `git diff -R`: the paths come as "+++ a/...".
+	diff := "diff --git b/hash.go a/hash.go\n--- b/hash.go\n+++ a/hash.go\n@@ -1 +1 @@\n-x\n+y\ndiff --git b/sub/x.go a/sub/x.go\n--- b/sub/x.go\n+++ a/sub/x.go\n"
+	if got := touchedFiles(diff); !slices.Equal(got, []string{"hash.go", "sub/x.go"}) {
+		t.Fatalf("touchedFiles = %v", got)
+	}
+}
+
+func TestAgentAnswer(t *testing.T) {
+	out := "2.1.332 (Claude Code)\n{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"The tests pass.\"}\nagent-exit=0\nok\nreward=1\n"
+	if got := agentAnswer(out); got != "The tests pass." {
+		t.Fatalf("agentAnswer = %q", got)
+	}
+	if got := agentAnswer("agent-exit=1\nreward=0\n"); got != "" {
+		t.Fatalf("agentAnswer without a result = %q", got)
+	}
+}
+
+func TestRewardsIdentical(t *testing.T) {
+	it := func(rewards ...int) *RolloutIteration {
+		r := &RolloutIteration{}
+		for _, w := range rewards {
+			run := RolloutRun{Reward: w}
+			if w < 0 {
+				run.Error = "failed"
+			}
+			r.Runs = append(r.Runs, run)
+		}
+		return r
+	}
+	rep := &RolloutReport{Order: []string{StatusQuo, Envsnap}, Systems: map[string]*RolloutIteration{StatusQuo: it(1, 1), Envsnap: it(1, 1)}}
+	if !rewardsIdentical(rep) {
+		t.Fatal("same rewards reported different")
+	}
+	rep.Systems[Envsnap] = it(1, -1)
+	if rewardsIdentical(rep) {
+		t.Fatal("a failed rollout counted as the same reward")
+	}
+}
+
+func TestSpreadTasks(t *testing.T) {
+	var all []episode.Task
+	for _, id := range []string{"u1", "u2", "u3", "u4", "u5", "c1", "c2", "c3", "c4", "c5"} {
+		all = append(all, episode.Task{ID: id})
+	}
+	ids := func(ts []episode.Task) (out []string) {
+		for _, t := range ts {
+			out = append(out, t.ID)
+		}
+		return out
+	}
+	if got := ids(spreadTasks(all, 2, 8)); !slices.Equal(got, []string{"u1", "c1"}) {
+		t.Fatalf("2 of 10: %v", got)
+	}
+	if got := ids(spreadTasks(all, 0, 4)); len(got) != 4 || got[0] != "u1" {
+		t.Fatalf("all, at most 4: %v", got)
+	}
+}
+
+func TestRolloutComparison(t *testing.T) {
+	rep := &RolloutReport{Rollouts: 8, Order: []string{StatusQuo, OverlayfsAll, Envsnap}, RewardsIdentical: true, Systems: map[string]*RolloutIteration{
+		StatusQuo:    {Makespan: 200 * time.Second, PeakConcurrent: 4},
+		OverlayfsAll: {Makespan: 100 * time.Second, PeakConcurrent: 8},
+		Envsnap:      {Makespan: 50 * time.Second, PeakConcurrent: 8, InitShare: 0.04, Failed: 1},
+	}}
+	got := rep.Comparison()
+	for _, want := range []string{"makespan 0.25x the status quo (50 s vs 200 s)", "0.50x overlayfs with everything at once (100 s)",
+		"initialisation 4.0%", "2.0x the peak concurrent environments of the status quo (8 vs 4)", "1 failed, rewards identical"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("comparison %q lacks %q", got, want)
+		}
+	}
+}
