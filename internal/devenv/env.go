@@ -713,17 +713,27 @@ func (e *Env) removeContainers() {
 			_ = e.Client.LeasesService().Delete(nctx, l)
 		}
 	}
-	// A deleted container's snapshot leaves the snapshotter at the next
-	// garbage collection: run one now, so that the writable layers' disk
-	// caps are unmounted before the daemons stop (a synchronous lease
-	// delete collects before it returns).
-	gctx := namespaces.WithNamespace(ctx, e.Namespace)
-	if l, err := e.Client.LeasesService().Create(gctx, leases.WithRandomID()); err != nil {
-		e.Logf("teardown: create a lease to collect garbage: %v", err)
-	} else if err := e.Client.LeasesService().Delete(gctx, l, leases.SynchronousDelete); err != nil {
-		e.Logf("teardown: collect garbage: %v", err)
+	if err := e.CollectGarbage(ctx); err != nil {
+		e.Logf("teardown: %v", err)
 	}
 	e.Client.Close()
+}
+
+// CollectGarbage runs containerd's garbage collection and returns when it
+// is done. A deleted container's snapshot leaves the snapshotter only at
+// the next collection, and a writable layer's disk cap is a mount: run one
+// before stopping the daemons so that nothing stays mounted (a synchronous
+// lease delete collects before it returns).
+func (e *Env) CollectGarbage(ctx context.Context) error {
+	gctx := namespaces.WithNamespace(ctx, e.Namespace)
+	l, err := e.Client.LeasesService().Create(gctx, leases.WithRandomID())
+	if err != nil {
+		return fmt.Errorf("create a lease to collect garbage: %w", err)
+	}
+	if err := e.Client.LeasesService().Delete(gctx, l, leases.SynchronousDelete); err != nil {
+		return fmt.Errorf("collect garbage: %w", err)
+	}
+	return nil
 }
 
 // teardownDir runs last: it kills leftover shims of this containerd,

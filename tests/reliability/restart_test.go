@@ -235,6 +235,11 @@ func TestCleanStopUnmountsAndKeeperExits(t *testing.T) {
 	if _, err := os.Stat(keeper); err != nil {
 		t.Fatalf("no descriptor keeper while layers are mounted: %v", err)
 	}
+	// The finished container's writable layer (a disk-capped mount)
+	// leaves at containerd's next garbage collection.
+	if err := env.CollectGarbage(t.Context()); err != nil {
+		t.Fatal(err)
+	}
 	env.Envsnap.Stop(20 * time.Second)
 	if mps := testenv.MountsBelow(env.EnvsnapRoot); len(mps) != 0 {
 		t.Errorf("clean stop left mounts: %v", mps)
