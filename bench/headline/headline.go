@@ -234,22 +234,12 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	rep.Workload = reportPath(cfg.Tasks)
 
-	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(cfg.Rate))
-	if err != nil {
-		return nil, fmt.Errorf("shaped link: %w", err)
-	}
-	defer link.Close(context.Background())
-	net := netshape.NewRegistryNet(ctx, link, cfg.RTT)
-	metricsAddr := "127.0.0.1:19166"
-	// Every system runs its environments under the envlet shim, the
-	// runtime envsnap ships with (Runtime in system).
-	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
-		devenv.WithRegistryNetwork(net), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
+	denv, link, metricsAddr, closeNode, err := startNode(ctx, cfg.Rate, cfg.RTT)
 	if err != nil {
 		return nil, err
 	}
-	defer denv.Close()
-	rep.Link = net.Describe()
+	defer closeNode()
+	rep.Link = link
 
 	cfg.logf("publishing groups through the shaped link")
 	tasks := w.Tasks
@@ -877,4 +867,28 @@ func reportPath(p string) string {
 		}
 	}
 	return filepath.Base(p)
+}
+
+// startNode starts the benchmark's node: a registry behind a link shaped
+// to rate and rtt, containerd, the envsnap daemon serving its metrics on
+// the returned address, and the envlet shim, under which every system runs
+// its environments (Runtime in system). It returns the link's description
+// and a function that stops all of it.
+func startNode(ctx context.Context, rate int64, rtt time.Duration) (*devenv.Env, string, string, func(), error) {
+	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(rate))
+	if err != nil {
+		return nil, "", "", nil, fmt.Errorf("shaped link: %w", err)
+	}
+	regNet := netshape.NewRegistryNet(ctx, link, rtt)
+	metricsAddr := "127.0.0.1:19166"
+	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
+		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
+	if err != nil {
+		link.Close(context.Background())
+		return nil, "", "", nil, err
+	}
+	return denv, regNet.Describe(), metricsAddr, func() {
+		denv.Close()
+		link.Close(context.Background())
+	}, nil
 }

@@ -204,20 +204,12 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 		rep.Tasks = append(rep.Tasks, t.ID)
 	}
 
-	link, err := netshape.NewLink(ctx, netshape.WithLinkRate(cfg.Rate))
-	if err != nil {
-		return nil, fmt.Errorf("shaped link: %w", err)
-	}
-	defer link.Close(context.Background())
-	regNet := netshape.NewRegistryNet(ctx, link, cfg.RTT)
-	metricsAddr := "127.0.0.1:19166"
-	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
-		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
+	denv, link, metricsAddr, closeNode, err := startNode(ctx, cfg.Rate, cfg.RTT)
 	if err != nil {
 		return nil, err
 	}
-	defer denv.Close()
-	rep.Link = regNet.Describe()
+	defer closeNode()
+	rep.Link = link
 	b := &bench{cfg: Config{Timeout: cfg.Timeout, Log: cfg.Log}, env: denv, metrics: "http://" + metricsAddr + "/metrics"}
 
 	// The model's network: the stand-in in a namespace of its own (node 0
