@@ -290,6 +290,24 @@ func (f *flight) arrival(d digest.Digest) *arrival {
 	return a
 }
 
+// failed says whether f has already released d's readers with an error.
+// The flight stays registered until its other chunks are handled; a read
+// arriving in that window fetches again instead of inheriting a failure
+// it did not wait for (and a reader retrying a timed-out fetch does not
+// spin on the same dead flight).
+func (f *flight) failed(d digest.Digest) bool {
+	a, ok := f.arrivals[d]
+	if !ok {
+		return false
+	}
+	select {
+	case <-a.done:
+		return a.err != nil // written before done was closed
+	default:
+		return false
+	}
+}
+
 // complete releases a's readers with data or err (once).
 func (a *arrival) complete(data []byte, err error) {
 	if a.sent {
@@ -528,7 +546,7 @@ func (l *Layer) join(ctx context.Context, c layerfmt.Chunk) *flight {
 	defer l.mu.Unlock()
 	l.flights.mu.Lock()
 	defer l.flights.mu.Unlock()
-	if f, ok := l.flights.m[c.Digest]; ok {
+	if f, ok := l.flights.m[c.Digest]; ok && !f.failed(c.Digest) {
 		if j := l.find(c); j >= 0 {
 			f.joined = append(f.joined, joinedRead{l, j, c.Digest})
 		}
