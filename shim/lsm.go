@@ -24,6 +24,16 @@ const LSMPollPeriod = time.Second
 // BPF LSM rules; each of them also reports it in its status.
 var lsmFallback sync.Once
 
+// lsmUnavailable remembers, for the shim process's life, that the kernel
+// refused BPF LSM programs (ErrUnavailable: no BPF LSM, or loading them
+// denied): every later Create of the group would pay the failed load
+// again (0.06-0.3 s here) for the same answer, which changes only with a
+// reboot.
+var lsmUnavailable struct {
+	sync.Mutex
+	err error
+}
+
 // NodeSockets are the node's unix sockets the shim knows from its
 // environment: containerd's gRPC and ttrpc addresses (containerd passes
 // them to every shim it starts).
@@ -65,7 +75,17 @@ func (s *Service) startLSM(ctx context.Context, id string, pid uint32) error {
 		return fmt.Errorf("LSM rules of %s: %w", id, err)
 	}
 	l := &lsmEnv{stop: make(chan struct{}), done: make(chan struct{}), seen: map[string][2]uint64{}}
-	l.guard, err = lsm.New(cg, ps)
+	lsmUnavailable.Lock()
+	err = lsmUnavailable.err
+	lsmUnavailable.Unlock()
+	if err == nil {
+		l.guard, err = lsm.New(cg, ps)
+		if errors.Is(err, lsm.ErrUnavailable) {
+			lsmUnavailable.Lock()
+			lsmUnavailable.err = err
+			lsmUnavailable.Unlock()
+		}
+	}
 	switch {
 	case errors.Is(err, lsm.ErrUnavailable):
 		l.unavailable = err.Error()

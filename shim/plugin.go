@@ -24,6 +24,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"time"
 
 	runctask "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/task"
 	"github.com/containerd/containerd/v2/pkg/shim"
@@ -37,6 +38,14 @@ import (
 	"github.com/envsnap/envsnap/internal/lsm"
 	"github.com/envsnap/envsnap/shim/config"
 )
+
+// GroupLinger is how long a shared shim outlives its last container
+// (Options.Linger).
+const GroupLinger = 5 * time.Second
+
+// started is when this shim process began running Go code: its log line
+// on becoming ready says what a fresh shim adds to its first Create.
+var started = time.Now()
 
 func init() {
 	// The same registration as runc's task/plugin, with our service.
@@ -95,9 +104,17 @@ func init() {
 				arbSocket = arbiter.DefaultSocket
 			}
 			guard.Protected = append(append(guard.Protected, NodeSockets(os.Getenv)...), arbSocket)
+			defer func() {
+				log.G(ic.Context).WithField("init", time.Since(started).Round(100*time.Microsecond)).Info("envlet: shim ready")
+			}()
 			arb := arbiter.NewClient(cc)
 			ss.(shutdown.Service).RegisterCallback(func(context.Context) error { return arb.Close() })
+			var linger time.Duration
+			if cfg.GroupSize() > 1 {
+				linger = GroupLinger
+			}
 			return New(ic.Context, inner, publisher, Options{
+				Linger:   linger,
 				Disabled: cfg.Disabled,
 				Policy:   policy,
 				Node:     node,

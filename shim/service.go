@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -89,6 +90,10 @@ type Options struct {
 	// CheckCgroup runs at Create on the cgroup runc made; an error fails
 	// the Create. Defaults to envlet.CheckCgroup.
 	CheckCgroup func(cgroupsPath string) error
+	// Linger is how long a shim serving a group (NewManager) stays up
+	// after its last container is deleted, so that a container started
+	// meanwhile finds it alive; 0 exits at once, as runc's shim does.
+	Linger time.Duration
 }
 
 // Service is the envlet task service.
@@ -100,10 +105,12 @@ type Service struct {
 	publisher events.Publisher
 	opts      Options
 
-	mu     sync.Mutex
-	envs   map[string]*env
-	egress map[string]*egressEnv
-	lsm    map[string]*lsmEnv
+	mu       sync.Mutex
+	creates  int // Create calls so far: a lingering Shutdown waits for quiet
+	lingerer bool
+	envs     map[string]*env
+	egress   map[string]*egressEnv
+	lsm      map[string]*lsmEnv
 }
 
 // env is one managed container.
@@ -224,6 +231,10 @@ func (s *Service) lookup(id string) *env {
 // Create admits the container with the arbiter before runc creates it, so
 // a rejected container never exists.
 func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
+	s.mu.Lock()
+	s.creates++
+	s.mu.Unlock()
+	ph := phases{t: time.Now()}
 	if s.opts.ConfigErr != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet shim: %v: %w", s.opts.ConfigErr, errdefs.ErrFailedPrecondition))
 	}
@@ -299,6 +310,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		log.G(ctx).WithField("id", r.ID).WithField("added", changed).Info("envlet: spec hardened")
 	}
 	e.guard = &guard{env: r.ID, limits: limits, grace: s.opts.Guard.PidsGrace, trip: func(f envlet.Failure) { s.guardFail(e, f) }}
+	ph.mark("spec")
 	if err := s.opts.Arbiter.Admit(ctx, e.key, cfg.Initial, envlet.WithPriority(cfg.Priority), envlet.WithTier(cfg.Tier)); err != nil {
 		createFailed()
 		if errdefs.IsResourceExhausted(err) {
@@ -312,6 +324,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: admit %s: %w", r.ID, err))
 	}
+	ph.mark("admit")
 	ioCtx, ioCancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.bundle, e.ioCtx, e.ioCancel = r.Bundle, ioCtx, ioCancel
 	if err := e.relayStdio(ioCtx, r.Bundle, "", &fwd.Stdout, &fwd.Stderr); err != nil {
@@ -322,7 +335,9 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 		}
 		return nil, errgrpc.ToGRPC(err)
 	}
+	ph.mark("relay")
 	resp, err := s.TTRPCTaskService.Create(ctx, fwd)
+	ph.mark("runc")
 	if err != nil {
 		ioCancel()
 		createFailed()
@@ -348,23 +363,42 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err := s.opts.CheckCgroup(e.cgroup); err != nil {
 		return failCreated("cgroup unusable", fmt.Errorf("envlet: container %s: cgroup %s: %v: %w", r.ID, e.cgroup, err, errdefs.ErrFailedPrecondition))
 	}
+	ph.mark("cgroup")
 	if eg != nil {
 		// The init process waits for Start: no user code has run yet.
 		if err := s.startEgress(ctx, r.ID, resp.Pid, eg); err != nil {
 			return failCreated("egress policy failed", err)
 		}
+		ph.mark("egress")
 	}
 	if s.opts.Guard.LSM {
 		if err := s.startLSM(ctx, r.ID, resp.Pid); err != nil {
 			s.stopEgress(r.ID)
 			return failCreated("lsm rules failed", err)
 		}
+		ph.mark("lsm")
 	}
 	s.mu.Lock()
 	s.envs[r.ID] = e
 	s.mu.Unlock()
+	log.G(ctx).WithField("id", r.ID).WithField("phases", ph.String()).Info("envlet: created")
 	return resp, nil
 }
+
+// phases times the steps of a Create for its log line, which is how
+// BenchmarkStartOverhead attributes the shim's time to them.
+type phases struct {
+	t   time.Time
+	out []string
+}
+
+func (p *phases) mark(name string) {
+	now := time.Now()
+	p.out = append(p.out, fmt.Sprintf("%s=%.1fms", name, float64(now.Sub(p.t).Microseconds())/1000))
+	p.t = now
+}
+
+func (p *phases) String() string { return strings.Join(p.out, " ") }
 
 // abortCreate deletes a container created by runc whose Create fails
 // afterwards: it never ran user code.
@@ -636,6 +670,48 @@ func (s *Service) updateBounds(ctx context.Context, e *env, limits envlet.Resour
 	log.G(ctx).WithField("id", e.id).WithField("cap", next.String()).Info("envlet: cap updated")
 	e.cfg.Cap = next
 	return nil
+}
+
+// Shutdown ends the shim once it serves no container (runc's decides).
+// A shared shim waits for Linger without a Create first: containerd sends
+// Shutdown after deleting each container, and between a later
+// container's `start` finding this shim's socket alive and its Create
+// arriving, an immediate exit would fail that Create.
+func (s *Service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*ptypes.Empty, error) {
+	if s.opts.Linger <= 0 {
+		return s.TTRPCTaskService.Shutdown(ctx, r)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.lingerer {
+		s.lingerer = true
+		go s.linger(context.WithoutCancel(ctx), r)
+	}
+	return &ptypes.Empty{}, nil
+}
+
+// linger asks runc's service to shut down after Linger without a Create.
+func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
+	s.mu.Lock()
+	seen := s.creates
+	s.mu.Unlock()
+	for {
+		time.Sleep(s.opts.Linger)
+		s.mu.Lock()
+		if s.creates != seen {
+			seen = s.creates
+			s.mu.Unlock()
+			continue
+		}
+		s.lingerer = false
+		s.mu.Unlock()
+		// Returns without exiting while runc still holds a container; the
+		// next delete's Shutdown starts another wait.
+		if _, err := s.TTRPCTaskService.Shutdown(ctx, r); err != nil {
+			log.G(ctx).WithError(err).Warn("envlet: shutdown")
+		}
+		return
+	}
 }
 
 // Delete stops the controller of an init process's container before runc

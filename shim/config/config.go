@@ -48,6 +48,30 @@ type Config struct {
 	// Guard holds the rules for hostile workloads: seccomp, pids and
 	// output caps.
 	Guard Guard `toml:"guard"`
+	// Shim is how the shim's processes are shared.
+	Shim Shim `toml:"shim"`
+}
+
+// Shim is [shim].
+type Shim struct {
+	// GroupSize is how many containers of a containerd namespace one shim
+	// process serves at most (default DefaultGroupSize); 1 gives every
+	// container its own shim, as runc's does outside a pod.
+	GroupSize *int `toml:"group-size"`
+}
+
+// DefaultGroupSize bounds what one shim's crash takes down with it (every
+// container it serves) while sharing its process among enough
+// environments that watching one costs less than the runc shim running
+// it (docs/shim.md, "Shared shims").
+const DefaultGroupSize = 16
+
+// GroupSize is [shim] group-size, or its default.
+func (c Config) GroupSize() int {
+	if c.Shim.GroupSize == nil {
+		return DefaultGroupSize
+	}
+	return *c.Shim.GroupSize
 }
 
 // Egress is [egress].
@@ -342,6 +366,9 @@ func LoadFile(path string) (Config, error) {
 	}
 	if _, err := c.ArbiterClient(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)
+	}
+	if g := c.Shim.GroupSize; g != nil && *g < 1 {
+		return c, fmt.Errorf("envlet config %s: [shim] group-size %d: want at least 1", path, *g)
 	}
 	if _, err := c.NodeOpts(); err != nil {
 		return c, fmt.Errorf("envlet config %s: %w", path, err)

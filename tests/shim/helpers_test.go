@@ -69,6 +69,9 @@ type node struct {
 	// hostNetwork allows containers on the node's network ([guard]
 	// allow-host-network): a CRI pod has no other on a node without CNI.
 	hostNetwork bool
+	// groupSize, when set, is [shim] group-size (containers per shim
+	// process).
+	groupSize string
 }
 
 // suite is one containerd with the envlet runtime, a node arbiter daemon
@@ -107,6 +110,9 @@ func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 	cfg += fmt.Sprintf("[arbiter]\nsocket = %q\ntimeout = \"1s\"\n", s.socket)
 	if n.hostNetwork {
 		cfg += "[guard]\nallow-host-network = true\n"
+	}
+	if n.groupSize != "" {
+		cfg += fmt.Sprintf("[shim]\ngroup-size = %s\n", n.groupSize)
 	}
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)

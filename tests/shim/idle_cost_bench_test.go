@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,14 +15,19 @@ import (
 )
 
 // BenchmarkIdleShimCost runs idle containers (the workload asleep) under
-// the envlet shim and under containerd's runc shim side by side, one shim
-// per container, waits until the envlet controllers sample at their idle
-// period, and reports what each kind of shim costs the node over a
-// minute: CPU time (all threads, from /proc/<pid>/task/*/schedstat, ns
-// resolution) as a share of one core, and resident memory (VmRSS, and Pss,
-// which counts the binary's shared pages once per sharer).
+// the envlet shim and under containerd's runc shim side by side (the
+// envlet shims as the node's config groups them, runc's one per
+// container), waits until the envlet controllers sample at their idle
+// period, and reports what each kind of shim costs the node per
+// container over a minute: CPU time (all threads of every shim process,
+// from /proc/<pid>/task/*/schedstat, ns resolution) as a share of one
+// core, and resident memory (VmRSS; Pss, which counts the binary's
+// shared pages once per sharer; and Uss, the pages only that shim
+// holds), summed over the shim processes and divided by the containers.
+// ENVSNAP_IDLE_SHIMS sets the containers per kind (default 5),
+// ENVSNAP_GROUP_SIZE the envlet shim's [shim] group-size.
 //
-//	ENVSNAP_BENCH=1 go test -run '^$' -bench IdleShimCost -benchtime 1x ./tests/shim/
+//	ENVSNAP_BENCH=1 ENVSNAP_IDLE_SHIMS=20 go test -run '^$' -bench IdleShimCost -benchtime 1x ./tests/shim/
 func BenchmarkIdleShimCost(b *testing.B) {
 	prereq.RequireBench(b)
 	perKind := 5
@@ -29,8 +35,9 @@ func BenchmarkIdleShimCost(b *testing.B) {
 		perKind = v
 	}
 	window := time.Minute
-	s := newSuite(b, node{})
+	s := newSuite(b, node{groupSize: os.Getenv("ENVSNAP_GROUP_SIZE")})
 	shims := map[string][]int{}
+	containers := map[string]int{}
 	b.ResetTimer()
 	for i := range 2 * perKind {
 		kind, o := "envlet", runOpts{ann: map[string]string{"initial-cpu": "0.5", "initial-memory": "256Mi"}}
@@ -45,7 +52,10 @@ func BenchmarkIdleShimCost(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		shims[kind] = append(shims[kind], pid)
+		containers[kind]++
+		if !slices.Contains(shims[kind], pid) {
+			shims[kind] = append(shims[kind], pid)
+		}
 	}
 	// Past idle-after (5 s) with room for the start-up work of the last
 	// containers to end.
@@ -62,29 +72,34 @@ func BenchmarkIdleShimCost(b *testing.B) {
 	}
 	wall := time.Since(start)
 	b.StopTimer()
-	res := map[string][3]float64{}
+	res := map[string][4]float64{}
 	for kind, pids := range shims {
-		var rss, pss int64
+		var rss, pss, uss int64
 		for _, pid := range pids {
-			r, p, err := shimMemory(pid)
+			m, err := shimMemory(pid)
 			if err != nil {
 				b.Fatal(err)
 			}
-			rss += r
-			pss += p
+			rss += m[0]
+			pss += m[1]
+			uss += m[2]
 		}
-		n := float64(len(pids))
+		n := float64(containers[kind])
 		pct := float64(cpu1[kind]-cpu0[kind]) / float64(wall) / n * 100
-		res[kind] = [3]float64{pct, float64(rss) / n / (1 << 20), float64(pss) / n / (1 << 20)}
-		b.ReportMetric(pct, kind+"-cpu%/shim")
-		b.ReportMetric(res[kind][1], kind+"-RSS-MiB/shim")
-		b.ReportMetric(res[kind][2], kind+"-PSS-MiB/shim")
+		res[kind] = [4]float64{pct, float64(rss) / n / (1 << 20), float64(pss) / n / (1 << 20), float64(uss) / n / (1 << 20)}
+		b.ReportMetric(pct, kind+"-cpu%/env")
+		b.ReportMetric(res[kind][1], kind+"-RSS-MiB/env")
+		b.ReportMetric(res[kind][2], kind+"-PSS-MiB/env")
+		b.ReportMetric(res[kind][3], kind+"-USS-MiB/env")
 	}
 	if r := res["runc"][0]; r > 0 {
 		b.ReportMetric(res["envlet"][0]/r, "envlet/runc-cpu")
 	}
-	b.Logf("%d idle containers per shim kind, %s: envlet shim %.3f%% of a core, RSS %.1f MiB, PSS %.1f MiB; runc shim %.3f%% of a core, RSS %.1f MiB, PSS %.1f MiB",
-		perKind, wall.Round(time.Second), res["envlet"][0], res["envlet"][1], res["envlet"][2], res["runc"][0], res["runc"][1], res["runc"][2])
+	for _, kind := range []string{"envlet", "runc"} {
+		r := res[kind]
+		b.Logf("%s: %d idle containers, %d shim processes, %s: per container %.4f%% of a core, RSS %.2f MiB, PSS %.2f MiB, USS %.2f MiB",
+			kind, containers[kind], len(shims[kind]), wall.Round(time.Second), r[0], r[1], r[2], r[3])
+	}
 }
 
 // shimPid is the pid of the shim that runs c: the parent of its init
@@ -128,8 +143,9 @@ func shimsCPU(shims map[string][]int) (map[string]time.Duration, error) {
 	return out, nil
 }
 
-// shimMemory returns the shim's VmRSS and Pss in bytes.
-func shimMemory(pid int) (rss, pss int64, err error) {
+// shimMemory returns the shim's VmRSS, Pss and Uss (private pages) in
+// bytes.
+func shimMemory(pid int) ([3]int64, error) {
 	kb := func(file, key string) (int64, error) {
 		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/%s", pid, file))
 		if err != nil {
@@ -143,9 +159,20 @@ func shimMemory(pid int) (rss, pss int64, err error) {
 		}
 		return 0, fmt.Errorf("no %s in /proc/%d/%s", key, pid, file)
 	}
-	if rss, err = kb("status", "VmRSS"); err != nil {
-		return 0, 0, err
+	var out [3]int64
+	var err error
+	if out[0], err = kb("status", "VmRSS"); err != nil {
+		return out, err
 	}
-	pss, err = kb("smaps_rollup", "Pss")
-	return rss, pss, err
+	if out[1], err = kb("smaps_rollup", "Pss"); err != nil {
+		return out, err
+	}
+	for _, k := range []string{"Private_Clean", "Private_Dirty"} {
+		v, err := kb("smaps_rollup", k)
+		if err != nil {
+			return out, err
+		}
+		out[2] += v
+	}
+	return out, nil
 }

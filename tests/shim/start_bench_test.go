@@ -3,7 +3,9 @@ package shim_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,6 +61,51 @@ func BenchmarkStartOverhead(b *testing.B) {
 		b.Logf("%-12s runc %7.3fs  envlet %7.3fs  envlet-runc %+7.3fs", p, r.Seconds(), e.Seconds(), (e - r).Seconds())
 	}
 	b.Logf("load %s", loadavg())
+	// The shim's own account of its Create steps and of its process
+	// start-ups (see shim.Service.Create), from containerd's log.
+	raw, err := os.ReadFile(s.env.Containerd.LogPath)
+	if err != nil {
+		b.Fatal(err)
+	}
+	steps := map[string][]time.Duration{}
+	var order []string
+	inits := 0
+	for _, line := range strings.Split(string(raw), "\n") {
+		if os.Getenv("DBG") != "" && strings.Contains(line, "envlet") {
+			b.Log(line)
+		}
+		if strings.Contains(line, `msg="envlet: shim ready"`) {
+			inits++
+			if _, v, ok := strings.Cut(line, "init="); ok {
+				if d, err := time.ParseDuration(strings.Fields(v)[0]); err == nil {
+					steps["shim-init"] = append(steps["shim-init"], d)
+				}
+			}
+			continue
+		}
+		_, v, ok := strings.Cut(line, `msg="envlet: created" phases="`)
+		if !ok {
+			continue
+		}
+		v, _, _ = strings.Cut(v, `"`)
+		for _, f := range strings.Fields(v) {
+			name, ms, _ := strings.Cut(f, "=")
+			d, err := time.ParseDuration(ms)
+			if err != nil {
+				continue
+			}
+			if _, seen := steps[name]; !seen {
+				order = append(order, name)
+			}
+			steps[name] = append(steps[name], d)
+		}
+	}
+	b.Logf("envlet shim processes started: %d for %d containers", inits, b.N)
+	for _, name := range append(order, "shim-init") {
+		if len(steps[name]) > 0 {
+			b.Logf("envlet create step %-9s median %7.1fms (%d)", name, float64(med(steps[name]).Microseconds())/1000, len(steps[name]))
+		}
+	}
 }
 
 // timeStart creates, starts and waits for one container of runtime rt

@@ -1,0 +1,259 @@
+//go:build linux
+
+package shim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+
+	"github.com/containerd/cgroups/v3"
+	"github.com/containerd/cgroups/v3/cgroup1"
+	cgroupsv2 "github.com/containerd/cgroups/v3/cgroup2"
+	bootapi "github.com/containerd/containerd/api/runtime/bootstrap/v1"
+	"github.com/containerd/containerd/api/types/runc/options"
+	runcmanager "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/manager"
+	"github.com/containerd/containerd/v2/defaults"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/containerd/v2/pkg/shim"
+	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/shim/config"
+)
+
+// Grouping. One shim process serves up to group-size ([shim] in
+// envlet.toml) containers of a containerd namespace: its `start`
+// subcommand returns the address of a running shim with room instead of
+// spawning one, the way containerd's runc shim serves a whole pod. That
+// takes the process's start (binary, plugins, config, arbiter connection,
+// the kernel BTF parse) off every later Create, and shares the Go
+// runtime's memory and wake-ups among the group.
+const (
+	// AnnGroup is runc's grouping annotation; a container that sets it
+	// joins that group's shim whatever group-size says.
+	AnnGroup = "io.containerd.runc.v2.group"
+	// annSandboxID is CRI's: a pod's containers join their sandbox's shim.
+	annSandboxID = "io.kubernetes.cri.sandbox-id"
+	// groupFile, in a container's bundle, names the group its shim
+	// serves. Start counts these (under a lock on the namespace's bundle
+	// directory) to find a group with room; containerd removes the bundle
+	// when it deletes the container.
+	groupFile = "envlet-group"
+)
+
+// NewManager is containerd's runc shim manager with envlet's grouping:
+// Stop and Info are runc's; Start picks the container's group.
+func NewManager(name string) shim.Shim {
+	return manager{Shim: runcmanager.NewShimManager(name)}
+}
+
+type manager struct {
+	shim.Shim
+}
+
+// Start runs in the container's bundle directory. It returns the address
+// of the shim serving the container's group, spawning that shim if no
+// live one listens there.
+func (m manager) Start(ctx context.Context, opts *bootapi.BootstrapParams) (_ *bootapi.BootstrapResult, retErr error) {
+	params := &bootapi.BootstrapResult{Version: 3, Protocol: "ttrpc"}
+	id := opts.GetInstanceID()
+	bundle, err := os.Getwd()
+	if err != nil {
+		return nil, err
+	}
+	size := 1
+	if cfg, err := config.Load(); err == nil {
+		// A broken config is reported by the serving shim on every
+		// Create; one shim per container until it is fixed.
+		size = cfg.GroupSize()
+	}
+	socketDir := opts.GetSocketDir()
+	if socketDir == "" {
+		socketDir = filepath.Join(defaults.DefaultStateDir, "s")
+	}
+	group, err := pickGroup(bundle, id, size)
+	if err != nil {
+		return nil, fmt.Errorf("envlet shim group of %s: %w", id, err)
+	}
+	address, err := shim.CreateSocketAddress(ctx, socketDir, opts.GetContainerdGrpcAddress(), group, false)
+	if err != nil {
+		return nil, err
+	}
+	socket, err := shim.NewSocket(address)
+	if err != nil {
+		if !shim.SocketEaddrinuse(err) {
+			return nil, fmt.Errorf("create shim socket: %w", err)
+		}
+		if shim.CanConnect(address) {
+			params.Address = address
+			return params, nil
+		}
+		// The group's shim died and left its socket behind.
+		if err := shim.RemoveSocket(address); err != nil {
+			return nil, fmt.Errorf("remove stale shim socket: %w", err)
+		}
+		if socket, err = shim.NewSocket(address); err != nil {
+			return nil, fmt.Errorf("create shim socket after removing a stale one: %w", err)
+		}
+	}
+	defer func() {
+		if retErr != nil {
+			socket.Close()
+			_ = shim.RemoveSocket(address)
+		}
+	}()
+	f, err := socket.File()
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	cmd, err := shimCommand(ctx, id, opts.GetContainerdGrpcAddress(), bundle)
+	if err != nil {
+		return nil, err
+	}
+	cmd.ExtraFiles = []*os.File{f}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start shim: %w", err)
+	}
+	defer func() {
+		if retErr != nil {
+			_ = cmd.Process.Kill()
+		}
+	}()
+	go func() { _ = cmd.Wait() }()
+	if err := joinShimCgroup(opts, cmd.Process.Pid); err != nil {
+		return nil, err
+	}
+	if err := shim.AdjustOOMScore(cmd.Process.Pid); err != nil {
+		return nil, fmt.Errorf("adjust OOM score of shim: %w", err)
+	}
+	params.Address = address
+	return params, nil
+}
+
+// pickGroup returns the group of the container id whose bundle is
+// bundle, and records it there. The annotations decide first (runc's
+// group, then the pod's sandbox's group); otherwise the lowest numbered
+// group of the namespace holding fewer than size containers, counting
+// the bundles that name it, under an exclusive lock on the namespace's
+// bundle directory so that containers started together count each other.
+// size 1 gives every container its own shim.
+func pickGroup(bundle, id string, size int) (string, error) {
+	ann, err := bundleAnnotations(bundle)
+	if err != nil {
+		return "", err
+	}
+	if g := ann[AnnGroup]; g != "" {
+		return g, nil
+	}
+	if size <= 1 {
+		return id, nil
+	}
+	nsDir := filepath.Dir(bundle)
+	d, err := os.Open(nsDir)
+	if err != nil {
+		return "", err
+	}
+	defer d.Close()
+	if err := unix.Flock(int(d.Fd()), unix.LOCK_EX); err != nil {
+		return "", fmt.Errorf("lock %s: %w", nsDir, err)
+	}
+	defer unix.Flock(int(d.Fd()), unix.LOCK_UN) //nolint:errcheck // closing unlocks too
+	group := ""
+	if sb := ann[annSandboxID]; sb != "" && sb != id {
+		if b, err := os.ReadFile(filepath.Join(nsDir, filepath.Base(sb), groupFile)); err == nil {
+			group = string(b)
+		}
+	}
+	if group == "" {
+		members := map[string]int{}
+		files, err := filepath.Glob(filepath.Join(nsDir, "*", groupFile))
+		if err != nil {
+			return "", err
+		}
+		for _, f := range files {
+			if b, err := os.ReadFile(f); err == nil {
+				members[string(b)]++
+			}
+		}
+		for i := 0; ; i++ {
+			g := "envlet-" + strconv.Itoa(i)
+			if members[g] < size {
+				group = g
+				break
+			}
+		}
+	}
+	if err := os.WriteFile(filepath.Join(bundle, groupFile), []byte(group), 0o600); err != nil {
+		return "", fmt.Errorf("record shim group: %w", err)
+	}
+	return group, nil
+}
+
+// bundleAnnotations reads only the annotations of the bundle's spec.
+func bundleAnnotations(bundle string) (map[string]string, error) {
+	f, err := os.Open(filepath.Join(bundle, "config.json"))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var s struct {
+		Annotations map[string]string `json:"annotations"`
+	}
+	if err := json.NewDecoder(f).Decode(&s); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("read spec annotations: %w", err)
+	}
+	return s.Annotations, nil
+}
+
+// shimCommand is the serving shim's command line, as runc's manager
+// builds it: the first container's id names the process (and its log is
+// that container's), the socket is passed as fd 3.
+func shimCommand(ctx context.Context, id, containerdAddress, dir string) (*exec.Cmd, error) {
+	ns, err := namespaces.NamespaceRequired(ctx)
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, "-namespace", ns, "-id", id, "-address", containerdAddress)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOMAXPROCS=4")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	return cmd, nil
+}
+
+// joinShimCgroup moves the shim into the runtime's shim cgroup
+// (runc options' ShimCgroup), as runc's manager does.
+func joinShimCgroup(opts *bootapi.BootstrapParams, pid int) error {
+	var runcOpts options.Options
+	found, err := opts.FindExtension(&runcOpts)
+	if err != nil {
+		return fmt.Errorf("read runc options: %w", err)
+	}
+	if !found || runcOpts.GetShimCgroup() == "" {
+		return nil
+	}
+	path := runcOpts.GetShimCgroup()
+	if cgroups.Mode() == cgroups.Unified {
+		cg, err := cgroupsv2.Load(path)
+		if err != nil {
+			return fmt.Errorf("load shim cgroup %s: %w", path, err)
+		}
+		return cg.AddProc(uint64(pid))
+	}
+	cg, err := cgroup1.Load(cgroup1.StaticPath(path))
+	if err != nil {
+		return fmt.Errorf("load shim cgroup %s: %w", path, err)
+	}
+	return cg.AddProc(uint64(pid))
+}

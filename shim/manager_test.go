@@ -1,0 +1,78 @@
+//go:build linux
+
+package shim
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+)
+
+// TestPickGroup fills groups of the namespace in order, counting the
+// bundles that name each (also when containers start together), keeps a
+// pod's containers with their sandbox, and honours runc's annotation.
+func TestPickGroup(t *testing.T) {
+	ns := t.TempDir()
+	bundle := func(id string, ann map[string]string) string {
+		t.Helper()
+		dir := filepath.Join(ns, id)
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := json.Marshal(map[string]any{"annotations": ann})
+		if err := os.WriteFile(filepath.Join(dir, "config.json"), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	const size = 3
+	// Seven containers starting at once: 3 + 3 + 1.
+	got := map[string]int{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i := range 7 {
+		dir := bundle("c"+string(rune('0'+i)), nil)
+		wg.Go(func() {
+			g, err := pickGroup(dir, filepath.Base(dir), size)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			got[g]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if got["envlet-0"] != 3 || got["envlet-1"] != 3 || got["envlet-2"] != 1 {
+		t.Errorf("groups %v, want envlet-0 and -1 full (3), envlet-2 with 1", got)
+	}
+	// A deleted container's bundle is gone: its place is free again.
+	if err := os.RemoveAll(filepath.Join(ns, "c0")); err != nil {
+		t.Fatal(err)
+	}
+	if g, err := pickGroup(bundle("late", nil), "late", size); err != nil || g != "envlet-0" && g != "envlet-1" {
+		t.Errorf("after a delete: %q, %v; want the freed place in a full group", g, err)
+	}
+	// A pod's container joins its sandbox's group, full or not.
+	sb := bundle("sandbox", nil)
+	sg, err := pickGroup(sb, "sandbox", size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 4 {
+		id := "pod-c" + string(rune('0'+i))
+		g, err := pickGroup(bundle(id, map[string]string{annSandboxID: "sandbox"}), id, size)
+		if err != nil || g != sg {
+			t.Errorf("pod container %s: group %q, %v; want its sandbox's %q", id, g, err, sg)
+		}
+	}
+	if g, err := pickGroup(bundle("runc-group", map[string]string{AnnGroup: "mine"}), "runc-group", size); err != nil || g != "mine" {
+		t.Errorf("annotated: %q, %v; want mine", g, err)
+	}
+	if g, err := pickGroup(bundle("alone", nil), "alone", 1); err != nil || g != "alone" {
+		t.Errorf("group-size 1: %q, %v; want the container's own id", g, err)
+	}
+}
