@@ -266,7 +266,7 @@ func prefixes(ps []netip.Prefix) []string {
 
 func (e *egressEnv) run(ctx context.Context) {
 	defer close(e.done)
-	t := time.NewTicker(EgressPollPeriod)
+	t := time.NewTimer(envlet.UntilTick(time.Now(), EgressPollPeriod))
 	defer t.Stop()
 	for {
 		select {
@@ -274,6 +274,7 @@ func (e *egressEnv) run(ctx context.Context) {
 			e.poll(ctx)
 			return
 		case <-t.C:
+			t.Reset(envlet.UntilTick(time.Now(), EgressPollPeriod))
 			e.poll(ctx)
 		}
 	}

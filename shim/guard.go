@@ -87,7 +87,7 @@ func (g *guard) watchDisk(ctx context.Context, upper string) {
 		case <-t.C:
 			start := time.Now()
 			u, err := fs.DiskUsage(ctx, upper)
-			t.Reset(max(diskTick, diskDuty*time.Since(start)))
+			t.Reset(max(envlet.UntilTick(time.Now(), diskTick), diskDuty*time.Since(start)))
 			if err != nil {
 				if ctx.Err() != nil || errors.Is(err, os.ErrNotExist) {
 					return
@@ -141,13 +141,14 @@ func (g *guard) watchWritable(ctx context.Context, upper string) {
 // its writable layer is full (the kernel already refuses the writes with
 // ENOSPC) or holds more than the guard's caps.
 func (g *guard) watchCapped(ctx context.Context, upper string, hard diskcap.Limits) {
-	t := time.NewTicker(cappedTick)
+	t := time.NewTimer(envlet.UntilTick(time.Now(), cappedTick))
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			t.Reset(envlet.UntilTick(time.Now(), cappedTick))
 			used, files, full, err := diskcap.Usage(upper)
 			if err != nil {
 				if ctx.Err() != nil || errors.Is(err, os.ErrNotExist) {
@@ -234,7 +235,7 @@ func (g *guard) watchPids(ctx context.Context, dir string) {
 			return
 		case now := <-t.C:
 			refused, atLimit, err := pf.read()
-			t.Reset(pidsIdleTick)
+			t.Reset(envlet.UntilTick(now, pidsIdleTick))
 			if refused > st.refused || atLimit {
 				t.Reset(pidsTick)
 			}

@@ -116,7 +116,7 @@ func (s *Service) startLSM(ctx context.Context, id string, pid uint32) error {
 
 func (l *lsmEnv) run(ctx context.Context) {
 	defer close(l.done)
-	t := time.NewTicker(LSMPollPeriod)
+	t := time.NewTimer(envlet.UntilTick(time.Now(), LSMPollPeriod))
 	defer t.Stop()
 	for {
 		select {
@@ -124,6 +124,7 @@ func (l *lsmEnv) run(ctx context.Context) {
 			l.poll(ctx)
 			return
 		case <-t.C:
+			t.Reset(envlet.UntilTick(time.Now(), LSMPollPeriod))
 			l.poll(ctx)
 		}
 	}

@@ -180,6 +180,24 @@ type realClock struct{}
 func (realClock) Now() time.Time                         { return time.Now() }
 func (realClock) After(d time.Duration) <-chan time.Time { return time.After(d) }
 
+// UntilTick is how long to wait for the next tick of a period-long grid
+// of the wall clock, at least half a period away: slow periodic work that
+// waits for it (idle controllers, the guard's watchers) falls on the same
+// instants in every goroutine of the process, so one wake-up of a shim
+// serving many environments does all of them instead of one wake-up each.
+// Intervals stay between half and one and a half periods, a period on
+// average.
+func UntilTick(now time.Time, period time.Duration) time.Duration {
+	if period <= 0 {
+		return period
+	}
+	d := now.Truncate(period).Add(period).Sub(now)
+	if d < period/2 {
+		d += period
+	}
+	return d
+}
+
 // PidsDir returns the pids cgroup directory of the container cgroup of
 // the OCI cgroupsPath path (v2, or the v1 pids hierarchy): pids.current,
 // pids.max, and pids.events, whose "max" line counts the forks refused at

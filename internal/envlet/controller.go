@@ -279,6 +279,10 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 		period := c.cfg.SamplePeriod
 		if c.st.Idle {
 			period = c.cfg.IdlePeriod
+			if _, real := c.clock.(realClock); real {
+				// Kernel events still wake it at once.
+				period = UntilTick(time.Now(), period)
+			}
 		}
 		select {
 		case <-ctx.Done():

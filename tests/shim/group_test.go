@@ -1,0 +1,106 @@
+package shim_test
+
+import (
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/client"
+)
+
+// TestSharedShim runs containers through shared shims ([shim]
+// group-size 3) and kills one: the three containers of the first group
+// share one shim process and the fourth gets another; deleting a
+// container leaves its group's shim serving the others; SIGKILL of a
+// shared shim ends every container it served (containerd reports each
+// exited, their processes are gone) and nothing else; the next container
+// starts on a new shim.
+func TestSharedShim(t *testing.T) {
+	s := newSuite(t, node{groupSize: "3"})
+	ann := map[string]string{"initial-cpu": "0.25", "initial-memory": "128Mi"}
+	var cs []*ctr
+	var pids []int
+	for range 5 {
+		c, err := s.run(t, ann, "-mode", "idle", "-hold", "30m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid, err := shimPid(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs, pids = append(cs, c), append(pids, pid)
+	}
+	if pids[0] != pids[1] || pids[0] != pids[2] || pids[3] == pids[0] || pids[4] != pids[3] {
+		t.Fatalf("shim pids %v, want the first three and the last two shared", pids)
+	}
+	list := s.envsnap(t, "envs")
+	for _, c := range cs {
+		if !strings.Contains(list, c.id) {
+			t.Errorf("%s not at the arbiter:\n%s", c.id, list)
+		}
+	}
+
+	// Deleting one container leaves the shim serving the others.
+	ctx := s.env.Context()
+	if _, err := cs[4].task.Delete(ctx, client.WithProcessKill); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	if err := syscall.Kill(pids[3], 0); err != nil {
+		t.Fatalf("shim %d ended with one of its two containers deleted: %v", pids[3], err)
+	}
+	if st, err := cs[3].task.Status(ctx); err != nil || st.Status != "running" {
+		t.Fatalf("%s after its neighbour's delete: %v, %v", cs[3].id, st.Status, err)
+	}
+
+	// A shim's crash takes down the containers it served, only those.
+	inits := make([]uint32, 3)
+	for i, c := range cs[:3] {
+		inits[i] = c.task.Pid()
+	}
+	if err := syscall.Kill(pids[0], syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range cs[:3] {
+		code := c.wait(t, time.Minute)
+		t.Logf("%s: exit %d after its shim's SIGKILL", c.id, code)
+		deadline := time.Now().Add(30 * time.Second)
+		for alive(int(inits[i])) && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+		}
+		if alive(int(inits[i])) {
+			t.Errorf("%s: process %d still runs after its shim died", c.id, inits[i])
+		}
+	}
+	if st, err := cs[3].task.Status(ctx); err != nil || st.Status != "running" {
+		t.Errorf("%s (another shim) after the crash: %v, %v", cs[3].id, st.Status, err)
+	}
+	c, err := s.run(t, ann, "-mode", "idle", "-hold", "30m")
+	if err != nil {
+		t.Fatalf("start after a shim crash: %v", err)
+	}
+	pid, err := shimPid(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pid == pids[0] {
+		t.Errorf("new container on the dead shim's pid %d", pid)
+	}
+	if st, err := c.task.Status(ctx); err != nil || st.Status != "running" {
+		t.Errorf("%s after the crash: %v, %v", c.id, st.Status, err)
+	}
+}
+
+// alive reports whether pid runs (a zombie does not).
+func alive(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	return len(f) > 0 && f[0] != "Z"
+}
