@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -108,6 +109,8 @@ type Service struct {
 	mu       sync.Mutex
 	creates  int // Create calls so far: a lingering Shutdown waits for quiet
 	lingerer bool
+	bundles  map[string]string // every container's bundle, by id
+	logDir   string            // the bundle whose log pipe is our stderr
 	envs     map[string]*env
 	egress   map[string]*egressEnv
 	lsm      map[string]*lsmEnv
@@ -182,13 +185,18 @@ func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.P
 		opts.CheckCgroup = envlet.CheckCgroup
 	}
 	ns, _ := namespaces.Namespace(ctx)
+	// The shim runs in the bundle of the container it was started for,
+	// whose log pipe pkg/shim made its stderr.
+	logDir, _ := os.Getwd()
 	return &Service{
+		logDir:           logDir,
 		TTRPCTaskService: inner,
 		ctx:              ctx,
 		ns:               ns,
 		publisher:        publisher,
 		opts:             opts,
 		envs:             make(map[string]*env),
+		bundles:          make(map[string]string),
 		egress:           make(map[string]*egressEnv),
 		lsm:              make(map[string]*lsmEnv),
 	}
@@ -233,6 +241,7 @@ func (s *Service) lookup(id string) *env {
 func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*taskAPI.CreateTaskResponse, error) {
 	s.mu.Lock()
 	s.creates++
+	s.bundles[r.ID] = r.Bundle
 	s.mu.Unlock()
 	ph := phases{t: time.Now()}
 	if s.opts.ConfigErr != nil {
@@ -721,6 +730,7 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	if err != nil || r.ExecID != "" {
 		return resp, err
 	}
+	s.handOverLog(ctx, r.ID)
 	s.stopEgress(r.ID)
 	s.stopLSM(r.ID)
 	s.mu.Lock()
@@ -737,6 +747,40 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 		}
 	}
 	return resp, nil
+}
+
+// handOverLog moves the shim's log (its stderr) to the log pipe of
+// another container it serves when the container id, whose pipe it is,
+// is deleted: containerd reads a container's pipe only until it deletes
+// the container, and a shared shim serves the others on.
+func (s *Service) handOverLog(ctx context.Context, id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	gone := s.bundles[id]
+	delete(s.bundles, id)
+	if gone == "" || gone != s.logDir {
+		return
+	}
+	for next, dir := range s.bundles {
+		// containerd holds each bundle's pipe open for reading while the
+		// container lives, so this open does not block.
+		fd, err := unix.Open(filepath.Join(dir, "log"), unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("id", next).Warn("envlet: open the log pipe of another container")
+			continue
+		}
+		// Blocking writes, as on the pipe we were started with.
+		_ = unix.SetNonblock(fd, false)
+		err = unix.Dup3(fd, int(os.Stderr.Fd()), 0)
+		unix.Close(fd)
+		if err != nil {
+			log.G(ctx).WithError(err).Warn("envlet: move the shim's log")
+			return
+		}
+		s.logDir = dir
+		log.G(ctx).WithField("from", id).WithField("to", next).Info("envlet: shim log moved")
+		return
+	}
 }
 
 // Exec relays the new process's output through the environment's output

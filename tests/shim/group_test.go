@@ -14,7 +14,8 @@ import (
 // TestSharedShim runs containers through shared shims ([shim]
 // group-size 3) and kills one: the three containers of the first group
 // share one shim process and the fourth gets another; deleting a
-// container leaves its group's shim serving the others; SIGKILL of a
+// container leaves its group's shim serving the others (and logging
+// through another container's log pipe); SIGKILL of a
 // shared shim ends every container it served (containerd reports each
 // exited, their processes are gone) and nothing else; the next container
 // starts on a new shim.
@@ -44,17 +45,33 @@ func TestSharedShim(t *testing.T) {
 		}
 	}
 
-	// Deleting one container leaves the shim serving the others.
+	// Deleting the container the shim was started for leaves the shim
+	// serving the other, and its log going to containerd through the
+	// other's log pipe.
 	ctx := s.env.Context()
-	if _, err := cs[4].task.Delete(ctx, client.WithProcessKill); err != nil {
+	if _, err := cs[3].task.Delete(ctx, client.WithProcessKill); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(time.Second)
 	if err := syscall.Kill(pids[3], 0); err != nil {
 		t.Fatalf("shim %d ended with one of its two containers deleted: %v", pids[3], err)
 	}
-	if st, err := cs[3].task.Status(ctx); err != nil || st.Status != "running" {
-		t.Fatalf("%s after its neighbour's delete: %v, %v", cs[3].id, st.Status, err)
+	if st, err := cs[4].task.Status(ctx); err != nil || st.Status != "running" {
+		t.Fatalf("%s after its neighbour's delete: %v, %v", cs[4].id, st.Status, err)
+	}
+	var logged bool
+	for deadline := time.Now().Add(10 * time.Second); !logged && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		raw, err := os.ReadFile(s.env.Containerd.LogPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(raw), "\n") {
+			logged = logged || strings.Contains(line, `msg="envlet: shim log moved"`) &&
+				strings.Contains(line, " from="+cs[3].id+" ") && strings.Contains(line, " to="+cs[4].id)
+		}
+	}
+	if !logged {
+		t.Errorf("containerd's log has no line of the shim after its first container's delete (want it moved from %s to %s)", cs[3].id, cs[4].id)
 	}
 
 	// A shim's crash takes down the containers it served, only those.
@@ -76,8 +93,8 @@ func TestSharedShim(t *testing.T) {
 			t.Errorf("%s: process %d still runs after its shim died", c.id, inits[i])
 		}
 	}
-	if st, err := cs[3].task.Status(ctx); err != nil || st.Status != "running" {
-		t.Errorf("%s (another shim) after the crash: %v, %v", cs[3].id, st.Status, err)
+	if st, err := cs[4].task.Status(ctx); err != nil || st.Status != "running" {
+		t.Errorf("%s (another shim) after the crash: %v, %v", cs[4].id, st.Status, err)
 	}
 	c, err := s.run(t, ann, "-mode", "idle", "-hold", "30m")
 	if err != nil {
