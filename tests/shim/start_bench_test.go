@@ -71,9 +71,6 @@ func BenchmarkStartOverhead(b *testing.B) {
 	var order []string
 	inits := 0
 	for _, line := range strings.Split(string(raw), "\n") {
-		if os.Getenv("DBG") != "" && strings.Contains(line, "envlet") {
-			b.Log(line)
-		}
 		if strings.Contains(line, `msg="envlet: shim ready"`) {
 			inits++
 			if _, v, ok := strings.Cut(line, "init="); ok {
@@ -83,7 +80,10 @@ func BenchmarkStartOverhead(b *testing.B) {
 			}
 			continue
 		}
-		_, v, ok := strings.Cut(line, `msg="envlet: created" phases="`)
+		if !strings.Contains(line, `msg="envlet: created"`) {
+			continue
+		}
+		_, v, ok := strings.Cut(line, ` phases="`)
 		if !ok {
 			continue
 		}
