@@ -84,26 +84,34 @@ func deleteContainer(t *testing.T, env *testenv.Env, id string) {
 	mustCtr(t, env, "containers", "delete", id)
 }
 
-// shimPid finds the envlet shim serving container id in env's namespace.
+// shimPid finds the envlet shim serving container id in env's namespace:
+// the parent of the task's init process (the shim is its subreaper). A
+// shim serves a group of containers, and its command line names only the
+// first.
 func shimPid(t *testing.T, env *testenv.Env, id string) int {
 	t.Helper()
-	dirs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
-	for _, f := range dirs {
-		b, err := os.ReadFile(f)
+	out := mustCtr(t, env, "task", "ls")
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 || f[0] != id {
+			continue
+		}
+		raw, err := os.ReadFile("/proc/" + f[1] + "/stat")
 		if err != nil {
-			continue
+			t.Fatalf("task %s: %v", id, err)
 		}
-		args := strings.Split(string(b), "\x00")
-		if len(args) == 0 || filepath.Base(args[0]) != "containerd-shim-envlet-v2" {
-			continue
+		// The command name may hold spaces: fields start after the last ')'.
+		st := strings.Fields(string(raw[strings.LastIndexByte(string(raw), ')')+1:]))
+		if len(st) < 2 {
+			t.Fatalf("task %s: short stat %q", id, raw)
 		}
-		cmd := strings.Join(args, " ")
-		if strings.Contains(cmd, "-namespace "+env.Namespace+" ") && strings.Contains(cmd, "-id "+id+" ") {
-			pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(f)))
-			return pid
+		pid, err := strconv.Atoi(st[1])
+		if err != nil {
+			t.Fatal(err)
 		}
+		return pid
 	}
-	t.Fatalf("no envlet shim for %s", id)
+	t.Fatalf("no task %s in:\n%s", id, out)
 	return 0
 }
 
