@@ -155,3 +155,23 @@ func TestGuardLimits(t *testing.T) {
 		}
 	}
 }
+
+func TestGroupSize(t *testing.T) {
+	dir := t.TempDir()
+	for _, c := range []struct {
+		toml string
+		want int // 0: an error
+	}{{"", DefaultGroupSize}, {"[shim]\ngroup-size = 4\n", 4}, {"[shim]\ngroup-size = 1\n", 1}, {"[shim]\ngroup-size = 0\n", 0}} {
+		p := filepath.Join(dir, "envlet.toml")
+		if err := os.WriteFile(p, []byte(c.toml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := LoadFile(p)
+		switch {
+		case c.want == 0 && err == nil:
+			t.Errorf("%q: loaded, want an error", c.toml)
+		case c.want != 0 && (err != nil || cfg.GroupSize() != c.want):
+			t.Errorf("%q: group size %d, %v; want %d", c.toml, cfg.GroupSize(), err, c.want)
+		}
+	}
+}
