@@ -10,6 +10,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -67,6 +68,10 @@ type Config struct {
 	// environment of an RL iteration arrives while the first still runs,
 	// on the groups the first is still fetching. Zero skips the pairs.
 	SecondAfter time.Duration
+	// NoSingle skips the cold and warm runs one at a time (the pairs,
+	// the concurrent runs and the iteration still run): a run measuring
+	// only the second-environment pairs.
+	NoSingle bool
 	// Checkpoint, when set, is given the report so far once the
 	// iteration scenario is done: a run cut short afterwards still
 	// leaves its headline.
@@ -79,7 +84,11 @@ const (
 	Envsnap       = "envsnap"        // lazy, background fill on
 	EnvsnapNoFill = "envsnap-nofill" // lazy, nothing fetched but what is read
 	EnvsnapEager  = "envsnap-eager"  // on-demand off: whole layers fetched before the mount is used
-	Overlayfs     = "overlayfs"      // containerd's default: full pull and unpack
+	// EnvsnapNice0: envsnap with its file-system requests served at
+	// the default priority (--serve-nice=0), the ablation of
+	// serve_nice. Not in AllSystems: asked for by name.
+	EnvsnapNice0 = "envsnap-nice0"
+	Overlayfs    = "overlayfs" // containerd's default: full pull and unpack
 )
 
 // AllSystems in the order they run.
@@ -90,6 +99,7 @@ var daemonArgs = map[string][]string{
 	Envsnap:       {"--fill=true"},
 	EnvsnapNoFill: {"--fill=false"},
 	EnvsnapEager:  {"--eager"},
+	EnvsnapNice0:  {"--fill=true", "--serve-nice=0"},
 }
 
 // Run is one measured environment.
@@ -337,7 +347,13 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 		if sys == EnvsnapNoFill || sys == EnvsnapEager {
 			n = min(n, max(1, cfg.AuxEnvs))
 		}
+		if cfg.NoSingle {
+			n = 0
+		}
 		for i, e := range envs[:n] {
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
 			for _, phase := range []string{"cold", "warm"} {
 				if phase == "cold" {
 					if err := b.reset(); err != nil {
@@ -362,8 +378,11 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 					sys, phase, i+1, n, e.name, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, mib(r.RegistryBytes), mib(r.ReadBytes), r.Error)
 			}
 		}
-		if (sys == Envsnap || sys == Overlayfs) && cfg.SecondAfter > 0 {
+		if (sys == Envsnap || sys == Overlayfs || sys == EnvsnapNice0) && cfg.SecondAfter > 0 {
 			for i := 0; i+1 < len(envs); i += 2 {
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
 				rs, err := b.runSecond(ctx, envs[i], envs[i+1], sys, cfg.SecondAfter)
 				if err != nil {
 					return nil, err
@@ -869,6 +888,17 @@ func reportPath(p string) string {
 	return filepath.Base(p)
 }
 
+// freeLocalAddr returns a loopback address with a port nobody listens on
+// at the moment of asking.
+func freeLocalAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("find a free port for the daemon's metrics: %w", err)
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
 // startNode starts the benchmark's node: a registry behind a link shaped
 // to rate and rtt, containerd, the envsnap daemon serving its metrics on
 // the returned address, and the envlet shim, under which every system runs
@@ -880,7 +910,13 @@ func startNode(ctx context.Context, rate int64, rtt time.Duration) (*devenv.Env,
 		return nil, "", "", nil, fmt.Errorf("shaped link: %w", err)
 	}
 	regNet := netshape.NewRegistryNet(ctx, link, rtt)
-	metricsAddr := "127.0.0.1:19166"
+	// A free port, not a fixed one: other benchmarks or daemons on the
+	// node may hold any given port.
+	metricsAddr, err := freeLocalAddr()
+	if err != nil {
+		link.Close(context.Background())
+		return nil, "", "", nil, err
+	}
 	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
 		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
 	if err != nil {

@@ -251,3 +251,21 @@ func loadValid(t *testing.T, text string) Config {
 	}
 	return c
 }
+
+// TestServeNiceConfig: serve_nice defaults to DefaultServeNice, 0 leaves
+// the threads alone, and a value outside nice's range is refused.
+func TestServeNiceConfig(t *testing.T) {
+	if got := DefaultConfig().ServeNice; got != DefaultServeNice {
+		t.Errorf("default serve_nice %d, want %d", got, DefaultServeNice)
+	}
+	if c := loadValid(t, "serve_nice = 0\n"); c.ServeNice != 0 {
+		t.Errorf("serve_nice = 0 loaded as %d", c.ServeNice)
+	}
+	for _, n := range []int{-21, 20} {
+		c := DefaultConfig()
+		c.ServeNice = n
+		if err := c.Validate(); err == nil {
+			t.Errorf("serve_nice %d accepted", n)
+		}
+	}
+}

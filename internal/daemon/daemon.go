@@ -30,6 +30,7 @@ import (
 	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/fdstore"
 	"github.com/envsnap/envsnap/internal/fetch"
+	"github.com/envsnap/envsnap/internal/idleprio"
 	"github.com/envsnap/envsnap/internal/layerstore"
 	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/peer"
@@ -48,6 +49,13 @@ const shutdownGrace = 10 * time.Second
 func Run(ctx context.Context, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
+	}
+	// Before any background job lowers a thread: a lowered thread gets
+	// back the nice value it had when it was lowered.
+	if cfg.ServeNice != 0 {
+		if err := idleprio.RaiseForeground(cfg.ServeNice); err != nil {
+			log.G(ctx).WithError(err).Warn("file-system requests are served at the default priority")
+		}
 	}
 	// The root first: everything below (the metadata database, the
 	// cache, the layer mounts, the keeper) belongs to one daemon, and a

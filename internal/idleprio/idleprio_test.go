@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/opencontainers/cgroups"
+
+	"github.com/envsnap/envsnap/internal/prereq"
 	"golang.org/x/sys/unix"
 )
 
@@ -256,4 +258,55 @@ func spinUntil(stop chan struct{}) time.Duration {
 			_ = i * i
 		}
 	}
+}
+
+func threadNice(t *testing.T, tid int) int {
+	t.Helper()
+	// getpriority returns 20 - nice for PRIO_PROCESS on Linux.
+	p, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return 20 - p
+}
+
+func TestRaiseForeground(t *testing.T) {
+	prereq.RequireRoot(t) // a negative nice value needs CAP_SYS_NICE
+	t.Cleanup(func() {
+		if err := RaiseForeground(0); err != nil {
+			t.Error(err)
+		}
+	})
+	const nice = -5
+	if err := RaiseForeground(nice); err != nil {
+		t.Fatal(err)
+	}
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range tasks {
+		tid, _ := strconv.Atoi(e.Name())
+		if n := threadNice(t, tid); n != nice {
+			t.Errorf("thread %d at nice %d, want %d", tid, n, nice)
+		}
+	}
+	// A job's thread, started afterwards and lowered (TestJobRunsLowered),
+	// has it when boosted.
+	j := NewJob()
+	asked, boosted, done := make(chan int), make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		j.Run(func() {
+			asked <- unix.Gettid()
+			<-boosted
+		})
+	}()
+	tid := <-asked
+	j.Boost()
+	if n := threadNice(t, tid); n != nice {
+		t.Errorf("boosted job thread at nice %d, want %d", n, nice)
+	}
+	close(boosted)
+	<-done
 }

@@ -40,6 +40,7 @@ func main() {
 	flag.DurationVar(&cfg.Timeout, "timeout", 15*time.Minute, "per-episode timeout")
 	flag.BoolVar(&cfg.NoPrefetch, "no-prefetch", false, "do not record footprints and attach prefetch lists to the shared groups before the runs")
 	flag.DurationVar(&cfg.SecondAfter, "second-after", 5*time.Second, "for envsnap and overlayfs, start pairs of environments on a cold node, the second this long after the first (0 skips them)")
+	flag.BoolVar(&cfg.NoSingle, "no-single", false, "skip the cold and warm runs one at a time (the pairs, concurrent runs and iteration still run)")
 	flag.BoolVar(&cfg.SettleWarm, "settle-warm", false, "before an envsnap warm run, wait until its layers are fully cached (and their native copies built)")
 	peers := flag.Int("peers", 0, "run only the peer tier's scenario with this many nodes (network namespaces), with and without peers, and replace its section of the markdown report")
 	peerEnvs := flag.Int("peer-envs", 4, "environments each node starts at once in the peer tier's scenario")
