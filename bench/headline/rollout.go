@@ -83,6 +83,10 @@ type RolloutConfig struct {
 	Log         io.Writer
 	// ModelLog receives the model stand-in's log, one JSON line a turn.
 	ModelLog io.Writer
+	// Measured, when set, gets the report after each system's batch
+	// (the systems so far), so a long run that is stopped keeps what it
+	// measured.
+	Measured func(*RolloutReport) error
 }
 
 func (c *RolloutConfig) logf(format string, args ...any) {
@@ -126,7 +130,13 @@ type RolloutIteration struct {
 	Ready     Summary `json:"ready_s"`
 	Rollout   Summary `json:"rollout_s"`
 	// Queue is the time from submit to admission (fixed quotas).
-	Queue          Summary `json:"queue_s"`
+	Queue Summary `json:"queue_s"`
+	// Where ready goes, per rollout: Pull from admission to the image on
+	// the node, Start from there to the container's first process, Agent
+	// from there to the agent's first request (RolloutRun).
+	Pull           Summary `json:"pull_s"`
+	Start          Summary `json:"start_s"`
+	Agent          Summary `json:"agent_start_s"`
 	PeakConcurrent int     `json:"peak_concurrent"`
 	// NodeMemoryBase and NodeMemoryPeak are the node's used memory
 	// (MemTotal - MemAvailable) before the batch and at its peak.
@@ -161,6 +171,14 @@ type RolloutRun struct {
 	Task      string        `json:"task"`
 	Sample    string        `json:"sample"`
 	Admitted  time.Duration `json:"admitted_ns"`
+	// Pulled is when the image was on the node (for a lazy snapshotter:
+	// its manifest and config, the layers mounted on demand), Started
+	// when the container's first process ran (the shell's first command:
+	// snapshot, create and start done), Ready the agent's first request;
+	// Ready - Started is the agent CLI's own start (its files read, lazily
+	// on envsnap).
+	Pulled    time.Duration `json:"pulled_ns"`
+	Started   time.Duration `json:"started_ns"`
 	Ready     time.Duration `json:"ready_ns"`
 	End       time.Duration `json:"end_ns"`
 	Think     time.Duration `json:"think_ns"` // the model's share
@@ -281,10 +299,15 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
+		rep.Agent = rb.agent
+		rep.RewardsIdentical = rewardsIdentical(rep)
+		rep.Duration = time.Since(rep.Started)
+		if cfg.Measured != nil {
+			if err := cfg.Measured(rep); err != nil {
+				return nil, err
+			}
+		}
 	}
-	rep.Agent = rb.agent
-	rep.RewardsIdentical = rewardsIdentical(rep)
-	rep.Duration = time.Since(rep.Started)
 	return rep, nil
 }
 
@@ -402,7 +425,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	it.Timeline, _, it.NodeMemoryPeak = smp.timeline(start)
 	it.PeakConcurrent = int(running.peak.Load())
 	it.NodeMemoryPeak += it.NodeMemoryBase
-	var ready, total, queue, envMem, envPeak []float64
+	var ready, total, queue, pull, startup, agent, envMem, envPeak []float64
 	var readySum, totalSum float64
 	for i := range it.Runs {
 		r := &it.Runs[i]
@@ -414,11 +437,17 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 		}
 		ready, total, queue = append(ready, r.Ready.Seconds()), append(total, r.End.Seconds()), append(queue, r.Admitted.Seconds())
 		readySum, totalSum = readySum+r.Ready.Seconds(), totalSum+r.End.Seconds()
+		if r.Started > 0 {
+			pull = append(pull, (r.Pulled - r.Admitted).Seconds())
+			startup = append(startup, (r.Started - r.Pulled).Seconds())
+			agent = append(agent, (r.Ready - r.Started).Seconds())
+		}
 		if r.MemoryMiB > 0 {
 			envMem, envPeak = append(envMem, r.MemoryMiB), append(envPeak, r.PeakMiB)
 		}
 	}
 	it.Ready, it.Rollout, it.Queue = summarize(ready), summarize(total), summarize(queue)
+	it.Pull, it.Start, it.Agent = summarize(pull), summarize(startup), summarize(agent)
 	it.EnvMemory, it.EnvMemoryPeak = summarize(envMem), summarize(envPeak)
 	if totalSum > 0 {
 		it.InitShare = readySum / totalSum
@@ -436,11 +465,15 @@ func agentEnv(gateway, key string) []string {
 // agentExitMarker follows the agent's output; the evaluator's comes after.
 const agentExitMarker = "agent-exit="
 
+// startedMarker is the first line a rollout prints: the wall clock (the
+// host's: a container shares its clock) when its shell ran.
+const startedMarker = "started-at="
+
 // rolloutScript runs the agent on the task, then the evaluator.
 func rolloutScript(t episode.Task) string {
 	prompt := fmt.Sprintf("The tests of the Go repository in %s fail. Find the bug and fix it.", t.Repo)
-	return fmt.Sprintf("cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
-		t.Repo, prompt, agentExitMarker, t.Repo)
+	return fmt.Sprintf("echo %s$(date +%%s.%%N); cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
+		startedMarker, t.Repo, prompt, agentExitMarker, t.Repo)
 }
 
 // rollout runs rollout i of the batch: pull, the agent episode against the
@@ -464,6 +497,7 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.End, r.Error = time.Since(start), err.Error()
 		return r
 	}
+	r.Pulled = time.Since(start)
 	opts := devenv.RunOptions{
 		Snapshotter: spec.snapshotter,
 		Runtime:     "io.containerd.runc.v2",
@@ -499,6 +533,9 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.Ready = o.FirstRequest.Sub(start)
 	}
 	r.Turns, r.Think = o.Requests, o.Think
+	if at, ok := startedAt(out.Stdout); ok {
+		r.Started = at.Sub(start)
+	}
 	if err != nil {
 		r.Error = err.Error()
 		return r
@@ -519,8 +556,34 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.Error = fmt.Sprintf("reward %d after a completed episode", reward)
 	case r.Ready == 0:
 		r.Error = "never ready"
+	case r.Started == 0:
+		r.Error = "the rollout did not print when it started: " + episode.LastLines(out.Stdout+out.Stderr, 5)
 	}
 	return r
+}
+
+// startedAt is the time the rollout's shell printed after startedMarker.
+func startedAt(stdout string) (time.Time, bool) {
+	for _, line := range strings.Split(stdout, "\n") {
+		v, ok := strings.CutPrefix(line, startedMarker)
+		if !ok {
+			continue
+		}
+		sec, frac, _ := strings.Cut(strings.TrimSpace(v), ".")
+		s, err := strconv.ParseInt(sec, 10, 64)
+		if err != nil {
+			return time.Time{}, false
+		}
+		var ns int64
+		if frac != "" {
+			frac = (frac + "000000000")[:9]
+			if ns, err = strconv.ParseInt(frac, 10, 64); err != nil {
+				return time.Time{}, false
+			}
+		}
+		return time.Unix(s, ns), true
+	}
+	return time.Time{}, false
 }
 
 // touchedFiles lists the files a diff changes ("+++ b/PATH"; a reversed

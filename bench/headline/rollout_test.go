@@ -101,3 +101,17 @@ func TestRolloutComparison(t *testing.T) {
 		}
 	}
 }
+
+func TestStartedAt(t *testing.T) {
+	at, ok := startedAt("started-at=1764800000.012345678\n2.1.332 (Claude Code)\n")
+	if !ok || !at.Equal(time.Unix(1764800000, 12345678)) {
+		t.Fatalf("startedAt = %v, %v", at, ok)
+	}
+	// date without %N support prints the literal N: no time, not a wrong one.
+	if _, ok := startedAt("started-at=1764800000.N\n"); ok {
+		t.Fatal("startedAt parsed a date without nanoseconds")
+	}
+	if _, ok := startedAt("agent-exit=0\n"); ok {
+		t.Fatal("startedAt without the marker")
+	}
+}

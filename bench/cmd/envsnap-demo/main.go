@@ -100,6 +100,8 @@ func run(ctx context.Context, cfg headline.RolloutConfig) error {
 		fmt.Printf("%-14s %-12s makespan %6.1f s  init share %5.1f%%  ready p50 %5.1f s  rollout p95 %6.1f s  peak envs %2d  node memory +%5.0f MiB  env memory p50 %4.0f MiB  failed %d\n",
 			sys, slots, it.Makespan.Seconds(), 100*it.InitShare, it.Ready.Median, it.Rollout.P95, it.PeakConcurrent,
 			float64(it.NodeMemoryPeak-it.NodeMemoryBase)/(1<<20), it.EnvMemory.Median, it.Failed)
+		fmt.Printf("%-14s %-12s ready p50 split: queue %.1f s, pull %.1f s, create+start %.1f s, agent start %.1f s\n", "", "",
+			it.Queue.Median, it.Pull.Median, it.Start.Median, it.Agent.Median)
 		for _, r := range it.Runs {
 			if r.Error != "" {
 				fmt.Printf("    %s failed: %s\n", r.Name, r.Error)
