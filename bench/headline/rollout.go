@@ -167,10 +167,10 @@ type TimelinePoint struct {
 
 // RolloutRun is one rollout. Times are from the batch's submit.
 type RolloutRun struct {
-	Name      string        `json:"name"`
-	Task      string        `json:"task"`
-	Sample    string        `json:"sample"`
-	Admitted  time.Duration `json:"admitted_ns"`
+	Name     string        `json:"name"`
+	Task     string        `json:"task"`
+	Sample   string        `json:"sample"`
+	Admitted time.Duration `json:"admitted_ns"`
 	// Pulled is when the image was on the node (for a lazy snapshotter:
 	// its manifest and config, the layers mounted on demand), Started
 	// when the container's first process ran (the shell's first command:
