@@ -10,6 +10,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -880,7 +881,16 @@ func startNode(ctx context.Context, rate int64, rtt time.Duration) (*devenv.Env,
 		return nil, "", "", nil, fmt.Errorf("shaped link: %w", err)
 	}
 	regNet := netshape.NewRegistryNet(ctx, link, rtt)
-	metricsAddr := "127.0.0.1:19166"
+	// A port of its own: two benchmarks on one machine (the demo beside
+	// make bench) must not share the daemon's metrics address, and the
+	// daemon needs the address before it starts.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		link.Close(context.Background())
+		return nil, "", "", nil, fmt.Errorf("metrics address: %w", err)
+	}
+	metricsAddr := ln.Addr().String()
+	ln.Close()
 	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
 		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path"
 	"runtime"
 	"slices"
 	"strconv"
@@ -70,11 +71,14 @@ type RolloutConfig struct {
 	// TaskCount distinct tasks (spread over the workload's repositories);
 	// rollout i runs task i mod TaskCount. 0 means every task in the list.
 	TaskCount int
-	Think     modelstub.Think
-	Systems   []string // subset of RolloutSystems, run in this order
-	RTT       time.Duration
-	Rate      int64
-	Timeout   time.Duration // per rollout, agent and evaluator
+	// Repo, when set, keeps only the tasks of that repository (the last
+	// element of a task's repo path: "uuid").
+	Repo    string
+	Think   modelstub.Think
+	Systems []string // subset of RolloutSystems, run in this order
+	RTT     time.Duration
+	Rate    int64
+	Timeout time.Duration // per rollout, agent and evaluator
 	// FixedCPU and FixedMemory are the fixed quota (requests = limits) of
 	// the systems that have one.
 	FixedCPU    float64
@@ -215,7 +219,14 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 	if err != nil {
 		return nil, err
 	}
-	tasks := spreadTasks(w.Tasks, cfg.TaskCount, cfg.Rollouts)
+	all := w.Tasks
+	if cfg.Repo != "" {
+		all = slices.DeleteFunc(slices.Clone(all), func(t episode.Task) bool { return path.Base(t.Repo) != cfg.Repo })
+		if len(all) == 0 {
+			return nil, fmt.Errorf("rollout scenario: no task of repository %q in %s", cfg.Repo, cfg.Tasks)
+		}
+	}
+	tasks := spreadTasks(all, cfg.TaskCount, cfg.Rollouts)
 	rep := &RolloutReport{Started: time.Now(), Machine: machine(), Workload: reportPath(cfg.Tasks), Rollouts: cfg.Rollouts,
 		Think: describeThink(cfg.Think), FixedCPU: cfg.FixedCPU, FixedMem: cfg.FixedMemory, Order: cfg.Systems, Systems: map[string]*RolloutIteration{}}
 	for _, t := range tasks {

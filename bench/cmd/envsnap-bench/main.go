@@ -212,7 +212,15 @@ func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, r
 		if plots, err = rep.WritePlots(filepath.Join(filepath.Dir(doc), "img")); err != nil {
 			return err
 		}
-		return rep.WriteMarkdown(doc, rel, plots)
+		if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
+			return err
+		}
+		// The README's first table is this comparison, from the same
+		// run, when the report is the repository's own.
+		if doc != filepath.Join(root, "docs/benchmarks.md") {
+			return nil
+		}
+		return rep.WriteReadme(filepath.Join(root, "README.md"))
 	}
 	rep, err := headline.MeasureRollout(ctx, cfg)
 	if err != nil {
