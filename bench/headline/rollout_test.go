@@ -1,6 +1,8 @@
 package headline
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -113,5 +115,39 @@ func TestStartedAt(t *testing.T) {
 	}
 	if _, ok := startedAt("agent-exit=0\n"); ok {
 		t.Fatal("startedAt without the marker")
+	}
+}
+
+func TestWriteReadme(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "README.md")
+	rep := &RolloutReport{Command: "go run ./bench/cmd/envsnap-bench -rollouts 2", Rollouts: 2, Tasks: []string{"a"}, Order: []string{StatusQuo, Envsnap},
+		Systems: map[string]*RolloutIteration{Envsnap: {Makespan: 50 * time.Second, PeakConcurrent: 2}}}
+	if err := os.WriteFile(path, []byte("# x\n\nno markers\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.WriteReadme(path); err == nil {
+		t.Fatal("a README without the markers was written")
+	}
+	before, after := "# x\n\nprose before\n\n", "\n\nprose after\n"
+	if err := os.WriteFile(path, []byte(before+readmeBegin+"\n\nold table\n\n"+readmeEnd+after), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // the second run replaces the first's table
+		if err := rep.WriteReadme(path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := string(b)
+	for _, want := range []string{before + readmeBegin, readmeEnd + after, "| **envsnap** | all | 50.0 s", "Partial: the run was stopped before `status-quo`"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("README lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "old table") || strings.Count(got, "| system |") != 1 {
+		t.Errorf("the old table was not replaced once:\n%s", got)
 	}
 }
