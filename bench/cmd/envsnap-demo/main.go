@@ -2,8 +2,9 @@
 // bench/headline, MeasureRollout) on a private containerd, registry and
 // envsnap daemon. It publishes the small benchmark workload as layer
 // groups, composes one environment per task, and submits 8 rollouts of
-// 2 tasks (of the uuid repository, -repo) at once to the node, each running the agent CLI against the
-// model stand-in (median think time 2 s) and then the evaluator: first as
+// 2 tasks (of the uuid repository, -repo) at once to the node, each
+// running the agent CLI against the model stand-in (median think time
+// 2 s) and then the evaluator: first as
 // a Kubernetes node does today (overlayfs + runc, fixed 0.5 core / 2 GiB,
 // admitted by request), then overlayfs with everything at once, then
 // envsnap. The registry sits behind the benchmark's link (1 Gbit/s,
