@@ -50,6 +50,7 @@ func main() {
 	var roSystems string
 	flag.IntVar(&ro.Rollouts, "rollouts", 0, "run only the rollout scenario with this many rollouts submitted at once (the agent CLI against the model stand-in), and replace its section of the markdown report")
 	flag.IntVar(&ro.TaskCount, "rollout-tasks", 0, "distinct tasks of the rollout scenario (0: every task of the workload, at most -rollouts)")
+	flag.StringVar(&ro.Repo, "rollout-repo", "", "rollout scenario: only tasks of this repository (\"uuid\", as make demo runs)")
 	flag.StringVar(&roSystems, "rollout-systems", strings.Join(headline.RolloutSystems, ","), "systems of the rollout scenario, in order")
 	ro.Think = modelstub.DefaultThink
 	flag.DurationVar(&ro.Think.Median, "think-median", ro.Think.Median, "rollout scenario: the model's median think time per answer")
