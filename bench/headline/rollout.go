@@ -752,7 +752,10 @@ func (rep *RolloutReport) Comparison() string {
 		failed += it.Failed
 	}
 	rewards := "rewards identical on every system"
-	if !rep.RewardsIdentical {
+	switch {
+	case len(rep.Systems) < 2:
+		rewards = "rewards of one system only"
+	case !rep.RewardsIdentical:
 		rewards = "rewards DIFFER between systems"
 	}
 	return fmt.Sprintf("%d rollouts, envsnap: %s; %d failed, %s", rep.Rollouts, strings.Join(parts, ", "), failed, rewards)

@@ -159,7 +159,10 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 		fmt.Fprintf(&b, "\nFailures (every one, with its reason):\n\n%s\n", strings.Join(failures, "\n"))
 	}
 	rewards := "every rollout got the same reward on every system"
-	if !rep.RewardsIdentical {
+	switch {
+	case len(rep.Systems) < 2:
+		rewards = "one system measured, nothing to compare"
+	case !rep.RewardsIdentical:
 		rewards = "**rewards differ between systems** (see the JSON)"
 	}
 	fmt.Fprintf(&b, "\nRewards: %s. Machine: %s.", rewards, rep.Machine)
@@ -207,10 +210,14 @@ func (rep *RolloutReport) WriteReadme(path string) error {
 func (rep *RolloutReport) readmeTable() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "`%s`, %d rollouts (%d tasks), think time %s, %s:\n\n", rep.Command, rep.Rollouts, len(rep.Tasks), rep.Think, rep.Started.UTC().Format("2006-01-02"))
+	var missing []string
 	for _, sys := range rep.Order {
 		if rep.Systems[sys] == nil {
-			fmt.Fprintf(&b, "**Partial: the run was stopped before `%s`.**\n\n", sys)
+			missing = append(missing, "`"+sys+"`")
 		}
+	}
+	if len(missing) > 0 {
+		fmt.Fprintf(&b, "**Partial: the run was stopped before %s.**\n\n", strings.Join(missing, ", "))
 	}
 	fmt.Fprintf(&b, "| system | admitted at once | makespan | init share | ready p50 | rollout p95 | peak envs | node memory peak | env memory p50 | failed |\n|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, sys := range rep.Order {
