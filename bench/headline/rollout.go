@@ -736,6 +736,11 @@ func (rep *RolloutReport) Comparison() string {
 	if e == nil {
 		return "no envsnap batch measured"
 	}
+	if e.Failed == len(e.Runs) {
+		// A batch whose every rollout failed has a makespan (its
+		// timeouts) and no ready time: no ratio to state.
+		return fmt.Sprintf("%d rollouts, envsnap: every rollout FAILED (see the reasons), no comparison", rep.Rollouts)
+	}
 	var parts []string
 	if sq != nil {
 		parts = append(parts, fmt.Sprintf("makespan %.2fx the status quo (%.0f s vs %.0f s)", ratio(e.Makespan.Seconds(), sq.Makespan.Seconds()), e.Makespan.Seconds(), sq.Makespan.Seconds()))

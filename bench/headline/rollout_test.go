@@ -151,3 +151,13 @@ func TestWriteReadme(t *testing.T) {
 		t.Errorf("the old table was not replaced once:\n%s", got)
 	}
 }
+
+func TestRolloutComparisonAllFailed(t *testing.T) {
+	rep := &RolloutReport{Rollouts: 2, Order: []string{StatusQuo, Envsnap}, Systems: map[string]*RolloutIteration{
+		StatusQuo: {Makespan: 200 * time.Second, PeakConcurrent: 2, Runs: make([]RolloutRun, 2)},
+		Envsnap:   {Makespan: 600 * time.Second, PeakConcurrent: 2, Failed: 2, Runs: []RolloutRun{{Error: "timeout"}, {Error: "timeout"}}},
+	}}
+	if got := rep.Comparison(); !strings.Contains(got, "every rollout FAILED") || strings.Contains(got, "makespan") {
+		t.Fatalf("comparison of a failed batch: %q", got)
+	}
+}
