@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path"
 	"runtime"
 	"slices"
 	"strconv"
@@ -70,11 +71,14 @@ type RolloutConfig struct {
 	// TaskCount distinct tasks (spread over the workload's repositories);
 	// rollout i runs task i mod TaskCount. 0 means every task in the list.
 	TaskCount int
-	Think     modelstub.Think
-	Systems   []string // subset of RolloutSystems, run in this order
-	RTT       time.Duration
-	Rate      int64
-	Timeout   time.Duration // per rollout, agent and evaluator
+	// Repo, when set, keeps only the tasks of that repository (the last
+	// element of a task's repo path: "uuid").
+	Repo    string
+	Think   modelstub.Think
+	Systems []string // subset of RolloutSystems, run in this order
+	RTT     time.Duration
+	Rate    int64
+	Timeout time.Duration // per rollout, agent and evaluator
 	// FixedCPU and FixedMemory are the fixed quota (requests = limits) of
 	// the systems that have one.
 	FixedCPU    float64
@@ -83,6 +87,10 @@ type RolloutConfig struct {
 	Log         io.Writer
 	// ModelLog receives the model stand-in's log, one JSON line a turn.
 	ModelLog io.Writer
+	// Measured, when set, gets the report after each system's batch
+	// (the systems so far), so a long run that is stopped keeps what it
+	// measured.
+	Measured func(*RolloutReport) error
 }
 
 func (c *RolloutConfig) logf(format string, args ...any) {
@@ -126,7 +134,13 @@ type RolloutIteration struct {
 	Ready     Summary `json:"ready_s"`
 	Rollout   Summary `json:"rollout_s"`
 	// Queue is the time from submit to admission (fixed quotas).
-	Queue          Summary `json:"queue_s"`
+	Queue Summary `json:"queue_s"`
+	// Where ready goes, per rollout: Pull from admission to the image on
+	// the node, Start from there to the container's first process, Agent
+	// from there to the agent's first request (RolloutRun).
+	Pull           Summary `json:"pull_s"`
+	Start          Summary `json:"start_s"`
+	Agent          Summary `json:"agent_start_s"`
 	PeakConcurrent int     `json:"peak_concurrent"`
 	// NodeMemoryBase and NodeMemoryPeak are the node's used memory
 	// (MemTotal - MemAvailable) before the batch and at its peak.
@@ -157,10 +171,18 @@ type TimelinePoint struct {
 
 // RolloutRun is one rollout. Times are from the batch's submit.
 type RolloutRun struct {
-	Name      string        `json:"name"`
-	Task      string        `json:"task"`
-	Sample    string        `json:"sample"`
-	Admitted  time.Duration `json:"admitted_ns"`
+	Name     string        `json:"name"`
+	Task     string        `json:"task"`
+	Sample   string        `json:"sample"`
+	Admitted time.Duration `json:"admitted_ns"`
+	// Pulled is when the image was on the node (for a lazy snapshotter:
+	// its manifest and config, the layers mounted on demand), Started
+	// when the container's first process ran (the shell's first command:
+	// snapshot, create and start done), Ready the agent's first request;
+	// Ready - Started is the agent CLI's own start (its files read, lazily
+	// on envsnap).
+	Pulled    time.Duration `json:"pulled_ns"`
+	Started   time.Duration `json:"started_ns"`
 	Ready     time.Duration `json:"ready_ns"`
 	End       time.Duration `json:"end_ns"`
 	Think     time.Duration `json:"think_ns"` // the model's share
@@ -197,7 +219,14 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 	if err != nil {
 		return nil, err
 	}
-	tasks := spreadTasks(w.Tasks, cfg.TaskCount, cfg.Rollouts)
+	all := w.Tasks
+	if cfg.Repo != "" {
+		all = slices.DeleteFunc(slices.Clone(all), func(t episode.Task) bool { return path.Base(t.Repo) != cfg.Repo })
+		if len(all) == 0 {
+			return nil, fmt.Errorf("rollout scenario: no task of repository %q in %s", cfg.Repo, cfg.Tasks)
+		}
+	}
+	tasks := spreadTasks(all, cfg.TaskCount, cfg.Rollouts)
 	rep := &RolloutReport{Started: time.Now(), Machine: machine(), Workload: reportPath(cfg.Tasks), Rollouts: cfg.Rollouts,
 		Think: describeThink(cfg.Think), FixedCPU: cfg.FixedCPU, FixedMem: cfg.FixedMemory, Order: cfg.Systems, Systems: map[string]*RolloutIteration{}}
 	for _, t := range tasks {
@@ -281,10 +310,15 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
+		rep.Agent = rb.agent
+		rep.RewardsIdentical = rewardsIdentical(rep)
+		rep.Duration = time.Since(rep.Started)
+		if cfg.Measured != nil {
+			if err := cfg.Measured(rep); err != nil {
+				return nil, err
+			}
+		}
 	}
-	rep.Agent = rb.agent
-	rep.RewardsIdentical = rewardsIdentical(rep)
-	rep.Duration = time.Since(rep.Started)
 	return rep, nil
 }
 
@@ -402,7 +436,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	it.Timeline, _, it.NodeMemoryPeak = smp.timeline(start)
 	it.PeakConcurrent = int(running.peak.Load())
 	it.NodeMemoryPeak += it.NodeMemoryBase
-	var ready, total, queue, envMem, envPeak []float64
+	var ready, total, queue, pull, startup, agent, envMem, envPeak []float64
 	var readySum, totalSum float64
 	for i := range it.Runs {
 		r := &it.Runs[i]
@@ -414,11 +448,17 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 		}
 		ready, total, queue = append(ready, r.Ready.Seconds()), append(total, r.End.Seconds()), append(queue, r.Admitted.Seconds())
 		readySum, totalSum = readySum+r.Ready.Seconds(), totalSum+r.End.Seconds()
+		if r.Started > 0 {
+			pull = append(pull, (r.Pulled - r.Admitted).Seconds())
+			startup = append(startup, (r.Started - r.Pulled).Seconds())
+			agent = append(agent, (r.Ready - r.Started).Seconds())
+		}
 		if r.MemoryMiB > 0 {
 			envMem, envPeak = append(envMem, r.MemoryMiB), append(envPeak, r.PeakMiB)
 		}
 	}
 	it.Ready, it.Rollout, it.Queue = summarize(ready), summarize(total), summarize(queue)
+	it.Pull, it.Start, it.Agent = summarize(pull), summarize(startup), summarize(agent)
 	it.EnvMemory, it.EnvMemoryPeak = summarize(envMem), summarize(envPeak)
 	if totalSum > 0 {
 		it.InitShare = readySum / totalSum
@@ -436,11 +476,15 @@ func agentEnv(gateway, key string) []string {
 // agentExitMarker follows the agent's output; the evaluator's comes after.
 const agentExitMarker = "agent-exit="
 
+// startedMarker is the first line a rollout prints: the wall clock (the
+// host's: a container shares its clock) when its shell ran.
+const startedMarker = "started-at="
+
 // rolloutScript runs the agent on the task, then the evaluator.
 func rolloutScript(t episode.Task) string {
 	prompt := fmt.Sprintf("The tests of the Go repository in %s fail. Find the bug and fix it.", t.Repo)
-	return fmt.Sprintf("cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
-		t.Repo, prompt, agentExitMarker, t.Repo)
+	return fmt.Sprintf("echo %s$(date +%%s.%%N); cd %s && agent -p '%s' --output-format json --dangerously-skip-permissions --max-turns 40 </dev/null; echo %s$?; /opt/evaluator/run.sh %s",
+		startedMarker, t.Repo, prompt, agentExitMarker, t.Repo)
 }
 
 // rollout runs rollout i of the batch: pull, the agent episode against the
@@ -464,6 +508,7 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.End, r.Error = time.Since(start), err.Error()
 		return r
 	}
+	r.Pulled = time.Since(start)
 	opts := devenv.RunOptions{
 		Snapshotter: spec.snapshotter,
 		Runtime:     "io.containerd.runc.v2",
@@ -499,6 +544,9 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.Ready = o.FirstRequest.Sub(start)
 	}
 	r.Turns, r.Think = o.Requests, o.Think
+	if at, ok := startedAt(out.Stdout); ok {
+		r.Started = at.Sub(start)
+	}
 	if err != nil {
 		r.Error = err.Error()
 		return r
@@ -519,8 +567,34 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 		r.Error = fmt.Sprintf("reward %d after a completed episode", reward)
 	case r.Ready == 0:
 		r.Error = "never ready"
+	case r.Started == 0:
+		r.Error = "the rollout did not print when it started: " + episode.LastLines(out.Stdout+out.Stderr, 5)
 	}
 	return r
+}
+
+// startedAt is the time the rollout's shell printed after startedMarker.
+func startedAt(stdout string) (time.Time, bool) {
+	for _, line := range strings.Split(stdout, "\n") {
+		v, ok := strings.CutPrefix(line, startedMarker)
+		if !ok {
+			continue
+		}
+		sec, frac, _ := strings.Cut(strings.TrimSpace(v), ".")
+		s, err := strconv.ParseInt(sec, 10, 64)
+		if err != nil {
+			return time.Time{}, false
+		}
+		var ns int64
+		if frac != "" {
+			frac = (frac + "000000000")[:9]
+			if ns, err = strconv.ParseInt(frac, 10, 64); err != nil {
+				return time.Time{}, false
+			}
+		}
+		return time.Unix(s, ns), true
+	}
+	return time.Time{}, false
 }
 
 // touchedFiles lists the files a diff changes ("+++ b/PATH"; a reversed
@@ -662,6 +736,11 @@ func (rep *RolloutReport) Comparison() string {
 	if e == nil {
 		return "no envsnap batch measured"
 	}
+	if e.Failed == len(e.Runs) {
+		// A batch whose every rollout failed has a makespan (its
+		// timeouts) and no ready time: no ratio to state.
+		return fmt.Sprintf("%d rollouts, envsnap: every rollout FAILED (see the reasons), no comparison", rep.Rollouts)
+	}
 	var parts []string
 	if sq != nil {
 		parts = append(parts, fmt.Sprintf("makespan %.2fx the status quo (%.0f s vs %.0f s)", ratio(e.Makespan.Seconds(), sq.Makespan.Seconds()), e.Makespan.Seconds(), sq.Makespan.Seconds()))
@@ -678,7 +757,10 @@ func (rep *RolloutReport) Comparison() string {
 		failed += it.Failed
 	}
 	rewards := "rewards identical on every system"
-	if !rep.RewardsIdentical {
+	switch {
+	case len(rep.Systems) < 2:
+		rewards = "rewards of one system only"
+	case !rep.RewardsIdentical:
 		rewards = "rewards DIFFER between systems"
 	}
 	return fmt.Sprintf("%d rollouts, envsnap: %s; %d failed, %s", rep.Rollouts, strings.Join(parts, ", "), failed, rewards)

@@ -1,6 +1,8 @@
 package headline
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -99,5 +101,63 @@ func TestRolloutComparison(t *testing.T) {
 		if !strings.Contains(got, want) {
 			t.Errorf("comparison %q lacks %q", got, want)
 		}
+	}
+}
+
+func TestStartedAt(t *testing.T) {
+	at, ok := startedAt("started-at=1764800000.012345678\n2.1.332 (Claude Code)\n")
+	if !ok || !at.Equal(time.Unix(1764800000, 12345678)) {
+		t.Fatalf("startedAt = %v, %v", at, ok)
+	}
+	// date without %N support prints the literal N: no time, not a wrong one.
+	if _, ok := startedAt("started-at=1764800000.N\n"); ok {
+		t.Fatal("startedAt parsed a date without nanoseconds")
+	}
+	if _, ok := startedAt("agent-exit=0\n"); ok {
+		t.Fatal("startedAt without the marker")
+	}
+}
+
+func TestWriteReadme(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "README.md")
+	rep := &RolloutReport{Command: "go run ./bench/cmd/envsnap-bench -rollouts 2", Rollouts: 2, Tasks: []string{"a"}, Order: []string{StatusQuo, Envsnap},
+		Systems: map[string]*RolloutIteration{Envsnap: {Makespan: 50 * time.Second, PeakConcurrent: 2}}}
+	if err := os.WriteFile(path, []byte("# x\n\nno markers\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.WriteReadme(path); err == nil {
+		t.Fatal("a README without the markers was written")
+	}
+	before, after := "# x\n\nprose before\n\n", "\n\nprose after\n"
+	if err := os.WriteFile(path, []byte(before+readmeBegin+"\n\nold table\n\n"+readmeEnd+after), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // the second run replaces the first's table
+		if err := rep.WriteReadme(path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := string(b)
+	for _, want := range []string{before + readmeBegin, readmeEnd + after, "| **envsnap** | all | 50.0 s", "Partial: the run was stopped before `status-quo`"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("README lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "old table") || strings.Count(got, "| system |") != 1 {
+		t.Errorf("the old table was not replaced once:\n%s", got)
+	}
+}
+
+func TestRolloutComparisonAllFailed(t *testing.T) {
+	rep := &RolloutReport{Rollouts: 2, Order: []string{StatusQuo, Envsnap}, Systems: map[string]*RolloutIteration{
+		StatusQuo: {Makespan: 200 * time.Second, PeakConcurrent: 2, Runs: make([]RolloutRun, 2)},
+		Envsnap:   {Makespan: 600 * time.Second, PeakConcurrent: 2, Failed: 2, Runs: []RolloutRun{{Error: "timeout"}, {Error: "timeout"}}},
+	}}
+	if got := rep.Comparison(); !strings.Contains(got, "every rollout FAILED") || strings.Contains(got, "makespan") {
+		t.Fatalf("comparison of a failed batch: %q", got)
 	}
 }

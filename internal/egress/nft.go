@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -29,7 +30,12 @@ var table = &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
 // holding CAP_NET_ADMIN in the namespace could delete the table, which is
 // why the shim refuses such containers.
 func Apply(netns int, rules []Rule) error {
-	c, err := nftables.New(nftables.WithNetNSFd(netns))
+	// The kernel acknowledges every message of the batch at its end, one
+	// per rule: a rule per node address makes the acknowledgements of a
+	// node with many addresses (110 rules on a host with 98 network
+	// namespaces and their bridges) overrun the socket's default receive
+	// buffer, and the flush fails with ENOBUFS.
+	c, err := nftables.New(nftables.WithNetNSFd(netns), nftables.WithSockOptions(receiveBuffer(ackBuffer)))
 	if err != nil {
 		return fmt.Errorf("egress: netlink: %w", err)
 	}
@@ -69,9 +75,36 @@ func Apply(netns int, rules []Rule) error {
 		c.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: exprs})
 	}
 	if err := c.Flush(); err != nil {
-		return fmt.Errorf("egress: install table %s: %w", TableName, err)
+		return fmt.Errorf("egress: install table %s (%d rules): %w", TableName, len(rules), err)
 	}
 	return nil
+}
+
+// ackBuffer is the receive buffer Apply asks for: an acknowledgement
+// takes about 1 KiB of it (its socket buffer's true size), so this holds
+// those of a few thousand rules.
+const ackBuffer = 4 << 20
+
+// receiveBuffer sets a netlink socket's receive buffer to size, beyond
+// net.core.rmem_max when the process may (CAP_NET_ADMIN, as the shim
+// has), else as far as rmem_max allows.
+func receiveBuffer(size int) nftables.SockOption {
+	return func(c *netlink.Conn) error {
+		raw, err := c.SyscallConn()
+		if err != nil {
+			return err
+		}
+		var serr error
+		if err := raw.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, size)
+		}); err != nil {
+			return err
+		}
+		if serr != nil {
+			return c.SetReadBuffer(size)
+		}
+		return nil
+	}
 }
 
 // Counters reads the rejected-packet counters of one namespace's table

@@ -183,3 +183,45 @@ func BenchmarkCounters(b *testing.B) {
 	b.ReportMetric(freshNs, "fresh-cpu-ns/poll")
 	b.ReportMetric(freshNs/keptNs, "fresh/kept")
 }
+
+// A node with many addresses (each a deny rule) gets a batch of hundreds
+// of rules, whose acknowledgements overran the netlink socket's default
+// receive buffer (ENOBUFS) on a host holding a hundred namespaces.
+func TestApplyManyRules(t *testing.T) {
+	ns := scratchNetns(t)
+	var rules []Rule
+	for i := range 100 {
+		r, err := Parse(netip.AddrFrom4([4]byte{10, 1, byte(i / 200), byte(i%200 + 1)}).String() + ":8080/tcp")
+		if err != nil {
+			t.Fatal(err)
+		}
+		rules = append(rules, Policy{Allow: r}.mustRules(t)...)
+	}
+	if err := Apply(ns, rules); err != nil {
+		t.Fatalf("apply %d rules: %v", len(rules), err)
+	}
+	c, err := nftables.New(nftables.WithNetNSFd(ns))
+	if err != nil {
+		t.Fatal(err)
+	}
+	chain, err := c.ListChain(table, "output")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.GetRules(table, chain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := len(preamble()) + len(rules); len(got) != want {
+		t.Errorf("%d rules in the namespace, want %d", len(got), want)
+	}
+}
+
+func (p Policy) mustRules(t *testing.T) []Rule {
+	t.Helper()
+	rules, err := p.Rules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rules
+}

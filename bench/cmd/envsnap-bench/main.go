@@ -51,6 +51,7 @@ func main() {
 	var roSystems string
 	flag.IntVar(&ro.Rollouts, "rollouts", 0, "run only the rollout scenario with this many rollouts submitted at once (the agent CLI against the model stand-in), and replace its section of the markdown report")
 	flag.IntVar(&ro.TaskCount, "rollout-tasks", 0, "distinct tasks of the rollout scenario (0: every task of the workload, at most -rollouts)")
+	flag.StringVar(&ro.Repo, "rollout-repo", "", "rollout scenario: only tasks of this repository (\"uuid\", as make demo runs)")
 	flag.StringVar(&roSystems, "rollout-systems", strings.Join(headline.RolloutSystems, ","), "systems of the rollout scenario, in order")
 	ro.Think = modelstub.DefaultThink
 	flag.DurationVar(&ro.Think.Median, "think-median", ro.Think.Median, "rollout scenario: the model's median think time per answer")
@@ -58,7 +59,7 @@ func main() {
 	flag.BoolVar(&ro.Think.Fixed, "think-fixed", false, "rollout scenario: every answer takes -think-median")
 	flag.Uint64Var(&ro.Think.Seed, "think-seed", ro.Think.Seed, "rollout scenario: seed of the think times")
 	flag.Float64Var(&ro.FixedCPU, "fixed-cpu", 0.5, "rollout scenario: the fixed CPU quota (cores) of the status quo")
-	fixedMem := flag.String("fixed-memory", "2Gi", "rollout scenario: the fixed memory quota of the status quo")
+	fixedMem := flag.String("fixed-memory", "2GiB", "rollout scenario: the fixed memory quota of the status quo (binary units: 2GiB, 512MiB)")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
@@ -202,19 +203,29 @@ func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, r
 	}
 	defer modelLog.Close()
 	cfg.ModelLog = modelLog
+	// Every system's batch is written as it ends: the report then shows
+	// the systems measured so far, and a run stopped later keeps them.
+	var plots []string
+	cfg.Measured = func(rep *headline.RolloutReport) error {
+		rep.Command = command
+		if err := rep.WriteJSON(out); err != nil {
+			return err
+		}
+		if plots, err = rep.WritePlots(filepath.Join(filepath.Dir(doc), "img")); err != nil {
+			return err
+		}
+		if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
+			return err
+		}
+		// The README's first table is this comparison, from the same
+		// run, when the report is the repository's own.
+		if doc != filepath.Join(root, "docs/benchmarks.md") {
+			return nil
+		}
+		return rep.WriteReadme(filepath.Join(root, "README.md"))
+	}
 	rep, err := headline.MeasureRollout(ctx, cfg)
 	if err != nil {
-		return err
-	}
-	rep.Command = command
-	if err := rep.WriteJSON(out); err != nil {
-		return err
-	}
-	plots, err := rep.WritePlots(filepath.Join(filepath.Dir(doc), "img"))
-	if err != nil {
-		return err
-	}
-	if err := rep.WriteMarkdown(doc, rel, plots); err != nil {
 		return err
 	}
 	fmt.Printf("wrote %s, %s, %s, %s\n%s\n", out, modelLog.Name(), doc, strings.Join(plots, ", "), rep.Comparison())
