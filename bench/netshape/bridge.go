@@ -67,14 +67,19 @@ func (n BridgeNode) Dial(ctx context.Context, addr string) (net.Conn, error) {
 	return c, nil
 }
 
+// MaxBridgeNodes is the most namespaces one bridge holds: with the host's
+// address they fill a /24 of the bench's network, and the veth names
+// (esx, the subnet's 5-digit tag, v, the index) stay within 15 bytes.
+const MaxBridgeNodes = 250
+
 // NewBridge creates the bridge, n namespaces named name-0 .. name-(n-1)
 // (name starts with NamePrefix, as a Link's does, so LeftoverNamespaces
 // finds them), their veths and addresses, and brings loopback up in each.
 // It needs root and the ip command. Close removes all of it; on error
 // nothing is left behind.
 func NewBridge(ctx context.Context, name string, n int) (_ *Bridge, retErr error) {
-	if n < 1 || n > 60 {
-		return nil, fmt.Errorf("bridge: %d nodes, want 1 to 60", n)
+	if n < 1 || n > MaxBridgeNodes {
+		return nil, fmt.Errorf("bridge: %d nodes, want 1 to %d", n, MaxBridgeNodes)
 	}
 	if !strings.HasPrefix(name, NamePrefix) || len(name) > 60 || strings.ContainsAny(name, "/ ") {
 		return nil, fmt.Errorf("bridge: invalid name %q (want %s...)", name, NamePrefix)
