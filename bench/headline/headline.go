@@ -10,6 +10,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -880,7 +881,13 @@ func startNode(ctx context.Context, rate int64, rtt time.Duration) (*devenv.Env,
 		return nil, "", "", nil, fmt.Errorf("shaped link: %w", err)
 	}
 	regNet := netshape.NewRegistryNet(ctx, link, rtt)
-	metricsAddr := "127.0.0.1:19166"
+	// A free port, not a fixed one: another bench (or another checkout's)
+	// may hold its node on this machine at the same time.
+	metricsAddr, err := freeLocalAddr()
+	if err != nil {
+		link.Close(context.Background())
+		return nil, "", "", nil, err
+	}
 	denv, err := devenv.Start(ctx, devenv.WithEnvsnap(append([]string{"--metrics-address", metricsAddr}, daemonArgs[Envsnap]...)...),
 		devenv.WithRegistryNetwork(regNet), devenv.WithDirPrefix("envsnap-bench-"), devenv.WithEnvlet(devenv.EnvletConfig{}), devenv.WithDefaultLazyMinSize())
 	if err != nil {
@@ -891,4 +898,14 @@ func startNode(ctx context.Context, rate int64, rtt time.Duration) (*devenv.Env,
 		denv.Close()
 		link.Close(context.Background())
 	}, nil
+}
+
+// freeLocalAddr is a loopback address with a port nobody listens on now.
+func freeLocalAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("pick a metrics port: %w", err)
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
 }
