@@ -65,6 +65,10 @@ func main() {
 	flag.DurationVar(&de.Window, "density-window", 40*time.Second, "density scenario: how long each level is held and measured")
 	flag.Float64Var(&de.Limit, "density-limit", 1.3, "density scenario: the p95 tool-call latency bound, over one environment alone")
 	flag.StringVar(&deSystems, "density-systems", strings.Join(headline.DensitySystems, ","), "systems of the density scenario, in order")
+	var pc headline.PageCacheConfig
+	var pcSystems string
+	flag.IntVar(&pc.N, "pagecache", 0, "run only the page-cache sharing scenario: this many environments of one image hold the agent CLI resident, on overlayfs and envsnap's lazy and native lowers; print and write its JSON")
+	flag.StringVar(&pcSystems, "pagecache-systems", strings.Join(headline.PageCacheSystems, ","), "systems of the page-cache scenario, in order")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
@@ -91,13 +95,13 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
-	if err := run(ctx, cfg, variant, *out, *doc, slow, ro, de); err != nil {
+	if err := run(ctx, cfg, variant, *out, *doc, slow, ro, de, pc, pcSystems); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig, de headline.DensityConfig) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig, de headline.DensityConfig, pc headline.PageCacheConfig, pcSystems string) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -140,6 +144,23 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	if peers.Nodes > 0 {
 		peers.Tasks, peers.RTT, peers.Rate, peers.Timeout, peers.NoPrefetch, peers.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
 		return runPeers(ctx, peers, command, out, rel, doc)
+	}
+	if pc.N > 0 {
+		pc.Tasks, pc.RTT, pc.Rate, pc.Timeout, pc.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.Log
+		pc.Systems = strings.Split(pcSystems, ",")
+		if out == filepath.Join(root, "docs/benchmarks.json") {
+			out = filepath.Join(root, "bench/out/pagecache.json")
+		}
+		rep, err := headline.MeasurePageCache(ctx, pc)
+		if err != nil {
+			return err
+		}
+		rep.Command = command
+		if err := rep.WriteJSON(out); err != nil {
+			return err
+		}
+		fmt.Printf("wrote %s\n", out)
+		return nil
 	}
 	if de.Max > 0 {
 		de.Tasks, de.RTT, de.Rate, de.NoPrefetch, de.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.NoPrefetch, cfg.Log
