@@ -48,8 +48,10 @@ type DensityConfig struct {
 	// Step environments are added between two measurements (the first
 	// level is one environment alone).
 	Step int
-	// Window is how long each level is held and measured once its last
-	// environment is ready.
+	// Settle is how long a level runs before it is measured: the agents
+	// started last load their code (seconds of CPU each) in it.
+	Settle time.Duration
+	// Window is how long each level is then measured.
 	Window time.Duration
 	// Limit is the degradation bound: the level's p95 tool-call latency
 	// over the p95 of one environment alone.
@@ -88,6 +90,7 @@ type DensityReport struct {
 	Think    string                 `json:"think"`
 	Max      int                    `json:"max"`
 	Step     int                    `json:"step"`
+	Settle   time.Duration          `json:"settle_ns"`
 	Window   time.Duration          `json:"window_ns"`
 	Limit    float64                `json:"limit"`
 	FixedCPU float64                `json:"fixed_cpu"`
@@ -171,7 +174,7 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (_ *DensityReport, r
 		return nil, err
 	}
 	rep := &DensityReport{Started: time.Now(), Machine: machine(), Workload: reportPath(cfg.Tasks), Think: describeThink(cfg.Think),
-		Max: cfg.Max, Step: cfg.Step, Window: cfg.Window, Limit: cfg.Limit, FixedCPU: cfg.FixedCPU, FixedMem: cfg.FixedMemory,
+		Max: cfg.Max, Step: cfg.Step, Settle: cfg.Settle, Window: cfg.Window, Limit: cfg.Limit, FixedCPU: cfg.FixedCPU, FixedMem: cfg.FixedMemory,
 		Cores: runtime.NumCPU(), MemTotal: memTotal, Order: cfg.Systems, Systems: map[string]*DensityRun{}}
 	for _, t := range taskList {
 		rep.Tasks = append(rep.Tasks, t.ID)
@@ -277,18 +280,17 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 		return nil, err
 	}
 	for _, n := range db.nodes {
-		var err error
-		if spec.envlet {
-			// The shim installs its own; a table the bench left for an
-			// earlier runc system would be replaced in the shim's batch,
-			// whose acknowledgements then overflowed the netlink socket
-			// (ENOBUFS) on a loaded node.
-			err = clearEgress(n.Path())
-		} else {
-			err = applyEgress(ctx, n.Path(), db.allow)
-		}
-		if err != nil {
+		// A table left by the system before (the shim's, or the bench's
+		// for runc) goes first: egress.Apply replaces one in a single
+		// batch, which failed with netlink ENOBUFS on this loaded node.
+		// The shim installs its own; runc gets the bench's.
+		if err := clearEgress(n.Path()); err != nil {
 			return nil, err
+		}
+		if !spec.envlet {
+			if err := applyEgress(ctx, n.Path(), db.allow); err != nil {
+				return nil, err
+			}
 		}
 	}
 	run := &DensityRun{}
@@ -368,7 +370,12 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 	db.cfg.logf("%-12s alone: %d tool calls, p50 %.2fs p95 %.2fs", sys, run.Alone.N, run.Alone.Median, run.Alone.P95)
 
 	for n := 1; ; {
-		// Measure the level.
+		// Measure the level, once its last agents have started.
+		select {
+		case <-time.After(db.cfg.Settle):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 		from, cpu0, shim0 := time.Now(), db.sampleCPU(), db.shims()
 		select {
 		case <-time.After(db.cfg.Window):

@@ -182,6 +182,9 @@ func MeasurePageCache(ctx context.Context, cfg PageCacheConfig) (_ *PageCacheRep
 			return nil, err
 		}
 		for _, n := range br.Nodes[1:] {
+			if err := clearEgress(n.Path()); err != nil {
+				return nil, err
+			}
 			if err := applyEgress(ctx, n.Path(), allow); err != nil {
 				return nil, err
 			}

@@ -62,7 +62,8 @@ func main() {
 	var deSystems string
 	flag.IntVar(&de.Max, "density", 0, "run only the density scenario: start agent environments one after another up to this many, until the node refuses one, one fails or tool calls slow past -density-limit; replace its section of the markdown report")
 	flag.IntVar(&de.Step, "density-step", 8, "density scenario: environments added between two measured levels")
-	flag.DurationVar(&de.Window, "density-window", 40*time.Second, "density scenario: how long each level is held and measured")
+	flag.DurationVar(&de.Settle, "density-settle", 20*time.Second, "density scenario: how long each level runs before it is measured")
+	flag.DurationVar(&de.Window, "density-window", 60*time.Second, "density scenario: how long each level is measured")
 	flag.Float64Var(&de.Limit, "density-limit", 1.3, "density scenario: the p95 tool-call latency bound, over one environment alone")
 	flag.StringVar(&deSystems, "density-systems", strings.Join(headline.DensitySystems, ","), "systems of the density scenario, in order")
 	var pc headline.PageCacheConfig
