@@ -120,8 +120,17 @@ func NewBridge(ctx context.Context, name string, n int) (_ *Bridge, retErr error
 			return nil, fmt.Errorf("bridge %s: create namespace: %w", b.Name, err)
 		}
 		b.Nodes = append(b.Nodes, nd)
+		if err := run(ctx, "ip", "link", "add", nd.HostIf, "type", "veth", "peer", "name", "eth0", "netns", nd.NetNS); err != nil {
+			return nil, fmt.Errorf("bridge %s node %d: %w", b.Name, i, err)
+		}
+		// No IPv6 link-local address on the host's end: every address
+		// of the root namespace is a node address the envlet shim's
+		// egress policy denies one rule each, and a hundred veths made
+		// that batch overflow its netlink socket (ENOBUFS).
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+nd.HostIf+"/disable_ipv6", []byte("1"), 0o644); err != nil && !os.IsNotExist(err) {
+			return nil, fmt.Errorf("bridge %s node %d: disable IPv6 on %s: %w", b.Name, i, nd.HostIf, err)
+		}
 		for _, s := range [][]string{
-			{"ip", "link", "add", nd.HostIf, "type", "veth", "peer", "name", "eth0", "netns", nd.NetNS},
 			{"ip", "link", "set", nd.HostIf, "master", b.Name},
 			{"ip", "link", "set", nd.HostIf, "up"},
 			{"ip", "-n", nd.NetNS, "addr", "add", nd.Addr.String() + mask, "dev", "eth0"},
