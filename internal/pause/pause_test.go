@@ -182,6 +182,7 @@ func TestPauseResume(t *testing.T) {
 		}
 		return strings.TrimSpace(s)
 	}
+	t.Logf("helper started in %s, filling %d MiB", dir, mib)
 	ready := line()
 	want, ok := strings.CutPrefix(ready, "ready ")
 	if !ok {
@@ -196,11 +197,17 @@ func TestPauseResume(t *testing.T) {
 	}
 	buf := make([]byte, mib<<20)
 	fill(buf)
+	t.Logf("helper ready; writing the floor file in %s", floorDir)
 	floor := writeFloor(t, floorDir, buf)
 	buf = nil
+	t.Logf("floor written in %s; pausing", floor)
 
 	availBefore := memAvailable(t)
-	rep, err := Pause(context.Background(), dir)
+	// A bound, not a measurement: a reclaim that never returns fails
+	// here with its state rather than at the suite's end.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rep, err := Pause(ctx, dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -221,6 +228,7 @@ func TestPauseResume(t *testing.T) {
 	if _, err := stdin.Write([]byte("p")); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("paused: %d MiB -> %d MiB; resuming", rep.Before>>20, rep.After>>20)
 	start := time.Now()
 	thaw, err := Resume(dir)
 	if err != nil {

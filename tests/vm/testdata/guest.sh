@@ -79,10 +79,10 @@ check idleprio "internal/idleprio tests failed in the guest (output above)" idle
 # pause against writing the same memory to a file, time to the first
 # instruction after the thaw); nothing here asserts a time. ---
 pause_test() { # pause_test LABEL
-	ENVSNAP_PAUSE_REQUIRED=1 ENVSNAP_PAUSE_MIB=512 /usr/local/bin/pause.test -test.run '^TestPauseResume$' -test.v >/tmp/pause.out 2>&1
-	local rc=$?
-	sed "s/^/VMTEST: LOG pause.test ($1): /" /tmp/pause.out
-	return $rc
+	# Streamed: the test logs each stage as it goes.
+	ENVSNAP_PAUSE_REQUIRED=1 ENVSNAP_PAUSE_MIB=128 /usr/local/bin/pause.test -test.run '^TestPauseResume$' -test.v -test.timeout 8m 2>&1 |
+		sed -u "s/^/VMTEST: LOG pause.test ($1): /"
+	return "${PIPESTATUS[0]}"
 }
 log "KSM: kernel $(uname -r), /sys/kernel/mm/ksm/run=$(cat /sys/kernel/mm/ksm/run 2>/dev/null || echo absent); PR_SET_MEMORY_MERGE (whole-process merging) needs Linux >= 6.4"
 if modprobe zram num_devices=1 && echo 1G >/sys/block/zram0/disksize && mkswap /dev/zram0 >/dev/null && swapon /dev/zram0; then
