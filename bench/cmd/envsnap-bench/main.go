@@ -57,7 +57,7 @@ func main() {
 	flag.BoolVar(&ro.Think.Fixed, "think-fixed", false, "rollout scenario: every answer takes -think-median")
 	flag.Uint64Var(&ro.Think.Seed, "think-seed", ro.Think.Seed, "rollout scenario: seed of the think times")
 	flag.Float64Var(&ro.FixedCPU, "fixed-cpu", 0.5, "rollout scenario: the fixed CPU quota (cores) of the status quo")
-	fixedMem := flag.String("fixed-memory", "2Gi", "rollout scenario: the fixed memory quota of the status quo")
+	fixedMem := flag.String("fixed-memory", "2GiB", "rollout and density scenarios: the fixed memory quota of the status quo")
 	var de headline.DensityConfig
 	var deSystems string
 	flag.IntVar(&de.Max, "density", 0, "run only the density scenario: start agent environments one after another up to this many, until the node refuses one, one fails or tool calls slow past -density-limit; replace its section of the markdown report")
