@@ -28,8 +28,10 @@ import (
 type Report struct {
 	// Before and After are the cgroup's memory.current around the
 	// reclaim; SwapAfter its memory.swap.current after (0 when the
-	// kernel has no swap accounting).
-	Before, After, SwapAfter int64
+	// kernel has no swap accounting); ZswapAfter its memory.zswap.current
+	// (kernel >= 5.19): zswap's compressed copies are charged to the
+	// cgroup, so with zswap After still holds them.
+	Before, After, SwapAfter, ZswapAfter int64
 	// Freeze is the time to a frozen cgroup, Reclaim the time the
 	// reclaim writes took.
 	Freeze, Reclaim time.Duration
@@ -37,6 +39,10 @@ type Report struct {
 
 // Freed is the memory the cgroup no longer holds.
 func (r Report) Freed() int64 { return r.Before - r.After }
+
+// PushedOut is the memory that left the cgroup's RAM uncompressed: what
+// it freed plus the compressed copies zswap charges back to it.
+func (r Report) PushedOut() int64 { return r.Freed() + r.ZswapAfter }
 
 // reclaimRounds bounds the reclaim writes: the kernel answers EAGAIN
 // when a round reclaimed less than asked, and a frozen cgroup's pages
@@ -96,6 +102,9 @@ func Pause(ctx context.Context, dir string) (_ Report, retErr error) {
 	r.After = cur
 	if swap, err := readInt(dir, "memory.swap.current"); err == nil {
 		r.SwapAfter = swap
+	}
+	if z, err := readInt(dir, "memory.zswap.current"); err == nil {
+		r.ZswapAfter = z
 	}
 	return r, nil
 }

@@ -219,8 +219,9 @@ func TestPauseResume(t *testing.T) {
 	if !strings.Contains(string(frozen), "frozen 1") {
 		t.Fatalf("after Pause, cgroup.events: %s", frozen)
 	}
-	if rep.Freed() < int64(mib)<<20*3/4 {
-		t.Errorf("pause freed %d MiB of the cgroup's %d MiB (the helper holds %d MiB): memory did not go out to swap", rep.Freed()>>20, rep.Before>>20, mib)
+	if rep.PushedOut() < int64(mib)<<20*3/4 {
+		t.Errorf("pause pushed out %d MiB (freed %d MiB, zswap holds %d MiB) of the cgroup's %d MiB (the helper holds %d MiB): memory did not go out to swap",
+			rep.PushedOut()>>20, rep.Freed()>>20, rep.ZswapAfter>>20, rep.Before>>20, mib)
 	}
 
 	// The command waits in the pipe while the helper is frozen; the
@@ -247,11 +248,11 @@ func TestPauseResume(t *testing.T) {
 	if got != "t "+want {
 		t.Fatalf("after resume the helper's memory sums to %q, want %q: pages came back wrong", got, "t "+want)
 	}
-	gib := float64(rep.Freed()) / (1 << 30)
+	gib := float64(rep.PushedOut()) / (1 << 30)
 	pause := (rep.Freeze + rep.Reclaim).Seconds()
-	t.Logf("pause: swap %v (zswap %v); helper %d MiB, cgroup %d MiB -> %d MiB (swap.current %d MiB), node MemAvailable +%d MiB while paused",
-		swap.Devices, swap.Zswap, mib, rep.Before>>20, rep.After>>20, rep.SwapAfter>>20, (availPaused-availBefore)>>20)
-	t.Logf("pause: %.2f s (freeze %.3f s, reclaim %.2f s) for %.0f MiB freed = %.2f s/GiB; floor (the same bytes to a file + fsync) %.2f s = %.2f s/GiB; pause / floor %.2fx",
+	t.Logf("pause: swap %v (zswap %v); helper %d MiB, cgroup %d MiB -> %d MiB (swap.current %d MiB, zswap.current %d MiB), node MemAvailable +%d MiB while paused",
+		swap.Devices, swap.Zswap, mib, rep.Before>>20, rep.After>>20, rep.SwapAfter>>20, rep.ZswapAfter>>20, (availPaused-availBefore)>>20)
+	t.Logf("pause: %.2f s (freeze %.3f s, reclaim %.2f s) for %.0f MiB pushed out = %.2f s/GiB; floor (the same bytes to a file + fsync) %.2f s = %.2f s/GiB; pause / floor %.2fx",
 		pause, rep.Freeze.Seconds(), rep.Reclaim.Seconds(), gib*1024, pause/gib, floor.Seconds(), floor.Seconds()/(float64(mib)/1024), pause/floor.Seconds())
 	t.Logf("resume: thaw %.1f ms, first instruction %.1f ms after the thaw began, every page back in %.2f s (%.2f s/GiB)",
 		float64(thaw.Microseconds())/1000, float64(first.Microseconds())/1000, back.Seconds(), back.Seconds()/(float64(mib)/1024))
