@@ -446,6 +446,10 @@ type bench struct {
 	env     *devenv.Env
 	sys     string
 	metrics string
+	// keepPageCache: reset leaves the machine's page cache alone (a
+	// scenario that reads only its own cgroups' charges, run beside
+	// other work it must not disturb).
+	keepPageCache bool
 }
 
 // useSystem restarts the envsnap daemon in the system's mode.
@@ -497,6 +501,9 @@ func (b *bench) reset() error {
 		if err := b.checkCold(); err != nil {
 			return err
 		}
+	}
+	if b.keepPageCache {
+		return nil
 	}
 	return dropPageCache()
 }

@@ -67,14 +67,19 @@ func (n BridgeNode) Dial(ctx context.Context, addr string) (net.Conn, error) {
 	return c, nil
 }
 
+// MaxBridgeNodes is the most namespaces one bridge holds: with the host's
+// address they fill a /24 of the bench's network, and the veth names
+// (esx, the subnet's 5-digit tag, v, the index) stay within 15 bytes.
+const MaxBridgeNodes = 250
+
 // NewBridge creates the bridge, n namespaces named name-0 .. name-(n-1)
 // (name starts with NamePrefix, as a Link's does, so LeftoverNamespaces
 // finds them), their veths and addresses, and brings loopback up in each.
 // It needs root and the ip command. Close removes all of it; on error
 // nothing is left behind.
 func NewBridge(ctx context.Context, name string, n int) (_ *Bridge, retErr error) {
-	if n < 1 || n > 60 {
-		return nil, fmt.Errorf("bridge: %d nodes, want 1 to 60", n)
+	if n < 1 || n > MaxBridgeNodes {
+		return nil, fmt.Errorf("bridge: %d nodes, want 1 to %d", n, MaxBridgeNodes)
 	}
 	if !strings.HasPrefix(name, NamePrefix) || len(name) > 60 || strings.ContainsAny(name, "/ ") {
 		return nil, fmt.Errorf("bridge: invalid name %q (want %s...)", name, NamePrefix)
@@ -115,8 +120,17 @@ func NewBridge(ctx context.Context, name string, n int) (_ *Bridge, retErr error
 			return nil, fmt.Errorf("bridge %s: create namespace: %w", b.Name, err)
 		}
 		b.Nodes = append(b.Nodes, nd)
+		if err := run(ctx, "ip", "link", "add", nd.HostIf, "type", "veth", "peer", "name", "eth0", "netns", nd.NetNS); err != nil {
+			return nil, fmt.Errorf("bridge %s node %d: %w", b.Name, i, err)
+		}
+		// No IPv6 link-local address on the host's end: every address
+		// of the root namespace is a node address the envlet shim's
+		// egress policy denies one rule each, and a hundred veths made
+		// that batch overflow its netlink socket (ENOBUFS).
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+nd.HostIf+"/disable_ipv6", []byte("1"), 0o644); err != nil && !os.IsNotExist(err) {
+			return nil, fmt.Errorf("bridge %s node %d: disable IPv6 on %s: %w", b.Name, i, nd.HostIf, err)
+		}
 		for _, s := range [][]string{
-			{"ip", "link", "add", nd.HostIf, "type", "veth", "peer", "name", "eth0", "netns", nd.NetNS},
 			{"ip", "link", "set", nd.HostIf, "master", b.Name},
 			{"ip", "link", "set", nd.HostIf, "up"},
 			{"ip", "-n", nd.NetNS, "addr", "add", nd.Addr.String() + mask, "dev", "eth0"},

@@ -192,8 +192,9 @@ func stage(t *testing.T, root string) string {
 	}
 	// internal/lsm's tests, run in the guest, whose kernel runs BPF LSM
 	// programs (this machine kind's kernel refuses them); internal/idleprio's,
-	// on the guest's cgroup v2 (threads stay in the process's cgroup).
-	for _, pkg := range []string{"lsm", "idleprio"} {
+	// on the guest's cgroup v2 (threads stay in the process's cgroup);
+	// internal/pause's, with the guest's zram and zswap swap.
+	for _, pkg := range []string{"lsm", "idleprio", "pause"} {
 		build := exec.Command("go", "test", "-c", "-o", filepath.Join(bin, pkg+".test"), "./internal/"+pkg)
 		build.Dir = root
 		build.Env = append(os.Environ(), "CGO_ENABLED=0")

@@ -59,7 +59,19 @@ func main() {
 	flag.BoolVar(&ro.Think.Fixed, "think-fixed", false, "rollout scenario: every answer takes -think-median")
 	flag.Uint64Var(&ro.Think.Seed, "think-seed", ro.Think.Seed, "rollout scenario: seed of the think times")
 	flag.Float64Var(&ro.FixedCPU, "fixed-cpu", 0.5, "rollout scenario: the fixed CPU quota (cores) of the status quo")
-	fixedMem := flag.String("fixed-memory", "2GiB", "rollout scenario: the fixed memory quota of the status quo (binary units: 2GiB, 512MiB)")
+	fixedMem := flag.String("fixed-memory", "2GiB", "rollout and density scenarios: the fixed memory quota of the status quo (binary units: 2GiB, 512MiB)")
+	var de headline.DensityConfig
+	var deSystems string
+	flag.IntVar(&de.Max, "density", 0, "run only the density scenario: start agent environments one after another up to this many, until the node refuses one, one fails or tool calls slow past -density-limit; replace its section of the markdown report")
+	flag.IntVar(&de.Step, "density-step", 8, "density scenario: environments added between two measured levels")
+	flag.DurationVar(&de.Settle, "density-settle", 20*time.Second, "density scenario: how long each level runs before it is measured")
+	flag.DurationVar(&de.Window, "density-window", 60*time.Second, "density scenario: how long each level is measured")
+	flag.Float64Var(&de.Limit, "density-limit", 1.3, "density scenario: the p95 tool-call latency bound, over one environment alone")
+	flag.StringVar(&deSystems, "density-systems", strings.Join(headline.DensitySystems, ","), "systems of the density scenario, in order")
+	var pc headline.PageCacheConfig
+	var pcSystems string
+	flag.IntVar(&pc.N, "pagecache", 0, "run only the page-cache sharing scenario: this many environments of one image hold the agent CLI resident, on overlayfs and envsnap's lazy and native lowers; print and write its JSON")
+	flag.StringVar(&pcSystems, "pagecache-systems", strings.Join(headline.PageCacheSystems, ","), "systems of the page-cache scenario, in order")
 	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
 	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
 	flag.Parse()
@@ -73,17 +85,26 @@ func main() {
 		}
 		ro.FixedMemory, ro.Systems = mem, strings.Split(roSystems, ",")
 	}
+	if de.Max > 0 {
+		mem, err := units.RAMInBytes(*fixedMem)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "envsnap-bench: -fixed-memory %q: %v\n", *fixedMem, err)
+			os.Exit(2)
+		}
+		de.FixedMemory, de.FixedCPU, de.Think, de.TaskCount = mem, ro.FixedCPU, ro.Think, ro.TaskCount
+		de.Systems = strings.Split(deSystems, ",")
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
-	if err := run(ctx, cfg, variant, *out, *doc, slow, ro); err != nil {
+	if err := run(ctx, cfg, variant, *out, *doc, slow, ro, de, pc, pcSystems); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig) error {
+func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig, de headline.DensityConfig, pc headline.PageCacheConfig, pcSystems string) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -114,6 +135,9 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 		if ro.Rollouts > 0 {
 			out = filepath.Join(root, "docs/benchmarks-rollout.json")
 		}
+		if de.Max > 0 {
+			out = filepath.Join(root, "docs/benchmarks-density.json")
+		}
 	}
 	if doc == "" {
 		doc = filepath.Join(root, "docs/benchmarks.md")
@@ -123,6 +147,28 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	if peers.Nodes > 0 {
 		peers.Tasks, peers.RTT, peers.Rate, peers.Timeout, peers.NoPrefetch, peers.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
 		return runPeers(ctx, peers, command, out, rel, doc)
+	}
+	if pc.N > 0 {
+		pc.Tasks, pc.RTT, pc.Rate, pc.Timeout, pc.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.Log
+		pc.Systems = strings.Split(pcSystems, ",")
+		if out == filepath.Join(root, "docs/benchmarks.json") {
+			out = filepath.Join(root, "bench/out/pagecache.json")
+		}
+		rep, err := headline.MeasurePageCache(ctx, pc)
+		if err != nil {
+			return err
+		}
+		rep.Command = command
+		if err := rep.WriteJSON(out); err != nil {
+			return err
+		}
+		fmt.Printf("wrote %s\n", out)
+		return nil
+	}
+	if de.Max > 0 {
+		de.Tasks, de.RTT, de.Rate, de.NoPrefetch, de.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.NoPrefetch, cfg.Log
+		de.ReadyTimeout = cfg.Timeout
+		return runDensity(ctx, de, command, out, rel, doc)
 	}
 	if ro.Rollouts > 0 {
 		ro.Tasks, ro.RTT, ro.Rate, ro.Timeout, ro.NoPrefetch, ro.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
@@ -229,6 +275,38 @@ func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, r
 		return err
 	}
 	fmt.Printf("wrote %s, %s, %s, %s\n%s\n", out, modelLog.Name(), doc, strings.Join(plots, ", "), rep.Comparison())
+	return nil
+}
+
+// runDensity runs the density scenario and writes its JSON and its
+// section of the markdown report; the last line it prints is the
+// comparison.
+func runDensity(ctx context.Context, cfg headline.DensityConfig, command, out, rel, doc string) error {
+	root, err := devenv.RepoRoot()
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Join(root, "bench/out"), 0o755); err != nil {
+		return err
+	}
+	modelLog, err := os.Create(filepath.Join(root, "bench/out/density-model.jsonl"))
+	if err != nil {
+		return err
+	}
+	defer modelLog.Close()
+	cfg.ModelLog = modelLog
+	rep, err := headline.MeasureDensity(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	rep.Command = command
+	if err := rep.WriteJSON(out); err != nil {
+		return err
+	}
+	if err := rep.WriteMarkdown(doc, rel); err != nil {
+		return err
+	}
+	fmt.Printf("wrote %s, %s, %s\n%s\n", out, modelLog.Name(), doc, rep.Comparison())
 	return nil
 }
 

@@ -71,6 +71,37 @@ idleprio_test() {
 	return $rc
 }
 check idleprio "internal/idleprio tests failed in the guest (output above)" idleprio_test
+
+# --- pause/resume of an idle environment (internal/pause) on cgroup v2:
+# freeze, memory.reclaim out to compressed swap, thaw. zram first, then
+# zswap in front of a swap file; the swap exists only for these checks
+# and is gone after them. The test logs the numbers (seconds per GiB to
+# pause against writing the same memory to a file, time to the first
+# instruction after the thaw); nothing here asserts a time. ---
+pause_test() { # pause_test LABEL
+	# Streamed: the test logs each stage as it goes.
+	ENVSNAP_PAUSE_REQUIRED=1 ENVSNAP_PAUSE_MIB=128 /usr/local/bin/pause.test -test.run '^TestPauseResume$' -test.v -test.timeout 8m 2>&1 |
+		sed -u "s/^/VMTEST: LOG pause.test ($1): /"
+	return "${PIPESTATUS[0]}"
+}
+log "KSM: kernel $(uname -r), /sys/kernel/mm/ksm/run=$(cat /sys/kernel/mm/ksm/run 2>/dev/null || echo absent); PR_SET_MEMORY_MERGE (whole-process merging) needs Linux >= 6.4"
+if modprobe zram num_devices=1 && echo 1G >/sys/block/zram0/disksize && mkswap /dev/zram0 >/dev/null && swapon /dev/zram0; then
+	check pause-zram "internal/pause TestPauseResume failed with zram swap (output above)" pause_test zram
+	log "zram after the pause test: $(cat /sys/block/zram0/mm_stat)"
+	swapoff /dev/zram0 && echo 1 >/sys/block/zram0/reset && rmmod zram
+else
+	fail pause-zram "could not set up zram swap (modprobe zram, disksize, mkswap, swapon)"
+fi
+if fallocate -l 1G /var/tmp/pause.swap && chmod 600 /var/tmp/pause.swap && mkswap /var/tmp/pause.swap >/dev/null &&
+	echo Y >/sys/module/zswap/parameters/enabled && swapon /var/tmp/pause.swap; then
+	check pause-zswap "internal/pause TestPauseResume failed with zswap in front of a swap file (output above)" pause_test zswap
+	swapoff /var/tmp/pause.swap
+	echo N >/sys/module/zswap/parameters/enabled
+else
+	fail pause-zswap "could not set up zswap and a swap file"
+fi
+rm -f /var/tmp/pause.swap
+log "swap after the pause checks: $(tail -n +2 /proc/swaps | wc -l) devices"
 cp "$S"/deploy/containerd/envsnap.toml /etc/containerd/conf.d/envsnap.toml
 cat >/etc/containerd/certs.d/127.0.0.1:5000/hosts.toml <<'EOF'
 server = "http://127.0.0.1:5000"
