@@ -81,7 +81,7 @@ func Pause(ctx context.Context, dir string) (_ Report, retErr error) {
 		if err := ctx.Err(); err != nil {
 			return r, fmt.Errorf("pause %s: %w", dir, err)
 		}
-		err := writeReclaim(dir, cur)
+		err := cgroupfs.ReclaimDir(dir, cur)
 		if err != nil && !errors.Is(err, unix.EAGAIN) {
 			return r, fmt.Errorf("pause: reclaim %d bytes from %s: %w", cur, dir, err)
 		}
@@ -172,24 +172,6 @@ func NodeSwap() (Swap, error) {
 		s.Zswap = strings.TrimSpace(string(b)) == "Y"
 	}
 	return s, nil
-}
-
-// writeReclaim asks the kernel to reclaim bytes from the cgroup at dir.
-// Raw system calls, not os.WriteFile: kernfs files are pollable, so the
-// Go runtime would take the kernel's EAGAIN ("reclaimed less than
-// asked") for "would block" and wait for a POLLOUT that never comes (a
-// pause hung in the VM guest exactly so).
-func writeReclaim(dir string, bytes int64) error {
-	path := filepath.Join(dir, "memory.reclaim")
-	fd, err := unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("open %s: %w", path, err)
-	}
-	defer unix.Close(fd)
-	if _, err := unix.Write(fd, []byte(strconv.FormatInt(bytes, 10))); err != nil {
-		return fmt.Errorf("write %d to %s: %w", bytes, path, err)
-	}
-	return nil
 }
 
 func readInt(dir, name string) (int64, error) {

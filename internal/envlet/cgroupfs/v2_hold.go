@@ -1,12 +1,6 @@
 package cgroupfs
 
-import (
-	"errors"
-	"fmt"
-	"path/filepath"
-	"strconv"
-	"syscall"
-)
+import "fmt"
 
 // Freeze stops (true) or resumes every task of the cgroup through
 // cgroup.freeze. The controller freezes a task stuck at its memory limit
@@ -27,13 +21,5 @@ func (c *V2) Freeze(on bool) error {
 	return nil
 }
 
-// Reclaim asks the kernel to reclaim bytes from the cgroup
-// (memory.reclaim, kernel >= 5.19). The kernel answers EAGAIN when it
-// could not reclaim that much; that is reported as ErrBusy: not now.
-func (c *V2) Reclaim(bytes int64) error {
-	err := writeControl(filepath.Join(c.dir, "memory.reclaim"), strconv.FormatInt(bytes, 10))
-	if errors.Is(err, syscall.EAGAIN) {
-		return errors.Join(ErrBusy, err)
-	}
-	return err
-}
+// Reclaim asks the kernel to reclaim bytes from the cgroup (ReclaimDir).
+func (c *V2) Reclaim(bytes int64) error { return ReclaimDir(c.dir, bytes) }
