@@ -26,7 +26,7 @@ FUZZTIME  ?= 50000x
 TESTSUMMARY := $(BIN)/testsummary
 RESULTS     := $(BIN)/test-results
 
-.PHONY: all deps vm-image build test unit e2e fuzz vet demo bench clean
+.PHONY: all deps vm-image kube build test unit e2e fuzz vet demo bench clean
 
 all: build
 
@@ -38,6 +38,12 @@ deps:
 # Only the tests use it: `make demo` and `make bench` do not wait for it.
 vm-image:
 	@hack/vm-image.sh >/dev/null
+
+# The one-node Kubernetes cluster of tests/kube (control plane, kubectl,
+# kubelet, etcd, CNI plugins) is built from the Go module proxy and cached
+# under .cache/kube by hack/kube.sh; a no-op while its recipe is unchanged.
+kube:
+	@hack/kube.sh >/dev/null
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/containerd-envsnap ./cmd/containerd-shim-envlet-v2
@@ -60,7 +66,7 @@ e2e: build $(TESTSUMMARY)
 fuzz:
 	@hack/fuzz.sh $(FUZZTIME)
 
-test: deps vm-image build vet unit e2e fuzz
+test: deps vm-image kube build vet unit e2e fuzz
 	@$(TESTSUMMARY) -report $(RESULTS)/unit.json $(RESULTS)/e2e.json
 
 demo: deps build
