@@ -26,7 +26,7 @@ FUZZTIME  ?= 50000x
 TESTSUMMARY := $(BIN)/testsummary
 RESULTS     := $(BIN)/test-results
 
-.PHONY: all deps vm-image kube build test unit e2e fuzz vet demo bench clean
+.PHONY: all deps vm-image kube kube-e2e build test unit e2e fuzz vet demo bench clean
 
 all: build
 
@@ -44,6 +44,12 @@ vm-image:
 # under .cache/kube by hack/kube.sh; a no-op while its recipe is unchanged.
 kube:
 	@hack/kube.sh >/dev/null
+
+# tests/kube, behind the build tag "kube": not yet part of `make test`
+# (it has not passed end to end yet, and its build and run times on a
+# fresh machine are not measured; see docs/kubernetes.md).
+kube-e2e: deps vm-image kube build
+	$(GO) test -tags kube -count=1 -v -timeout 40m ./tests/kube/
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/containerd-envsnap ./cmd/containerd-shim-envlet-v2
@@ -66,7 +72,7 @@ e2e: build $(TESTSUMMARY)
 fuzz:
 	@hack/fuzz.sh $(FUZZTIME)
 
-test: deps vm-image kube build vet unit e2e fuzz
+test: deps vm-image build vet unit e2e fuzz
 	@$(TESTSUMMARY) -report $(RESULTS)/unit.json $(RESULTS)/e2e.json
 
 demo: deps build

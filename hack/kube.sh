@@ -63,7 +63,7 @@ mkdir "$work/bin"
 
 # Static binaries: kubelet runs in the qemu guest, whose libc is not the
 # host's.
-export CGO_ENABLED=0 GOWORK=off GOFLAGS=-buildvcs=false
+export CGO_ENABLED=0 GOWORK=off GOFLAGS="${GOFLAGS:-} -buildvcs=false"
 
 kdir=$(moddir k8s.io/kubernetes "$KUBERNETES_VERSION")
 kmod=$(modfile "$kdir" "$STAGING_VERSION")
@@ -77,11 +77,12 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 	ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 (cd "$kdir" && go mod download -modfile="$kmod" >&2)
-for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
-	t0=$(date +%s)
-	(cd "$kdir" && go build -mod=mod -modfile="$kmod" -trimpath -ldflags "$ldflags" -o "$work/bin/$cmd" "./cmd/$cmd")
-	echo "kube: $cmd built in $(($(date +%s) - t0))s" >&2
-done
+# One go build for all of them: they share most packages, and it links
+# them in parallel.
+t0=$(date +%s)
+(cd "$kdir" && go build -mod=mod -modfile="$kmod" -trimpath -ldflags "$ldflags" -o "$work/bin/" \
+	./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kube-scheduler ./cmd/kubectl ./cmd/kubelet)
+echo "kube: Kubernetes built in $(($(date +%s) - t0))s" >&2
 
 edir=$(moddir go.etcd.io/etcd/server/v3 "$ETCD_VERSION")
 emod=$(modfile "$edir" "$ETCD_VERSION")
@@ -99,5 +100,7 @@ done
 mv "$work/bin" "$out"
 echo "$KUBERNETES_VERSION etcd $ETCD_VERSION cni-plugins $CNI_PLUGINS_VERSION" >"$out/version"
 touch "$out/done"
+# Older builds are dead weight.
+find "$cache" -mindepth 1 -maxdepth 1 -type d ! -name "$(basename "$out")" ! -name 'build.*' -exec rm -rf {} + 2>/dev/null || true
 echo "kube: built in $(($(date +%s) - start))s" >&2
 echo "$out"

@@ -1,3 +1,5 @@
+//go:build kube
+
 // Package kube_test runs envsnap on a one-node Kubernetes cluster: the
 // control plane (etcd, kube-apiserver, kube-controller-manager,
 // kube-scheduler) on this host, built from the Go module proxy by
@@ -64,6 +66,10 @@ type cluster struct {
 	bin        string
 	kubeconfig string
 	apiPort    int
+	// deadline ends every wait early enough for the cleanup (the guest's
+	// power-off, the control plane's stop) to run before go test's
+	// -timeout, which would leave them running.
+	deadline time.Time
 }
 
 func TestKubernetesNode(t *testing.T) {
@@ -82,7 +88,7 @@ func TestKubernetesNode(t *testing.T) {
 	c := startControlPlane(t, dir, kbin)
 	t.Logf("control plane up in %s", time.Since(start).Round(time.Second))
 
-	share, reg, image := stage(t, root, dir, kbin, c)
+	share, reg, images := stage(t, root, dir, kbin, c)
 	writeFile(t, filepath.Join(share, "node.env"), fmt.Sprintf("API_SERVER=%s:%d\nREGISTRY=%s\n",
 		gateway, c.apiPort, guestRegistry(reg)))
 
@@ -99,13 +105,7 @@ func TestKubernetesNode(t *testing.T) {
 
 	// --- the node registers and becomes Ready ---
 	readyAt := time.Now()
-	if err := c.waitFor(readyBound, func() bool {
-		out, err := c.kubectl("get", "node", nodeName, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
-		return err == nil && out == "True"
-	}); err != nil {
-		out, _ := c.kubectl("describe", "node", nodeName)
-		t.Fatalf("node %s not Ready within %s:\n%s", nodeName, readyBound, out)
-	}
+	c.waitNodeReady(t)
 	t.Logf("node %s Ready %s after kubelet started", nodeName, time.Since(readyAt).Round(time.Second))
 
 	// --- RuntimeClass as shipped; the node carries the label it selects
@@ -114,62 +114,78 @@ func TestKubernetesNode(t *testing.T) {
 	c.mustKubectl(t, "label", "node", nodeName, "envsnap.io/envlet=ready", "--overwrite")
 
 	// --- a pod as a user writes it: runtimeClassName envlet, the image
-	// pulled lazily, an episode that reports through its termination
-	// message and exit code ---
+	// pulled lazily (kubelet names the handler in the pull), an episode
+	// that reports through its termination message and exit code ---
 	reg.ResetCounters()
-	podYAML := fmt.Sprintf(`apiVersion: v1
-kind: Pod
-metadata:
-  name: episode
-  namespace: default
-spec:
-  runtimeClassName: envlet
-  restartPolicy: Never
-  automountServiceAccountToken: false
-  containers:
-  - name: env
-    image: %s
-    imagePullPolicy: IfNotPresent
-    command: ["/bin/sh", "-c", "cat /msg >/dev/termination-log; exit 3"]
-`, image)
-	podFile := filepath.Join(dir, "episode.yaml")
-	writeFile(t, podFile, podYAML)
-	c.mustKubectl(t, "apply", "-f", podFile)
-	var term struct {
-		ExitCode int    `json:"exitCode"`
-		Message  string `json:"message"`
-		Reason   string `json:"reason"`
+	term, phase := c.runPod(t, "episode", images[0], "cat /msg >/dev/termination-log; exit 3")
+	served := reg.BlobBytesServed()
+	t.Logf("pod episode: phase %s, exit %d (%s), message %q; registry served %d blob bytes",
+		phase, term.ExitCode, term.Reason, term.Message, served)
+	if term.ExitCode != 3 || phase != "Failed" || strings.TrimSpace(term.Message) != "envlet-kube-0" {
+		t.Errorf("pod episode: exit %d, phase %s, message %q; want the episode's exit 3, phase Failed and the lazy image's /msg (envlet-kube-0)",
+			term.ExitCode, phase, term.Message)
 	}
-	if err := c.waitFor(podBound, func() bool {
-		out, err := c.kubectl("get", "pod", "episode", "-o", "jsonpath={.status.containerStatuses[0].state.terminated}")
-		return err == nil && out != "" && json.Unmarshal([]byte(out), &term) == nil
-	}); err != nil {
-		out, _ := c.kubectl("describe", "pod", "episode")
-		t.Fatalf("pod episode did not terminate within %s:\n%s", podBound, out)
-	}
-	phase, _ := c.kubectl("get", "pod", "episode", "-o", "jsonpath={.status.phase}")
-	handler, _ := c.kubectl("get", "pod", "episode", "-o", "jsonpath={.spec.runtimeClassName}")
-	t.Logf("pod episode: phase %s, runtime class %s, exit %d (%s), message %q; registry served %d blob bytes",
-		phase, handler, term.ExitCode, term.Reason, term.Message, reg.BlobBytesServed())
-	if term.ExitCode != 3 || phase != "Failed" {
-		t.Errorf("pod episode: exit %d phase %s, want the episode's exit 3 and phase Failed", term.ExitCode, phase)
-	}
-	if strings.TrimSpace(term.Message) != "envlet-kube" {
-		t.Errorf("pod episode: termination message %q, want the lazy image's /msg (envlet-kube)", term.Message)
-	}
-	if n := reg.BlobBytesServed(); n >= bigSize/2 {
-		t.Errorf("the registry served %d blob bytes for a pod that never read the %d-byte file: the pull was not lazy", n, bigSize)
+	if served >= bigSize/2 {
+		t.Errorf("the registry served %d blob bytes for a pod that never read the %d-byte file: the pull was not lazy", served, bigSize)
 	}
 
 	// --- node exhaustion: a pod without limits asks for more memory than
 	// envlet may grant on the node (435 MiB); envlet freezes and kills it,
 	// and the reason reaches the pod's status through kubelet's
 	// termination message file, so kubectl describe shows it ---
-	hogFile := filepath.Join(dir, "hog.yaml")
-	writeFile(t, hogFile, fmt.Sprintf(`apiVersion: v1
+	term, phase = c.runPod(t, "hog", images[0], "dd if=/dev/zero bs=629145600 count=1 2>/dev/null | exec sleep 100000")
+	describe := c.mustKubectl(t, "describe", "pod", "hog")
+	t.Logf("pod hog: phase %s, exit %d (%s), message %q", phase, term.ExitCode, term.Reason, term.Message)
+	if !strings.Contains(describe, "MEM_NODE_EXHAUSTED") {
+		t.Errorf("kubectl describe pod hog does not name envlet's reason MEM_NODE_EXHAUSTED:\n%s", describe)
+	}
+
+	// --- without RuntimeClassInImageCriApi kubelet pulls without the
+	// handler: CRI downloads the whole image into overlayfs and unpacks
+	// it again into envsnap at container creation; the pod still runs
+	// (docs/kubernetes.md, "Which pulls are lazy on Kubernetes") ---
+	writeFile(t, filepath.Join(share, "kubelet-no-gate"), "")
+	select {
+	case ev := <-g.events:
+		if ev != "kubelet-no-gate" {
+			t.Fatalf("guest event %q, want kubelet-no-gate", ev)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the guest did not restart kubelet without the gate within 2m")
+	}
+	c.waitNodeReady(t)
+	reg.ResetCounters()
+	term, phase = c.runPod(t, "episode-no-gate", images[1], "cat /msg >/dev/termination-log; exit 4")
+	served = reg.BlobBytesServed()
+	t.Logf("pod episode-no-gate: phase %s, exit %d (%s), message %q; registry served %d blob bytes",
+		phase, term.ExitCode, term.Reason, term.Message, served)
+	if term.ExitCode != 4 || phase != "Failed" || strings.TrimSpace(term.Message) != "envlet-kube-1" {
+		t.Errorf("pod episode-no-gate: exit %d, phase %s, message %q; want exit 4, phase Failed, message envlet-kube-1",
+			term.ExitCode, phase, term.Message)
+	}
+	if served < bigSize {
+		t.Errorf("without the gate the registry served %d blob bytes, less than the %d-byte file: the docs say the pull is full", served, bigSize)
+	}
+}
+
+// terminated is a container's terminated state in a pod's status.
+type terminated struct {
+	ExitCode int    `json:"exitCode"`
+	Message  string `json:"message"`
+	Reason   string `json:"reason"`
+}
+
+// runPod creates a pod as a user writes it (runtimeClassName envlet,
+// restartPolicy Never, no service account token: the guest has no mount
+// helpers for it to matter) running command in image, waits for its
+// container to terminate and returns that state and the pod's phase.
+func (c *cluster) runPod(t *testing.T, name, image, command string) (terminated, string) {
+	t.Helper()
+	file := filepath.Join(c.dir, name+".yaml")
+	writeFile(t, file, fmt.Sprintf(`apiVersion: v1
 kind: Pod
 metadata:
-  name: hog
+  name: %s
   namespace: default
 spec:
   runtimeClassName: envlet
@@ -179,20 +195,35 @@ spec:
   - name: env
     image: %s
     imagePullPolicy: IfNotPresent
-    command: ["/bin/sh", "-c", "dd if=/dev/zero bs=629145600 count=1 2>/dev/null | exec sleep 100000"]
-`, image))
-	c.mustKubectl(t, "apply", "-f", hogFile)
+    command: ["/bin/sh", "-c", %q]
+`, name, image, command))
+	c.mustKubectl(t, "apply", "-f", file)
+	var term terminated
 	if err := c.waitFor(podBound, func() bool {
-		out, err := c.kubectl("get", "pod", "hog", "-o", "jsonpath={.status.containerStatuses[0].state.terminated}")
+		out, err := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].state.terminated}")
 		return err == nil && out != "" && json.Unmarshal([]byte(out), &term) == nil
 	}); err != nil {
-		out, _ := c.kubectl("describe", "pod", "hog")
-		t.Fatalf("pod hog did not terminate within %s:\n%s", podBound, out)
+		out, _ := c.kubectl("describe", "pod", name)
+		t.Fatalf("pod %s did not terminate within %s:\n%s", name, podBound, out)
 	}
-	describe := c.mustKubectl(t, "describe", "pod", "hog")
-	t.Logf("pod hog: exit %d (%s), message %q", term.ExitCode, term.Reason, term.Message)
-	if !strings.Contains(describe, "MEM_NODE_EXHAUSTED") {
-		t.Errorf("kubectl describe pod hog does not name envlet's reason MEM_NODE_EXHAUSTED:\n%s", describe)
+	// The phase follows the container's state in a later status update.
+	var phase string
+	c.waitFor(time.Minute, func() bool {
+		phase, _ = c.kubectl("get", "pod", name, "-o", "jsonpath={.status.phase}")
+		return phase == "Succeeded" || phase == "Failed"
+	})
+	return term, phase
+}
+
+// waitNodeReady waits for the node's Ready condition.
+func (c *cluster) waitNodeReady(t *testing.T) {
+	t.Helper()
+	if err := c.waitFor(readyBound, func() bool {
+		out, err := c.kubectl("get", "node", nodeName, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+		return err == nil && out == "True"
+	}); err != nil {
+		out, _ := c.kubectl("describe", "node", nodeName)
+		t.Fatalf("node %s not Ready within %s:\n%s", nodeName, readyBound, out)
 	}
 }
 
@@ -253,6 +284,9 @@ func startControlPlane(t *testing.T, dir, kbin string) *cluster {
 		"--initial-cluster", "default="+peerURL, "--log-level", "warn")
 
 	c := &cluster{dir: dir, bin: kbin, apiPort: freePort(t), kubeconfig: filepath.Join(dir, "admin.conf")}
+	if d, ok := t.Deadline(); ok {
+		c.deadline = d.Add(-5 * time.Minute)
+	}
 	server := fmt.Sprintf("https://127.0.0.1:%d", c.apiPort)
 	testenv.StartProcess(t, dir, "kube-apiserver", nil, filepath.Join(kbin, "kube-apiserver"),
 		"--etcd-servers", etcdURL,
@@ -313,9 +347,13 @@ func (c *cluster) mustKubectl(t *testing.T, args ...string) string {
 	return out
 }
 
-// waitFor polls ok every 2 s until it holds or bound passes.
+// waitFor polls ok every 2 s until it holds or bound passes (or the
+// test's deadline comes near).
 func (c *cluster) waitFor(bound time.Duration, ok func() bool) error {
 	deadline := time.Now().Add(bound)
+	if !c.deadline.IsZero() && c.deadline.Before(deadline) {
+		deadline = c.deadline
+	}
 	for !ok() {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("not within %s", bound)
@@ -328,9 +366,9 @@ func (c *cluster) waitFor(bound time.Duration, ok func() bool) error {
 // stage fills the directory the guest mounts: the node's binaries and CNI
 // plugins, deploy/, envlet.toml, kubelet's credentials and config, and the
 // node script. It starts the registry on this host's loopback with the
-// pause image and a lazy image, and returns the share, the registry and
-// the lazy image's reference as the guest names it.
-func stage(t *testing.T, root, dir, kbin string, c *cluster) (string, *devenv.Registry, string) {
+// pause image and two lazy images, and returns the share, the registry
+// and the lazy images' references as the guest names them.
+func stage(t *testing.T, root, dir, kbin string, c *cluster) (string, *devenv.Registry, []string) {
 	t.Helper()
 	share := filepath.Join(dir, "share")
 	for _, d := range []string{"bin", "cni", "kube"} {
@@ -415,13 +453,20 @@ featureGates:
 		devenv.WithEntrypoint("/bin/sh", "-c", "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := env.PushImage(ctx, "kube/env:1", []devenv.File{
-		{Path: "/msg", Data: []byte("envlet-kube\n")},
-		devenv.RandomFile("/data/big.bin", bigSize, 11),
-	}, devenv.WithLazyLayers()); err != nil {
-		t.Fatal(err)
+	// Two images, different in every layer: each pod's pull starts from
+	// nothing.
+	var images []string
+	for i := range 2 {
+		name := fmt.Sprintf("kube/env%d:1", i)
+		if _, err := env.PushImage(ctx, name, []devenv.File{
+			{Path: "/msg", Data: []byte(fmt.Sprintf("envlet-kube-%d\n", i))},
+			devenv.RandomFile("/data/big.bin", bigSize, int64(11+i)),
+		}, devenv.WithLazyLayers()); err != nil {
+			t.Fatal(err)
+		}
+		images = append(images, guestRegistry(reg)+"/"+name)
 	}
-	return share, reg, guestRegistry(reg) + "/kube/env:1"
+	return share, reg, images
 }
 
 // guestRegistry is the registry's address as the guest reaches it.
@@ -436,6 +481,9 @@ type guest struct {
 	booted  time.Time
 	ready   chan struct{}
 	exited  chan struct{}
+	// events receives the names of the guest's "KUBETEST: EVENT name"
+	// lines.
+	events chan string
 }
 
 // bootGuest boots the guest with qemu's user-mode network: the guest
@@ -444,7 +492,7 @@ type guest struct {
 // and termination messages), never from kubelet's port (logs, exec).
 func bootGuest(t *testing.T, qemu, img, share string) *guest {
 	t.Helper()
-	g := &guest{console: filepath.Join(t.TempDir(), "console.log"), ready: make(chan struct{}), exited: make(chan struct{})}
+	g := &guest{console: filepath.Join(t.TempDir(), "console.log"), ready: make(chan struct{}), exited: make(chan struct{}), events: make(chan string, 8)}
 	nic := "user,id=n0"
 	g.cmd = exec.Command(qemu,
 		"-accel", "tcg", "-smp", "2", "-m", fmt.Sprint(guestMemMiB),
@@ -483,6 +531,9 @@ func bootGuest(t *testing.T, qemu, img, share string) *guest {
 			if msg == "READY" && !once {
 				once = true
 				close(g.ready)
+			}
+			if name, ok := strings.CutPrefix(msg, "EVENT "); ok {
+				g.events <- name
 			}
 			t.Log("guest: " + msg)
 		}

@@ -57,7 +57,9 @@ cat >/etc/cni/net.d/10-pods.conflist <<'EOF'
 EOF
 cp "$S"/deploy/systemd/containerd-envsnap.service "$S"/deploy/systemd/envsnap-arbiter.service /etc/systemd/system/
 mkdir -p /etc/envsnap /etc/containerd/conf.d "/etc/containerd/certs.d/$REGISTRY"
-cp "$S"/deploy/envsnap/config.toml /etc/envsnap/config.toml
+# The shipped daemon config, with background fill off: the host counts
+# the bytes the registry served to tell a lazy pull from a full one.
+sed 's/^fill = true/fill = false/' "$S"/deploy/envsnap/config.toml >/etc/envsnap/config.toml
 cp "$S"/envlet.toml /etc/envsnap/envlet.toml
 cp "$S"/deploy/containerd/envsnap.toml "$S"/deploy/containerd/systemd-cgroup.toml /etc/containerd/conf.d/
 cat >"/etc/containerd/certs.d/$REGISTRY/hosts.toml" <<EOF
@@ -126,8 +128,15 @@ systemctl start kubelet || die "systemctl start kubelet"
 log "containerd $(containerd --version | cut -d' ' -f3), kubelet $(kubelet --version | cut -d' ' -f2) started"
 echo "KUBETEST: READY"
 
-# Until the host is done with the node.
+# Until the host is done with the node. When it asks (kubelet-no-gate),
+# kubelet is restarted without RuntimeClassInImageCriApi.
 while ! [ -e "$S"/stop ]; do
+	if [ -e "$S"/kubelet-no-gate ] && ! [ -e /run/kubelet-no-gate ]; then
+		touch /run/kubelet-no-gate
+		sed -i '/^featureGates:/,$d' /etc/kubernetes/kubelet.yaml
+		systemctl restart kubelet
+		echo "KUBETEST: EVENT kubelet-no-gate"
+	fi
 	if ! systemctl is-active --quiet kubelet; then
 		log "kubelet not active: $(systemctl show -p SubState --value kubelet)"
 	fi
