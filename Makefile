@@ -47,7 +47,7 @@ kube:
 
 # tests/kube, behind the build tag "kube": not part of `make test` (the
 # cost of hack/kube.sh's build on a fresh machine is not measured; the
-# test itself took 2.5-3 minutes with the binaries cached).
+# test itself took 2.5-3.5 minutes with the binaries cached).
 kube-e2e: deps vm-image kube build
 	$(GO) test -tags kube -count=1 -v -timeout 40m ./tests/kube/
 
