@@ -7,11 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	v1 "github.com/containerd/cgroups/v3/cgroup1/stats"
-	v2 "github.com/containerd/cgroups/v3/cgroup2/stats"
-	tasks "github.com/containerd/containerd/api/services/tasks/v1"
-	"github.com/containerd/typeurl/v2"
-
 	"github.com/envsnap/envsnap/internal/devenv"
 )
 
@@ -64,33 +59,12 @@ func (s *sampler) once(ctx context.Context) {
 	}
 }
 
-// containerWorkingSets asks containerd for every task's metrics and
-// returns each one's working set (usage less inactive file: what the
-// kernel cannot drop without writing).
+// containerWorkingSets is each running container's working set (usage
+// less inactive file: what the kernel cannot drop without writing).
 func containerWorkingSets(env *devenv.Env) map[string]int64 {
 	out := map[string]int64{}
-	ctx, cancel := context.WithTimeout(env.Context(), 10*time.Second)
-	defer cancel()
-	resp, err := env.Client.TaskService().Metrics(ctx, &tasks.MetricsRequest{})
-	if err != nil {
-		return out
-	}
-	for _, m := range resp.Metrics {
-		if m.Data == nil {
-			continue
-		}
-		switch {
-		case typeurl.Is(m.Data, (*v1.Metrics)(nil)):
-			var st v1.Metrics
-			if typeurl.UnmarshalTo(m.Data, &st) == nil && st.Memory != nil && st.Memory.Usage != nil {
-				out[m.ID] = int64(st.Memory.Usage.Usage) - int64(min(st.Memory.TotalInactiveFile, st.Memory.Usage.Usage))
-			}
-		case typeurl.Is(m.Data, (*v2.Metrics)(nil)):
-			var st v2.Metrics
-			if typeurl.UnmarshalTo(m.Data, &st) == nil && st.Memory != nil {
-				out[m.ID] = int64(st.Memory.Usage) - int64(min(st.Memory.InactiveFile, st.Memory.Usage))
-			}
-		}
+	for id, m := range cgroupMemory(env) {
+		out[id] = m.workingSet
 	}
 	return out
 }
