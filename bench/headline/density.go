@@ -116,6 +116,11 @@ type DensityRun struct {
 	// Stop is why the ramp ended.
 	Stop   string         `json:"stop"`
 	Levels []DensityLevel `json:"levels"`
+	// CPUCeiling is how many environments working as the first level's
+	// did would keep every core of the node busy with their own work
+	// alone (cores / EnvCPU per environment at the first level): past it
+	// tool calls queue for CPU whatever the runtime costs. 0 unknown.
+	CPUCeiling float64 `json:"cpu_ceiling"`
 	// Episodes is how many agent episodes completed over the ramp.
 	Episodes int      `json:"episodes"`
 	Failures []string `json:"failures,omitempty"`
@@ -139,6 +144,9 @@ type DensityLevel struct {
 	// NodeCPU is the node's busy cores over the window (every process on
 	// the machine, not only the bench's).
 	NodeCPU float64 `json:"node_cpu_cores"`
+	// EnvCPU is the cores the environments' own cgroups used over the
+	// window, summed (their agents' and tools' work, not the node's).
+	EnvCPU float64 `json:"env_cpu_cores"`
 	// Shims is how many shim processes served the environments, ShimCPU
 	// the cores they used together over the window, ShimPss their
 	// proportional set size summed (shared pages split between them).
@@ -376,7 +384,7 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
-		from, cpu0, shim0 := time.Now(), db.sampleCPU(), db.shims()
+		from, cpu0, shim0, env0 := time.Now(), db.sampleCPU(), db.shims(), containerStats(db.env)
 		select {
 		case <-time.After(db.cfg.Window):
 		case <-ctx.Done():
@@ -399,16 +407,22 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 			lv.NodeFile = c - baseFile
 		}
 		var ws []float64
-		for _, m := range cgroupMemory(db.env) {
+		for id, m := range containerStats(db.env) {
 			ws = append(ws, float64(m.workingSet)/(1<<20))
 			lv.EnvFile += m.file
+			if m0, ok := env0[id]; ok {
+				lv.EnvCPU += (m.cpu - m0.cpu) / secs
+			}
 		}
 		lv.WorkingSet = summarize(ws)
+		if len(run.Levels) == 0 && lv.EnvCPU > 0 {
+			run.CPUCeiling = float64(runtime.NumCPU()) * float64(n) / lv.EnvCPU
+		}
 		fail := failed()
 		lv.OK = fail == "" && lv.Ratio <= db.cfg.Limit
 		run.Levels = append(run.Levels, lv)
-		db.cfg.logf("%-12s %3d envs: tool call p50 %.2fs p95 %.2fs (%.2fx alone, %d calls), node memory +%s (file +%s), node CPU %.2f cores, %d shims %.3f cores %s Pss",
-			sys, n, lv.ToolCall.Median, lv.ToolCall.P95, lv.Ratio, lv.ToolCall.N, mib(lv.NodeMemory), mib(lv.NodeFile), lv.NodeCPU, lv.Shims, lv.ShimCPU, mib(lv.ShimPss))
+		db.cfg.logf("%-12s %3d envs: tool call p50 %.2fs p95 %.2fs (%.2fx alone, %d calls), node memory +%s (file +%s), node CPU %.2f cores (environments %.2f), %d shims %.3f cores %s Pss",
+			sys, n, lv.ToolCall.Median, lv.ToolCall.P95, lv.Ratio, lv.ToolCall.N, mib(lv.NodeMemory), mib(lv.NodeFile), lv.NodeCPU, lv.EnvCPU, lv.Shims, lv.ShimCPU, mib(lv.ShimPss))
 		switch {
 		case fail != "":
 			run.Stop = "a rollout failed at " + strconv.Itoa(n) + " environments: " + fail
@@ -530,15 +544,16 @@ func (db *densityBench) shims() shimSample {
 	return s
 }
 
-type cgroupMem struct {
-	workingSet int64 // usage less inactive file
-	file       int64 // page cache charged to the cgroup
+type containerStat struct {
+	workingSet int64   // usage less inactive file
+	file       int64   // page cache charged to the cgroup
+	cpu        float64 // CPU seconds the cgroup used since it was created
 }
 
-// cgroupMemory is every running container's memory, from containerd's
-// task metrics.
-func cgroupMemory(env *devenv.Env) map[string]cgroupMem {
-	out := map[string]cgroupMem{}
+// containerStats is every running container's memory and CPU time, from
+// containerd's task metrics.
+func containerStats(env *devenv.Env) map[string]containerStat {
+	out := map[string]containerStat{}
 	ctx, cancel := context.WithTimeout(env.Context(), 10*time.Second)
 	defer cancel()
 	resp, err := env.Client.TaskService().Metrics(ctx, &tasks.MetricsRequest{})
@@ -554,13 +569,21 @@ func cgroupMemory(env *devenv.Env) map[string]cgroupMem {
 			var st v1.Metrics
 			if typeurl.UnmarshalTo(m.Data, &st) == nil && st.Memory != nil && st.Memory.Usage != nil {
 				u := st.Memory.Usage.Usage
-				out[m.ID] = cgroupMem{workingSet: int64(u - min(st.Memory.TotalInactiveFile, u)), file: int64(st.Memory.TotalCache)}
+				c := containerStat{workingSet: int64(u - min(st.Memory.TotalInactiveFile, u)), file: int64(st.Memory.TotalCache)}
+				if st.CPU != nil && st.CPU.Usage != nil {
+					c.cpu = float64(st.CPU.Usage.Total) / 1e9
+				}
+				out[m.ID] = c
 			}
 		case typeurl.Is(m.Data, (*v2.Metrics)(nil)):
 			var st v2.Metrics
 			if typeurl.UnmarshalTo(m.Data, &st) == nil && st.Memory != nil {
 				u := st.Memory.Usage
-				out[m.ID] = cgroupMem{workingSet: int64(u - min(st.Memory.InactiveFile, u)), file: int64(st.Memory.File)}
+				c := containerStat{workingSet: int64(u - min(st.Memory.InactiveFile, u)), file: int64(st.Memory.File)}
+				if st.CPU != nil {
+					c.cpu = float64(st.CPU.UsageUsec) / 1e6
+				}
+				out[m.ID] = c
 			}
 		}
 	}

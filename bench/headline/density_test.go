@@ -114,3 +114,16 @@ func TestToolRecorder(t *testing.T) {
 		t.Errorf("%d completed episodes, want 2 (episodes 1 and 3)", n)
 	}
 }
+
+func TestDensityComparisonCeiling(t *testing.T) {
+	rep := &DensityReport{Cores: 2, Order: []string{Envsnap, StatusQuo}, Systems: map[string]*DensityRun{
+		Envsnap:   {Held: 16, CPUCeiling: 20, Levels: []DensityLevel{{Envs: 1, EnvCPU: 0.1}}},
+		StatusQuo: {Held: 4},
+	}}
+	got := rep.Comparison()
+	for _, want := range []string{"envsnap held 16, status-quo held 4 (4.0x)", "2 cores run about 20 environments", "(0.100 cores each"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("comparison %q lacks %q", got, want)
+		}
+	}
+}

@@ -28,6 +28,9 @@ func (rep *DensityReport) Comparison() string {
 	if e != nil && sq != nil && sq.Held > 0 {
 		s += fmt.Sprintf(" (%.1fx)", float64(e.Held)/float64(sq.Held))
 	}
+	if e != nil && e.CPUCeiling > 0 && len(e.Levels) > 0 {
+		s += fmt.Sprintf("; the node's CPU ceiling: %d cores run about %.0f environments working as envsnap's first did (%.3f cores each, their own cgroups' work)", rep.Cores, e.CPUCeiling, e.Levels[0].EnvCPU/float64(max(e.Levels[0].Envs, 1)))
+	}
 	return s
 }
 
@@ -69,8 +72,8 @@ func (rep *DensityReport) markdown(jsonRel string) string {
 		}
 		fmt.Fprintf(&b, "| %s | %d | %s | %.2f s / %.2f s | %d |\n", sys, r.Held, strings.ReplaceAll(r.Stop, "|", "/"), r.Alone.Median, r.Alone.P95, r.Episodes)
 	}
-	fmt.Fprintf(&b, "\nEvery level (node memory and page cache above the node before the first environment; env file is the page cache charged to the environments' cgroups, summed; node CPU counts every process on this shared machine; shim CPU and Pss are the shims of this node's containerd, all together, then per environment):\n\n")
-	fmt.Fprintf(&b, "| system | envs | tool call p50 | p95 | p95 vs alone | calls | node memory | per env | node page cache | env file | working set p50 | node CPU | shims | shim CPU per env | shim Pss per env |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "\nEvery level (node memory and page cache above the node before the first environment; env file is the page cache charged to the environments' cgroups, summed; node CPU counts every process on this shared machine, env CPU only the environments' cgroups (their agents and tools), per environment; shim CPU and Pss are the shims of this node's containerd, all together, then per environment):\n\n")
+	fmt.Fprintf(&b, "| system | envs | tool call p50 | p95 | p95 vs alone | calls | node memory | per env | node page cache | env file | working set p50 | node CPU | env CPU per env | shims | shim CPU per env | shim Pss per env |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, sys := range rep.Order {
 		r := rep.Systems[sys]
 		if r == nil {
@@ -82,9 +85,9 @@ func (rep *DensityReport) markdown(jsonRel string) string {
 				mark = " (over)"
 			}
 			n := float64(max(l.Envs, 1))
-			fmt.Fprintf(&b, "| %s | %d | %.2f s | %.2f s | %.2fx%s | %d | %.0f MiB | %.0f MiB | %.0f MiB | %.0f MiB | %.0f MiB | %.2f cores | %d | %.3f%% of a core | %.1f MiB |\n",
+			fmt.Fprintf(&b, "| %s | %d | %.2f s | %.2f s | %.2fx%s | %d | %.0f MiB | %.0f MiB | %.0f MiB | %.0f MiB | %.0f MiB | %.2f cores | %.3f cores | %d | %.3f%% of a core | %.1f MiB |\n",
 				sys, l.Envs, l.ToolCall.Median, l.ToolCall.P95, l.Ratio, mark, l.ToolCall.N, float64(l.NodeMemory)/(1<<20), float64(l.NodeMemory)/(1<<20)/n,
-				float64(l.NodeFile)/(1<<20), float64(l.EnvFile)/(1<<20), l.WorkingSet.Median, l.NodeCPU, l.Shims, 100*l.ShimCPU/n, float64(l.ShimPss)/(1<<20)/n)
+				float64(l.NodeFile)/(1<<20), float64(l.EnvFile)/(1<<20), l.WorkingSet.Median, l.NodeCPU, l.EnvCPU/n, l.Shims, 100*l.ShimCPU/n, float64(l.ShimPss)/(1<<20)/n)
 		}
 	}
 	var failures []string

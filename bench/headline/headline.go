@@ -160,19 +160,24 @@ type Iteration struct {
 // rig's, not the environments' work: the snapshot daemons (containerd
 // pulls and unpacks for overlayfs), the registry, and the bench process
 // (the registry's link proxy and the episode clients).
-var rigProcesses = []string{"bench", "containerd", "envsnap", "registry"}
+var rigProcesses = []string{"arbiter", "bench", "containerd", "envsnap", "registry"}
 
 // workSeconds is the CPU time of the environments' own work: the node's
 // busy time less rigProcesses. What the kernel's writeback threads spent
 // on the bytes the snapshotters wrote stays in it. 0 when the iteration
 // has no CPU record.
-func (it Iteration) workSeconds() float64 {
-	node, ok := it.CPU["node"]
+func (it Iteration) workSeconds() float64 { return workSeconds(it.CPU) }
+
+// workSeconds is the node's busy CPU seconds in cpu less those of
+// rigProcesses (cpuLine's map: "node" and each process); 0 without
+// the node's.
+func workSeconds(cpu map[string]float64) float64 {
+	node, ok := cpu["node"]
 	if !ok {
 		return 0
 	}
 	for _, p := range rigProcesses {
-		node -= it.CPU[p]
+		node -= cpu[p]
 	}
 	return node
 }

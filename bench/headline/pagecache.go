@@ -225,7 +225,7 @@ func MeasurePageCache(ctx context.Context, cfg PageCacheConfig) (_ *PageCacheRep
 			if c, err := meminfo("Cached"); err == nil {
 				l.NodeFile = c - baseFile
 			}
-			for _, m := range cgroupMemory(denv) {
+			for _, m := range containerStats(denv) {
 				l.EnvFile += m.file
 			}
 			return l

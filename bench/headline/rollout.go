@@ -731,6 +731,38 @@ func ratio(a, b float64) float64 {
 
 // Comparison is the sentence that states the result: envsnap against
 // the status quo and against overlayfs with everything at once.
+// Floor is a lower bound on any system's makespan for this batch on
+// this node: the environments' own CPU work (the least any system's
+// batch needed, workSeconds) spread over every core, or the longest
+// rollout's model think time, whichever is longer. A makespan ratio
+// below Floor over the other system's makespan is below what the node
+// allows, whatever the runtime costs. why says which bound it is.
+func (rep *RolloutReport) Floor() (seconds float64, why string) {
+	work, from, cores := 0.0, "", 0
+	for _, sys := range rep.Order {
+		it := rep.Systems[sys]
+		if it == nil || it.Failed > 0 || it.Cores <= 0 {
+			continue
+		}
+		if w := workSeconds(it.CPU); w > 0 && (from == "" || w < work) {
+			work, from, cores = w, sys, it.Cores
+		}
+	}
+	think := 0.0
+	for _, it := range rep.Systems {
+		for _, r := range it.Runs {
+			think = max(think, r.Think.Seconds())
+		}
+	}
+	if from != "" && work/float64(cores) >= think {
+		return work / float64(cores), fmt.Sprintf("the environments' own work, %.0f CPU-s on %s, over %d cores", work, from, cores)
+	}
+	if think > 0 {
+		return think, "the longest rollout's model think time"
+	}
+	return 0, ""
+}
+
 func (rep *RolloutReport) Comparison() string {
 	e, sq, all := rep.Systems[Envsnap], rep.Systems[StatusQuo], rep.Systems[OverlayfsAll]
 	if e == nil {
@@ -747,6 +779,16 @@ func (rep *RolloutReport) Comparison() string {
 	}
 	if all != nil {
 		parts = append(parts, fmt.Sprintf("%.2fx overlayfs with everything at once (%.0f s)", ratio(e.Makespan.Seconds(), all.Makespan.Seconds()), all.Makespan.Seconds()))
+	}
+	if f, why := rep.Floor(); f > 0 {
+		floor := fmt.Sprintf("floor on this node %.0f s (%s)", f, why)
+		if sq != nil {
+			floor += fmt.Sprintf(": %.2fx the status quo", ratio(f, sq.Makespan.Seconds()))
+		}
+		if all != nil {
+			floor += fmt.Sprintf(", %.2fx overlayfs everything at once", ratio(f, all.Makespan.Seconds()))
+		}
+		parts = append(parts, floor)
 	}
 	parts = append(parts, fmt.Sprintf("environment initialisation %.1f%% of rollout time", 100*e.InitShare))
 	if sq != nil {

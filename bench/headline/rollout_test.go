@@ -161,3 +161,28 @@ func TestRolloutComparisonAllFailed(t *testing.T) {
 		t.Fatalf("comparison of a failed batch: %q", got)
 	}
 }
+
+func TestRolloutFloor(t *testing.T) {
+	rep := &RolloutReport{Rollouts: 8, Order: []string{StatusQuo, OverlayfsAll, Envsnap}, RewardsIdentical: true, Systems: map[string]*RolloutIteration{
+		// 300 - 20 - 10 = 270 CPU-s of the environments' own work.
+		StatusQuo: {Makespan: 200 * time.Second, Cores: 2, CPU: map[string]float64{"node": 300, "containerd": 20, "bench": 10}},
+		// 250 - 40 = 210: the least, so the bound is 210 / 2 cores.
+		OverlayfsAll: {Makespan: 140 * time.Second, Cores: 2, CPU: map[string]float64{"node": 250, "containerd": 40}},
+		// Failed batches do not set the bound, however little they used.
+		Envsnap: {Makespan: 120 * time.Second, Cores: 2, Failed: 1, CPU: map[string]float64{"node": 100},
+			Runs: []RolloutRun{{Think: 60 * time.Second}, {Think: 90 * time.Second}}},
+	}}
+	f, why := rep.Floor()
+	if f != 105 || !strings.Contains(why, "210 CPU-s on overlayfs-all, over 2 cores") {
+		t.Errorf("floor %.1f s (%s), want 105 s from overlayfs-all's work", f, why)
+	}
+	if got := rep.Comparison(); !strings.Contains(got, "floor on this node 105 s") || !strings.Contains(got, "0.53x the status quo, 0.75x overlayfs everything at once") {
+		t.Errorf("comparison %q lacks the floor's ratios", got)
+	}
+	// A batch whose longest rollout waited on the model for longer than
+	// the CPU work takes is bound by that wait.
+	rep.Systems[Envsnap].Runs[1].Think = 150 * time.Second
+	if f, why := rep.Floor(); f != 150 || !strings.Contains(why, "think time") {
+		t.Errorf("floor %.1f s (%s), want the 150 s think time", f, why)
+	}
+}

@@ -63,7 +63,7 @@ func (s *sampler) once(ctx context.Context) {
 // less inactive file: what the kernel cannot drop without writing).
 func containerWorkingSets(env *devenv.Env) map[string]int64 {
 	out := map[string]int64{}
-	for id, m := range cgroupMemory(env) {
+	for id, m := range containerStats(env) {
 		out[id] = m.workingSet
 	}
 	return out
