@@ -155,6 +155,10 @@ type RolloutIteration struct {
 	CPU           map[string]float64 `json:"cpu_s,omitempty"`
 	Cores         int                `json:"cores"`
 	Failed        int                `json:"failed"`
+	// ArbiterGaps counts the times an envlet shim lost the node arbiter
+	// during the batch and decided locally (its log line in containerd's
+	// log, arbiterGapLine); runc systems have none to lose.
+	ArbiterGaps int `json:"arbiter_gaps"`
 	// AdmissionRetries counts creates the envlet arbiter refused (node
 	// full) and the bench submitted again a second later.
 	AdmissionRetries int             `json:"admission_retries"`
@@ -196,6 +200,10 @@ type RolloutRun struct {
 	PeakMiB   float64 `json:"peak_mib"`
 	Error     string  `json:"error,omitempty"`
 }
+
+// arbiterGapLine is what an envlet shim logs when its node arbiter
+// stops answering (internal/arbiter's client, once per gap).
+const arbiterGapLine = "node arbiter unreachable; deciding locally"
 
 // gatewayPort is where the model stand-in listens in its namespace.
 const gatewayPort = 8080
@@ -407,6 +415,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	go func() { defer close(sampled); smp.run(sctx, 2*time.Second) }()
 
 	it.Runs = make([]RolloutRun, n)
+	logFrom := rb.env.Containerd.LogSize()
 	start, cpu := time.Now(), rb.sampleCPU()
 	var wg sync.WaitGroup
 	for i := range n {
@@ -433,6 +442,11 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	stopSampling()
 	<-sampled
 	it.RegistryBytes = rb.env.Registry.BlobBytesServed()
+	if spec.envlet {
+		if it.ArbiterGaps, err = rb.env.Containerd.CountLogLines(logFrom, arbiterGapLine); err != nil {
+			return nil, fmt.Errorf("count arbiter gaps: %w", err)
+		}
+	}
 	it.Timeline, _, it.NodeMemoryPeak = smp.timeline(start)
 	it.PeakConcurrent = int(running.peak.Load())
 	it.NodeMemoryPeak += it.NodeMemoryBase

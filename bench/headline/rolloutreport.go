@@ -143,6 +143,15 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 			fmt.Fprintf(&b, "- %s: %s.\n", sys, cpuLine(it.CPU))
 		}
 	}
+	var gaps []string
+	for _, sys := range rep.Order {
+		if it := rep.Systems[sys]; it != nil && rolloutSystems[sys].envlet {
+			gaps = append(gaps, fmt.Sprintf("%s %d", sys, it.ArbiterGaps))
+		}
+	}
+	if len(gaps) > 0 {
+		fmt.Fprintf(&b, "\nArbiter gaps (an envlet shim that lost the node arbiter and decided locally, counted from containerd's log over the batch): %s.\n", strings.Join(gaps, ", "))
+	}
 	var failures []string
 	for _, sys := range rep.Order {
 		it := rep.Systems[sys]

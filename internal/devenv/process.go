@@ -113,6 +113,35 @@ func (p *Process) LogContains(s string) bool {
 	return err == nil && strings.Contains(string(b), s)
 }
 
+// LogSize is the length of the process log now (0 when it cannot be
+// read): the offset from which a later CountLogLines counts.
+func (p *Process) LogSize() int64 {
+	st, err := os.Stat(p.LogPath)
+	if err != nil {
+		return 0
+	}
+	return st.Size()
+}
+
+// CountLogLines counts the lines of the process log written after
+// offset from (a LogSize) that contain s.
+func (p *Process) CountLogLines(from int64, s string) (int, error) {
+	b, err := os.ReadFile(p.LogPath)
+	if err != nil {
+		return 0, err
+	}
+	if from > int64(len(b)) {
+		return 0, fmt.Errorf("log %s is shorter (%d bytes) than offset %d", p.LogPath, len(b), from)
+	}
+	n := 0
+	for _, line := range strings.Split(string(b[from:]), "\n") {
+		if strings.Contains(line, s) {
+			n++
+		}
+	}
+	return n, nil
+}
+
 // LogLine returns the last line of the process log that contains every
 // one of parts, or "" when none does (or the log cannot be read).
 func (p *Process) LogLine(parts ...string) string {
