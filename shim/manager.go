@@ -8,10 +8,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 
 	"github.com/containerd/cgroups/v3"
@@ -86,22 +89,20 @@ func (m manager) Start(ctx context.Context, opts *bootapi.BootstrapParams) (_ *b
 	if err != nil {
 		return nil, err
 	}
-	socket, err := shim.NewSocket(address)
+	// Held until the shim listening there is started: a start of the
+	// same group waits, then finds it alive.
+	unlock, err := lockGroupSocket(address)
 	if err != nil {
-		if !shim.SocketEaddrinuse(err) {
-			return nil, fmt.Errorf("create shim socket: %w", err)
-		}
-		if shim.CanConnect(address) {
-			params.Address = address
-			return params, nil
-		}
-		// The group's shim died and left its socket behind.
-		if err := shim.RemoveSocket(address); err != nil {
-			return nil, fmt.Errorf("remove stale shim socket: %w", err)
-		}
-		if socket, err = shim.NewSocket(address); err != nil {
-			return nil, fmt.Errorf("create shim socket after removing a stale one: %w", err)
-		}
+		return nil, err
+	}
+	defer unlock()
+	socket, err := groupSocket(address)
+	if err != nil {
+		return nil, err
+	}
+	if socket == nil {
+		params.Address = address
+		return params, nil
 	}
 	defer func() {
 		if retErr != nil {
@@ -118,6 +119,7 @@ func (m manager) Start(ctx context.Context, opts *bootapi.BootstrapParams) (_ *b
 	if err != nil {
 		return nil, err
 	}
+	cmd.Env = append(cmd.Env, groupSocketEnv+"="+address)
 	cmd.ExtraFiles = []*os.File{f}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start shim: %w", err)
@@ -136,6 +138,54 @@ func (m manager) Start(ctx context.Context, opts *bootapi.BootstrapParams) (_ *b
 	}
 	params.Address = address
 	return params, nil
+}
+
+// groupSocketEnv names, in a serving shim's environment, the address of
+// the socket Start made for it: the shim removes it when it leaves
+// (Service.linger), so that the next start of its group makes a new one.
+const groupSocketEnv = "ENVLET_GROUP_SOCKET"
+
+// lockGroupSocket takes an exclusive lock on a file beside the socket at
+// address. Start holds it while it finds, replaces or creates a group's
+// socket and starts the shim, a leaving shim while it removes its
+// socket: two starts of one group would otherwise both take the socket a
+// shim left behind for stale, and one would remove the other's new
+// socket or fail to bind.
+func lockGroupSocket(address string) (unlock func(), err error) {
+	path := strings.TrimPrefix(address, "unix://") + ".lock"
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open shim socket lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("lock %s: %w", path, err)
+	}
+	return func() { f.Close() }, nil // closing unlocks
+}
+
+// groupSocket returns a new listening socket at address, or nil when a
+// live shim already listens there. A socket nobody answers on is one a
+// shim left behind when it died: it is replaced. The caller holds the
+// group's lock (lockGroupSocket).
+func groupSocket(address string) (*net.UnixListener, error) {
+	socket, err := shim.NewSocket(address)
+	if err == nil {
+		return socket, nil
+	}
+	if !shim.SocketEaddrinuse(err) {
+		return nil, fmt.Errorf("create shim socket: %w", err)
+	}
+	if shim.CanConnect(address) {
+		return nil, nil
+	}
+	if err := shim.RemoveSocket(address); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("remove stale shim socket: %w", err)
+	}
+	if socket, err = shim.NewSocket(address); err != nil {
+		return nil, fmt.Errorf("create shim socket after removing a stale one: %w", err)
+	}
+	return socket, nil
 }
 
 // pickGroup returns the group of the container id whose bundle is

@@ -4,8 +4,10 @@ package shim
 
 import (
 	"encoding/json"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -74,5 +76,65 @@ func TestPickGroup(t *testing.T) {
 	}
 	if g, err := pickGroup(bundle("alone", nil), "alone", 1); err != nil || g != "alone" {
 		t.Errorf("group-size 1: %q, %v; want the container's own id", g, err)
+	}
+}
+
+// TestGroupSocketStartsTogether: starts of one group arriving together
+// at a socket a shim left behind (its process gone, the file still
+// there) agree on one new socket: exactly one replaces it, the others
+// find it alive, none fails. Without the group lock two of them took
+// the socket for stale at once, and one failed to bind ("address
+// already in use") or removed the other's new socket.
+func TestGroupSocketStartsTogether(t *testing.T) {
+	address := "unix://" + filepath.Join(t.TempDir(), "group")
+	for round := range 20 {
+		// A socket file nobody listens on, as a shim that exited leaves.
+		os.Remove(strings.TrimPrefix(address, "unix://"))
+		l, err := net.Listen("unix", strings.TrimPrefix(address, "unix://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.(*net.UnixListener).SetUnlinkOnClose(false)
+		l.Close()
+
+		var (
+			mu      sync.Mutex
+			created []*net.UnixListener
+			joined  int
+			wg      sync.WaitGroup
+		)
+		for range 8 {
+			wg.Go(func() {
+				unlock, err := lockGroupSocket(address)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				defer unlock()
+				s, err := groupSocket(address)
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err != nil:
+					t.Errorf("round %d: %v", round, err)
+				case s == nil:
+					joined++
+				default:
+					created = append(created, s)
+				}
+			})
+		}
+		wg.Wait()
+		if len(created) != 1 || joined != 7 {
+			t.Fatalf("round %d: %d starts made a socket, %d joined one; want 1 and 7", round, len(created), joined)
+		}
+		// The one made is the one at the address.
+		c, err := net.Dial("unix", strings.TrimPrefix(address, "unix://"))
+		if err != nil {
+			t.Fatalf("round %d: the new socket is not at the address: %v", round, err)
+		}
+		c.Close()
+		created[0].SetUnlinkOnClose(false)
+		created[0].Close()
 	}
 }

@@ -115,6 +115,7 @@ func init() {
 			}
 			return New(ic.Context, inner, publisher, Options{
 				Linger:   linger,
+				Socket:   os.Getenv(groupSocketEnv),
 				Disabled: cfg.Disabled,
 				Policy:   policy,
 				Node:     node,

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -22,6 +23,7 @@ import (
 	"github.com/containerd/containerd/v2/core/runtime"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	ptypes "github.com/containerd/containerd/v2/pkg/protobuf/types"
+	"github.com/containerd/containerd/v2/pkg/shim"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
 	"github.com/containerd/log"
@@ -95,6 +97,10 @@ type Options struct {
 	// after its last container is deleted, so that a container started
 	// meanwhile finds it alive; 0 exits at once, as runc's shim does.
 	Linger time.Duration
+	// Socket is the address of the group's socket this shim listens on
+	// (Start's, groupSocketEnv), which a lingering shim removes when it
+	// leaves; "" for none.
+	Socket string
 }
 
 // Service is the envlet task service.
@@ -109,6 +115,10 @@ type Service struct {
 	mu       sync.Mutex
 	creates  int // Create calls so far: a lingering Shutdown waits for quiet
 	lingerer bool
+	// unlisted: the group's socket is removed (linger); a later start of
+	// the group makes a new shim, this one serves only the connections
+	// it has.
+	unlisted bool
 	bundles  map[string]string // every container's bundle, by id
 	logDir   string            // the bundle whose log pipe is our stderr
 	envs     map[string]*env
@@ -700,12 +710,32 @@ func (s *Service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*pt
 }
 
 // linger asks runc's service to shut down after Linger without a Create.
+// Before it does, it removes the group's socket under the group's lock
+// (a start of the group then makes a new shim instead of joining one
+// that is leaving) and waits unlistGrace for a container whose start
+// found the socket just before: if its Create comes, the shim serves on.
 func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 	s.mu.Lock()
 	seen := s.creates
 	s.mu.Unlock()
 	for {
 		time.Sleep(s.opts.Linger)
+		s.mu.Lock()
+		if s.creates != seen {
+			seen = s.creates
+			s.mu.Unlock()
+			continue
+		}
+		s.mu.Unlock()
+		if s.opts.Socket != "" && !s.unlisted {
+			if !s.unlist(ctx, seen) {
+				s.mu.Lock()
+				seen = s.creates
+				s.mu.Unlock()
+				continue
+			}
+			time.Sleep(unlistGrace)
+		}
 		s.mu.Lock()
 		if s.creates != seen {
 			seen = s.creates
@@ -721,6 +751,33 @@ func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 		}
 		return
 	}
+}
+
+// unlistGrace is how long a shim that removed its group's socket still
+// waits for a Create before it exits: containerd connects and creates
+// within milliseconds of a start that found the socket.
+const unlistGrace = time.Second
+
+// unlist removes the group's socket, under the group's lock, when no
+// Create came since seen; it reports whether it did. Only this shim
+// listens there: a start holding the lock finds it alive and joins it.
+func (s *Service) unlist(ctx context.Context, seen int) bool {
+	unlock, err := lockGroupSocket(s.opts.Socket)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("envlet: leaving shim keeps its socket")
+		return true
+	}
+	defer unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.creates != seen {
+		return false
+	}
+	if err := shim.RemoveSocket(s.opts.Socket); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		log.G(ctx).WithError(err).Warn("envlet: remove the group's socket")
+	}
+	s.unlisted = true
+	return true
 }
 
 // Delete stops the controller of an init process's container before runc

@@ -2,13 +2,16 @@ package shim_test
 
 import (
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/errdefs"
 )
 
 // TestSharedShim runs containers through shared shims ([shim]
@@ -120,4 +123,88 @@ func alive(pid int) bool {
 	}
 	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
 	return len(f) > 0 && f[0] != "Z"
+}
+
+// TestSharedShimStartsTogether starts a group's containers at once, the
+// way an RL batch lands: on a node with no shim, after the group's shim
+// left at the end of its linger, and over the socket of a shim that was
+// killed. Every container starts, and each round's share one shim.
+// Starts of one group used to race for a socket a shim had left behind:
+// one of two failed with "bind: address already in use".
+func TestSharedShimStartsTogether(t *testing.T) {
+	s := newSuite(t, node{groupSize: "3"})
+	ann := map[string]string{"initial-cpu": "0.25", "initial-memory": "128Mi"}
+	ctx := s.env.Context()
+	var last int
+	for _, round := range []string{"no shim", "after the shim's linger", "after the shim's SIGKILL"} {
+		cs := make([]*ctr, 3)
+		errs := make([]error, 3)
+		var wg sync.WaitGroup
+		for i := range cs {
+			wg.Go(func() { cs[i], errs[i] = s.run(t, ann, "-mode", "idle", "-hold", "30m") })
+		}
+		wg.Wait()
+		pids := map[int]bool{}
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("%s: container %d of 3 started together: %v", round, i+1, err)
+			}
+			pid, err := shimPid(cs[i])
+			if err != nil {
+				t.Fatal(err)
+			}
+			pids[pid] = true
+			last = pid
+		}
+		if len(pids) != 1 {
+			t.Errorf("%s: 3 containers of one group on shims %v, want one", round, pids)
+		}
+		t.Logf("%s: 3 containers started together on shim %d", round, last)
+		if round == "no shim" {
+			// Delete all three; the shim leaves after its linger.
+			for _, c := range cs {
+				if _, err := c.task.Delete(ctx, client.WithProcessKill); err != nil {
+					t.Fatal(err)
+				}
+			}
+			deadline := time.Now().Add(30 * time.Second)
+			for alive(last) && time.Now().Before(deadline) {
+				time.Sleep(200 * time.Millisecond)
+			}
+			if alive(last) {
+				t.Fatalf("shim %d still runs 30 s after its last container's delete", last)
+			}
+		} else if round == "after the shim's linger" {
+			// The next round joins the same group once these bundles,
+			// which count as its members, are gone.
+			bundles := make([]string, len(cs))
+			for i, c := range cs {
+				bundles[i] = filepath.Join(s.env.Dir, "state", "io.containerd.runtime.v2.task", c.ns, c.id)
+				if _, err := os.Stat(bundles[i]); err != nil {
+					t.Fatalf("bundle of %s: %v", c.id, err)
+				}
+			}
+			if err := syscall.Kill(last, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			// Their bundles go with the deletes (containerd's own, once
+			// it saw the shim die): the next round is the same group,
+			// over the killed shim's socket.
+			for _, c := range cs {
+				c.wait(t, time.Minute)
+				if _, err := c.task.Delete(ctx); err != nil && !errdefs.IsNotFound(err) {
+					t.Fatal(err)
+				}
+			}
+			for _, b := range bundles {
+				deadline := time.Now().Add(30 * time.Second)
+				for _, err := os.Stat(b); err == nil && time.Now().Before(deadline); _, err = os.Stat(b) {
+					time.Sleep(100 * time.Millisecond)
+				}
+				if _, err := os.Stat(b); err == nil {
+					t.Fatalf("bundle %s still there 30 s after its shim's SIGKILL", b)
+				}
+			}
+		}
+	}
 }

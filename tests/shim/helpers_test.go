@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -182,7 +183,8 @@ func (b *syncBuffer) String() string {
 	return b.b.String()
 }
 
-var ctrCount int
+// ctrCount numbers containers (tests start some from several goroutines).
+var ctrCount atomic.Int64
 
 // runOpts selects how a container runs.
 type runOpts struct {
@@ -205,8 +207,7 @@ func (s *suite) runWith(t testing.TB, o runOpts, args ...string) (*ctr, error) {
 		runtime = envletRuntime
 	}
 	ctx := s.env.Context()
-	ctrCount++
-	id := fmt.Sprintf("%s-%d", strings.ToLower(strings.NewReplacer("/", "-", "_", "-", " ", "-").Replace(t.Name())), ctrCount)
+	id := fmt.Sprintf("%s-%d", strings.ToLower(strings.NewReplacer("/", "-", "_", "-", " ", "-").Replace(t.Name())), ctrCount.Add(1))
 	a := map[string]string{}
 	for k, v := range ann {
 		a[envlet.AnnotationPrefix+k] = v

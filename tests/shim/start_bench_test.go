@@ -115,8 +115,7 @@ func BenchmarkStartOverhead(b *testing.B) {
 func (s *suite) timeStart(b *testing.B, rt string) [4]time.Duration {
 	b.Helper()
 	ctx := s.env.Context()
-	ctrCount++
-	id := fmt.Sprintf("start-overhead-%d", ctrCount)
+	id := fmt.Sprintf("start-overhead-%d", ctrCount.Add(1))
 	c, err := s.env.Client.NewContainer(ctx, id,
 		client.WithSnapshotter("overlayfs"),
 		client.WithNewSnapshot(id+"-snap", s.img),
