@@ -373,6 +373,7 @@ func (c *Controller) takeCap() (Resources, bool) {
 // step is one tick: sample, decide, ask, apply, report.
 func (c *Controller) step(ctx context.Context, wake string) error {
 	now := c.clock.Now()
+	before := c.st.Limit
 	var acts []string
 	if next, ok := c.takeCap(); ok {
 		var err error
@@ -471,7 +472,7 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 
-	if c.reportDue(now, o) {
+	if c.reportDue(now, o, c.st.Limit == before) {
 		c.lastReport, c.reported, c.reportedWS = now, c.st.Limit, o.WS
 		var err error
 		if acts, err = c.report(ctx, o, acts); err != nil {
@@ -489,30 +490,36 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 // tells the arbiter nothing new: an idle environment's CPU use is under
 // IdleUtil of its limit, which admission's 10 s average does not feel, and
 // whatever wakes it makes it active, reporting every ReportPeriod again.
-// The heartbeat only keeps the lease alive: it stays at half the
-// arbiter's stale limit (a lease silent 30 s is returned). An arbiter
-// restart does not wait for it: the client re-registers as soon as it
-// loses the connection (arbiter.Client), within the ledger's 10 s grace.
+// The heartbeat only keeps the lease alive: at most a period and an idle
+// tick apart, about half the arbiter's stale limit (a lease silent 30 s
+// is returned). An arbiter restart does not wait for it: the client
+// re-registers as soon as it loses the connection (arbiter.Client),
+// within the ledger's 10 s grace.
 const IdleReportPeriod = 15 * time.Second
 
 // reportDue says whether this tick reports to the arbiter: every
 // ReportPeriod, except for an idle environment whose limits are those it
 // last reported and whose working set moved by less than a sixteenth of
 // its memory limit since (an admission counts its use): that one reports
-// every IdleReportPeriod. A change of either is reported at the next idle
-// tick.
-func (c *Controller) reportDue(now time.Time, o Observation) bool {
-	since := now.Sub(c.lastReport)
-	if since < c.cfg.ReportPeriod {
+// when the wall clock passes a multiple of IdleReportPeriod, so the idle
+// environments of a shim report in the same tick, one wake-up for all. A
+// change of either is reported at the next idle tick, once the limits
+// held for a tick (settled): idle reclaim halves them on consecutive
+// ticks, and one report says where they ended.
+func (c *Controller) reportDue(now time.Time, o Observation, settled bool) bool {
+	if now.Sub(c.lastReport) < c.cfg.ReportPeriod {
 		return false
 	}
-	if !c.st.Idle || c.st.Limit != c.reported {
+	switch {
+	case !c.st.Idle:
 		return true
+	case c.st.Limit != c.reported:
+		return settled
 	}
 	if moved := o.WS - c.reportedWS; moved > c.st.Limit.Memory/16 || -moved > c.st.Limit.Memory/16 {
 		return true
 	}
-	return since >= IdleReportPeriod
+	return now.Truncate(IdleReportPeriod).After(c.lastReport)
 }
 
 // arbiterLogEvery rate-limits the warning about an arbiter that does not

@@ -100,6 +100,12 @@ func TestIdleReportsLessOften(t *testing.T) {
 			t.Fatalf("%s: %d reports in %d ticks, want %d", what, arb.reports, steps, want)
 		}
 	}
+	// 70 s in, reported at 60 s: the next heartbeat is on the grid, at
+	// 75 s.
+	steady("to the next multiple of the period", 25, 1)
+	if got := tr.c.lastReport; !got.Equal(got.Truncate(IdleReportPeriod)) {
+		t.Fatalf("heartbeat at %v, off the %v grid", got, IdleReportPeriod)
+	}
 	// Moves within a sixteenth of the 256 MiB limit wait for the heartbeat.
 	ws += 15 * MiB
 	steady("working set +15 MiB", 25, 0)
@@ -156,5 +162,30 @@ func TestTimelineSince(t *testing.T) {
 		if want := tr.clk.Now().Add(time.Duration(i-3) * tick); !p.T.Equal(want) {
 			t.Fatalf("point %d at %v, want %v", i, p.T, want)
 		}
+	}
+}
+
+// Idle reclaim halves the limit on consecutive ticks; the arbiter hears
+// where it ended, once it held for a tick, not every halving.
+func TestIdleReclaimReportedOnce(t *testing.T) {
+	cfg := testConfig()
+	cfg.IdleReclaimAfter = 10 * time.Second
+	arb := &countingArbiter{Arbiter: bigNode()}
+	tr := newTrace(t, cfg, arb, 2)
+	asleep := func(s *Sample) { s.MemUsage = 4 * MiB; tr.cpu(0.001) }
+	for range 75 { // to the heartbeat at 15 s
+		tr.mustStep(asleep)
+	}
+	arb.reports = 0
+	for range 70 {
+		tr.mustStep(asleep)
+	}
+	// Reclaim due at tick 76: 256 -> 128 -> 64 -> 32 MiB (the floor).
+	equalLog(t, tr.log, []string{"76: mem idle", "77: mem idle", "78: mem idle"})
+	if arb.reports != 1 {
+		t.Fatalf("%d reports from tick 76 to 145, want 1: where the limit settled", arb.reports)
+	}
+	if got := tr.c.reported.Memory; got != IdleReclaimFloor {
+		t.Fatalf("reported %s, want the settled %s", FormatBytes(got), FormatBytes(IdleReclaimFloor))
 	}
 }
