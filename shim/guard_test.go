@@ -214,6 +214,50 @@ func TestDecideDisk(t *testing.T) {
 	}
 }
 
+// An unchanged layer is measured half as often each time, up to
+// diskMaxTick, never so rarely that a writer at diskFillRate (or
+// diskFileRate) could reach a cap between two measurements; any change
+// brings diskTick back.
+func TestNextDiskWait(t *testing.T) {
+	defaults := guardLimits{disk: 20 << 30, inodes: 2_000_000}
+	small := fs.Usage{Size: 64 << 10, Inodes: 12}
+	s := time.Second
+	for _, tc := range []struct {
+		name    string
+		last    time.Duration
+		prev, u fs.Usage
+		g       guardLimits
+		want    time.Duration
+	}{
+		{"first", diskTick, fs.Usage{Size: -1}, small, defaults, diskTick},
+		{"changed", 8 * s, small, fs.Usage{Size: small.Size + 1, Inodes: 12}, defaults, diskTick},
+		{"one file more", 8 * s, small, fs.Usage{Size: small.Size, Inodes: 13}, defaults, diskTick},
+		{"unchanged once", diskTick, small, small, defaults, 4 * s},
+		{"unchanged twice", 4 * s, small, small, defaults, 8 * s},
+		// 20 GiB at 1 GiB/s is 20 s: 16 s could stretch to 24 s.
+		{"default caps hold it at 8 s", 8 * s, small, small, defaults, 8 * s},
+		{"no caps", 8 * s, small, small, guardLimits{}, diskMaxTick},
+		{"no caps, at the top", diskMaxTick, small, small, guardLimits{}, diskMaxTick},
+		{"2 GiB from the disk cap", 8 * s, fs.Usage{Size: 18 << 30}, fs.Usage{Size: 18 << 30}, defaults, diskTick},
+		{"300,000 files from the inode cap", 8 * s, fs.Usage{Inodes: 1_700_000}, fs.Usage{Inodes: 1_700_000}, defaults, diskTick},
+		{"500,000 files from the inode cap", 8 * s, fs.Usage{Inodes: 1_500_000}, fs.Usage{Inodes: 1_500_000}, defaults, 2 * s},
+		{"1,000,000 files from the inode cap", 8 * s, fs.Usage{Inodes: 1_000_000}, fs.Usage{Inodes: 1_000_000}, defaults, 4 * s},
+		{"over the cap", 8 * s, fs.Usage{Size: 21 << 30}, fs.Usage{Size: 21 << 30}, defaults, diskTick},
+	} {
+		got := nextDiskWait(tc.last, tc.prev, tc.u, tc.g)
+		if got != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+		// Even stretched by UntilTick (1.5 periods), a writer at the
+		// assumed rates does not reach a cap before the next measurement.
+		if tc.u == tc.prev && got > diskTick && tc.g.disk > 0 {
+			if bytes := int64(diskFillRate * (got * 3 / 2).Seconds()); tc.u.Size+bytes > tc.g.disk {
+				t.Errorf("%s: %v lets a writer at %d B/s past the disk cap", tc.name, got, diskFillRate)
+			}
+		}
+	}
+}
+
 func TestUpperDir(t *testing.T) {
 	ov := []*types.Mount{{Type: "overlay", Options: []string{"index=off", "workdir=/s/1/work", "upperdir=/s/1/fs", "lowerdir=/s/0/fs"}}}
 	if got := upperDir(ov); got != "/s/1/fs" {

@@ -59,7 +59,7 @@ type Arbiter interface {
 type Controller interface {
 	Run(ctx context.Context) error
 	Status() envlet.Status
-	Timeline() []envlet.TimelinePoint
+	TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64)
 }
 
 // ControllerFactory builds the controller of one container. The default

@@ -193,9 +193,9 @@ func (c *fakeController) Run(ctx context.Context) error {
 		return fe
 	}
 }
-func (c *fakeController) Status() envlet.Status            { return envlet.Status{} }
-func (c *fakeController) Timeline() []envlet.TimelinePoint { return nil }
-func (c *fakeController) SetCap(r envlet.Resources) error  { c.caps = append(c.caps, r); return nil }
+func (c *fakeController) Status() envlet.Status                                     { return envlet.Status{} }
+func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
+func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
 
 type fixture struct {
 	svc   *Service
@@ -567,9 +567,9 @@ func TestUpdateUnchangedLimits(t *testing.T) {
 // capless is a controller without SetCap.
 type capless struct{}
 
-func (capless) Run(ctx context.Context) error    { <-ctx.Done(); return nil }
-func (capless) Status() envlet.Status            { return envlet.Status{} }
-func (capless) Timeline() []envlet.TimelinePoint { return nil }
+func (capless) Run(ctx context.Context) error                             { <-ctx.Done(); return nil }
+func (capless) Status() envlet.Status                                     { return envlet.Status{} }
+func (capless) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
 
 // TestEnvKeyNamespaced: ids are unique per containerd namespace only, so
 // the arbiter knows environments as namespace/id; events keep the id.

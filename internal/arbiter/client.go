@@ -1,7 +1,6 @@
 package arbiter
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -42,7 +41,8 @@ const (
 	// loaded node can meet (envlet.Config.ArbiterTimeout).
 	DefaultTimeout = time.Second
 	// redialInterval keeps a down arbiter from costing every controller
-	// tick a connect attempt.
+	// tick a connect attempt; a lost connection is redialled this often
+	// until the arbiter answers again.
 	redialInterval = time.Second
 )
 
@@ -65,10 +65,11 @@ type ClientConfig struct {
 }
 
 // StatusSource is what a client reports about an environment besides its
-// limits and usage: *envlet.Controller implements it.
+// limits and usage: *envlet.Controller implements it. TimelineSince
+// returns the points recorded from the seq-th on and the seq of the next.
 type StatusSource interface {
 	Status() envlet.Status
-	Timeline() []envlet.TimelinePoint
+	TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64)
 }
 
 // Client implements envlet.Arbiter against the node arbiter, falling back
@@ -86,11 +87,16 @@ type Client struct {
 	localEnvs map[string]bool
 	node      *NodeInfo // the arbiter's view of the node, from Admit
 
-	// gaps counts the times the arbiter stopped answering (a run of
-	// failed calls between two answers), failed the calls that failed;
-	// both go to the arbiter with every report, for its metrics.
+	// gaps counts the times the arbiter stopped answering (a lost
+	// connection, or a run of failed calls, between two answers), failed
+	// the calls that failed; both go to the arbiter with every report,
+	// for its metrics.
 	gaps, failed int
 	inGap        bool
+
+	// redialing: a goroutine reconnects (redial); closed: Close was
+	// called.
+	redialing, closed bool
 }
 
 type envState struct {
@@ -98,7 +104,7 @@ type envState struct {
 	priority      int
 	tier          envlet.Tier
 	src           StatusSource
-	lastPoint     []byte // JSON of the last timeline point reported
+	nextPoint     uint64 // the first timeline point not reported yet
 }
 
 var _ envlet.Arbiter = (*Client)(nil)
@@ -126,7 +132,7 @@ func (c *Client) Track(env string, src StatusSource) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if st, ok := c.envs[env]; ok {
-		st.src = src
+		st.src, st.nextPoint = src, 0
 	}
 }
 
@@ -134,6 +140,7 @@ func (c *Client) Track(env string, src StatusSource) {
 func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.closed = true
 	c.dropLocked()
 	return nil
 }
@@ -163,6 +170,60 @@ func (c *Client) dropLocked() {
 	}
 }
 
+// lostLocked starts redial unless it runs: the connection is gone, and
+// with environments idle a heartbeat apart (envlet.IdleReportPeriod) no
+// call may come to reconnect before the arbiter's grace for restored
+// leases (DefaultLedgerGrace) or its stale limit (DefaultStaleAfter)
+// runs out.
+func (c *Client) lostLocked() {
+	if c.redialing || c.closed || len(c.envs) == 0 {
+		return
+	}
+	c.redialing = true
+	go c.redial()
+}
+
+// redial reconnects, and so re-registers every environment, every
+// redialInterval until it succeeds, a call reconnects first, or nothing
+// is left to speak for.
+func (c *Client) redial() {
+	ctx := context.Background()
+	for {
+		time.Sleep(redialInterval)
+		c.mu.Lock()
+		if c.conn != nil || c.closed || len(c.envs) == 0 {
+			c.redialing = false
+			c.mu.Unlock()
+			return
+		}
+		err := c.dialLocked(ctx)
+		if err == nil {
+			c.redialing = false
+		}
+		c.mu.Unlock()
+		if err == nil {
+			return
+		}
+	}
+}
+
+// closedRemotely is the ttrpc client's close callback: a connection the
+// arbiter closed (it exited or restarted) is a gap, and is redialled
+// without waiting for a call.
+func (c *Client) closedRemotely(tc *ttrpc.Client) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn != tc {
+		return // dropped by us
+	}
+	c.conn = nil
+	if !c.inGap {
+		c.inGap = true
+		c.gaps++
+	}
+	c.lostLocked()
+}
+
 // connectLocked dials the arbiter and, on a new connection, re-registers
 // every environment this client holds: the arbiter may have restarted, or
 // environments may have been admitted locally while it was away.
@@ -173,14 +234,27 @@ func (c *Client) connectLocked(ctx context.Context) error {
 	if !c.dialFail.IsZero() && time.Since(c.dialFail) < redialInterval {
 		return errUnreachable
 	}
+	if err := c.dialLocked(ctx); err != nil {
+		c.noteFailureLocked()
+		c.lostLocked()
+		return err
+	}
+	return nil
+}
+
+// dialLocked makes a new connection and re-registers every environment
+// on it.
+func (c *Client) dialLocked(ctx context.Context) error {
 	d := net.Dialer{Timeout: c.cfg.Timeout}
 	conn, err := d.DialContext(ctx, "unix", c.cfg.Socket)
 	if err != nil {
 		c.dialFail = time.Now()
-		c.noteFailureLocked()
 		return fmt.Errorf("%w: %v", errUnreachable, err)
 	}
-	c.conn = ttrpc.NewClient(conn)
+	var tc *ttrpc.Client
+	// The callback takes c.mu, which is held until tc is set.
+	tc = ttrpc.NewClient(conn, ttrpc.WithOnClose(func() { c.closedRemotely(tc) }))
+	c.conn = tc
 	c.dialFail = time.Time{}
 	for env, st := range c.envs {
 		if err := c.registerLocked(ctx, env, st); err != nil {
@@ -242,6 +316,7 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 		c.dropLocked()
 		c.dialFail = time.Now()
 		c.noteFailureLocked()
+		c.lostLocked()
 		return fmt.Errorf("%w: %s: %v", errUnreachable, method, err)
 	}
 	c.inGap = false
@@ -405,12 +480,14 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 	st.current = current
 	req := &ReportRequest{Env: env, Current: toWire(current), Used: toWire(used),
 		Gaps: &Gaps{Gaps: c.gaps, FailedCalls: c.failed}}
-	var last []byte
+	var next uint64
 	if st.src != nil {
 		if b, err := json.Marshal(st.src.Status()); err == nil {
 			req.Status = b
 		}
-		req.Timeline, last = newPoints(st.src.Timeline(), st.lastPoint)
+		var pts []envlet.TimelinePoint
+		pts, next = st.src.TimelineSince(st.nextPoint)
+		req.Timeline = encodePoints(pts)
 	}
 	var resp ResourcesResponse
 	err := c.callLocked(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
@@ -420,8 +497,8 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 		}
 	}
 	if err == nil {
-		if last != nil {
-			st.lastPoint = last
+		if st.src != nil {
+			st.nextPoint = next
 		}
 		if resp.Evict != "" {
 			return fromWire(resp.Resources), &envlet.EvictionError{Message: resp.Evict}
@@ -445,32 +522,20 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 	return current, nil
 }
 
-// newPoints returns the timeline points after the one whose JSON is last
-// (all of them if it is gone from the timeline), and the JSON of the newest.
-func newPoints(tl []envlet.TimelinePoint, last []byte) ([]json.RawMessage, []byte) {
-	if len(tl) == 0 {
-		return nil, nil
+// encodePoints encodes timeline points as the protocol carries them.
+func encodePoints(pts []envlet.TimelinePoint) []json.RawMessage {
+	if len(pts) == 0 {
+		return nil
 	}
-	enc := make([]json.RawMessage, 0, 8)
-	for i := len(tl) - 1; i >= 0; i-- {
-		b, err := json.Marshal(tl[i])
+	out := make([]json.RawMessage, 0, len(pts))
+	for _, p := range pts {
+		b, err := json.Marshal(p)
 		if err != nil {
-			return nil, nil
+			return nil
 		}
-		if last != nil && bytes.Equal(b, last) {
-			break
-		}
-		enc = append(enc, b)
+		out = append(out, b)
 	}
-	// enc holds the new points newest first.
-	out := make([]json.RawMessage, len(enc))
-	for i, b := range enc {
-		out[len(enc)-1-i] = b
-	}
-	if len(out) == 0 {
-		return nil, nil
-	}
-	return out, out[len(out)-1]
+	return out
 }
 
 // Release returns env's grant to the node.
@@ -499,7 +564,8 @@ func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
 		if b, err := json.Marshal(status); err == nil {
 			req.Status = b
 		}
-		req.Timeline, _ = newPoints(st.src.Timeline(), st.lastPoint)
+		pts, _ := st.src.TimelineSince(st.nextPoint)
+		req.Timeline = encodePoints(pts)
 		var resp ResourcesResponse
 		_ = c.callLocked(ctx, methodReport, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
 	}

@@ -17,9 +17,9 @@ import (
 )
 
 // DefaultLedgerGrace is how long an environment restored from the ledger
-// keeps its grant without a word from its shim. Shims redial within a
-// second and report every second; one silent for 10 s ended while the
-// arbiter was down, and its grant goes back to the node.
+// keeps its grant without a word from its shim. Shims redial a lost
+// connection every second and re-register at once; one silent for 10 s
+// ended while the arbiter was down, and its grant goes back to the node.
 const DefaultLedgerGrace = 10 * time.Second
 
 // ledgerVersion is the format of the ledger file.
@@ -162,7 +162,7 @@ func (s *Server) confirmLocked(env string) { delete(s.restored, env) }
 
 // DefaultStaleAfter is how long a live environment may go without a call
 // from its shim before the arbiter returns its grant. Shims report every
-// second; a Release lost to a timeout (the shim gives up on an unreachable
+// second, idle environments every 15 s (envlet.IdleReportPeriod); a Release lost to a timeout (the shim gives up on an unreachable
 // arbiter and forgets the environment) would otherwise hold the node's
 // capacity forever. A live shim that was merely silent gets NotFound at
 // its next report and re-registers.

@@ -94,6 +94,7 @@ type Controller struct {
 	havePrev   bool
 	lastReport time.Time
 	reported   Resources // the limits the last report carried
+	reportedWS int64     // and the working set
 
 	wake chan struct{}
 
@@ -111,6 +112,7 @@ type Controller struct {
 	tlCap      int
 	tlNext     int
 	tlFilled   bool
+	tlSeq      uint64 // points recorded so far (TimelineSince)
 }
 
 // NewController validates cfg and prepares a controller; nothing is
@@ -371,6 +373,7 @@ func (c *Controller) takeCap() (Resources, bool) {
 // step is one tick: sample, decide, ask, apply, report.
 func (c *Controller) step(ctx context.Context, wake string) error {
 	now := c.clock.Now()
+	before := c.st.Limit
 	var acts []string
 	if next, ok := c.takeCap(); ok {
 		var err error
@@ -469,8 +472,8 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 
-	if now.Sub(c.lastReport) >= c.reportPeriod() {
-		c.lastReport, c.reported = now, c.st.Limit
+	if c.reportDue(now, o, c.st.Limit == before) {
+		c.lastReport, c.reported, c.reportedWS = now, c.st.Limit, o.WS
 		var err error
 		if acts, err = c.report(ctx, o, acts); err != nil {
 			return err
@@ -480,22 +483,43 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 	return nil
 }
 
-// IdleReportPeriod is how often an idle environment whose limits did not
-// change reports to the arbiter. A report is the largest part of an idle
-// shim's CPU (a ttrpc round trip with the status and the new timeline
-// points, in the shim and in the arbiter); an idle environment's usage
-// hardly moves, and whatever wakes it makes it active, and report every
-// ReportPeriod, again. It stays well under the arbiter's ledger grace
-// (10 s) and stale limit (30 s).
-const IdleReportPeriod = 5 * time.Second
+// IdleReportPeriod is the heartbeat of an idle environment whose limits
+// and working set are those it last reported. A report was the largest
+// part of an idle shim's CPU (a ttrpc round trip with the status and the
+// new timeline points, in the shim and in the arbiter), and such a report
+// tells the arbiter nothing new: an idle environment's CPU use is under
+// IdleUtil of its limit, which admission's 10 s average does not feel, and
+// whatever wakes it makes it active, reporting every ReportPeriod again.
+// The heartbeat only keeps the lease alive: at most a period and an idle
+// tick apart, about half the arbiter's stale limit (a lease silent 30 s
+// is returned). An arbiter restart does not wait for it: the client
+// re-registers as soon as it loses the connection (arbiter.Client),
+// within the ledger's 10 s grace.
+const IdleReportPeriod = 15 * time.Second
 
-// reportPeriod is ReportPeriod, or IdleReportPeriod for an idle
-// environment whose limits are those it last reported.
-func (c *Controller) reportPeriod() time.Duration {
-	if c.st.Idle && c.st.Limit == c.reported {
-		return max(c.cfg.ReportPeriod, IdleReportPeriod)
+// reportDue says whether this tick reports to the arbiter: every
+// ReportPeriod, except for an idle environment whose limits are those it
+// last reported and whose working set moved by less than a sixteenth of
+// its memory limit since (an admission counts its use): that one reports
+// when the wall clock passes a multiple of IdleReportPeriod, so the idle
+// environments of a shim report in the same tick, one wake-up for all. A
+// change of either is reported at the next idle tick, once the limits
+// held for a tick (settled): idle reclaim halves them on consecutive
+// ticks, and one report says where they ended.
+func (c *Controller) reportDue(now time.Time, o Observation, settled bool) bool {
+	if now.Sub(c.lastReport) < c.cfg.ReportPeriod {
+		return false
 	}
-	return c.cfg.ReportPeriod
+	switch {
+	case !c.st.Idle:
+		return true
+	case c.st.Limit != c.reported:
+		return settled
+	}
+	if moved := o.WS - c.reportedWS; moved > c.st.Limit.Memory/16 || -moved > c.st.Limit.Memory/16 {
+		return true
+	}
+	return now.Truncate(IdleReportPeriod).After(c.lastReport)
 }
 
 // arbiterLogEvery rate-limits the warning about an arbiter that does not
@@ -634,6 +658,9 @@ func (c *Controller) report(ctx context.Context, o Observation, acts []string) (
 		return append(acts, "evicted"), &FailureError{Failure: f, Err: err}
 	case err != nil:
 		c.logger(ctx).WithError(err).Debug("envlet: arbiter report failed")
+		// Retry a ReportPeriod later, not a heartbeat later: the lease
+		// must hear from us.
+		c.reported = Resources{}
 		return acts, nil
 	}
 	if lim.CPU >= c.st.Limit.CPU && lim.Memory >= c.st.Limit.Memory {
@@ -682,6 +709,7 @@ func (c *Controller) record(o Observation, wake string, acts []string) {
 	}
 	p := TimelinePoint{T: o.Now, Limit: c.st.Limit, CPUUsed: o.CPUUsed, Throttled: o.Throttled,
 		WS: o.WS, MemUsage: o.MemUsage, Wake: wake, Actions: strings.Join(acts, ",")}
+	c.tlSeq++
 	if len(c.tl) < c.tlCap {
 		c.tl = append(c.tl, p)
 		return
@@ -714,6 +742,32 @@ func (c *Controller) Timeline() []TimelinePoint {
 		return out
 	}
 	return append(out, c.tl...)
+}
+
+// TimelineSince returns the retained points from the seq-th recorded on
+// (the first is 0), oldest first, and the number recorded so far: the seq
+// of the next call. The arbiter client sends each report only the points
+// since its last, without copying the whole history every time.
+func (c *Controller) TimelineSince(seq uint64) ([]TimelinePoint, uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := uint64(len(c.tl))
+	if seq < c.tlSeq-n {
+		seq = c.tlSeq - n
+	}
+	if seq >= c.tlSeq {
+		return nil, c.tlSeq
+	}
+	out := make([]TimelinePoint, 0, c.tlSeq-seq)
+	// The oldest retained point is at tlNext once the ring is full.
+	start := 0
+	if c.tlFilled {
+		start = c.tlNext
+	}
+	for i := seq - (c.tlSeq - n); i < n; i++ {
+		out = append(out, c.tl[(start+int(i))%len(c.tl)])
+	}
+	return out, c.tlSeq
 }
 
 // last returns the newest timeline point.

@@ -15,9 +15,32 @@ import (
 // anything at or above 2^62 is treated as unlimited.
 const unlimitedV1 = int64(1) << 62
 
-// statEvery is how often memory.stat (the expensive file) is read when
-// usage is below half of the limit.
-const statEvery = time.Second
+// statEvery is how often memory.stat (the expensive file) and the
+// pressure counters are read when usage is below half of the limit, and
+// statSteadyEvery how often while usage has not moved since the last
+// read (an idle environment: these were half of its sample's reads):
+// with usage still, the working set moves only as pages age between the
+// active and inactive lists, and pressure shows in usage first (at the
+// limit, which is always read, or an OOM kill that drops it). Kernel
+// events still ask for a read at once.
+const (
+	statEvery       = time.Second
+	statSteadyEvery = 10 * time.Second
+)
+
+// statDue says whether a sample that read usage at now reads memory.stat
+// and the pressure counters, last read at last with usage at lastUsage,
+// under the memory limit limit (0: none applied).
+func statDue(now, last time.Time, usage, lastUsage, limit int64) bool {
+	since := now.Sub(last)
+	switch {
+	case limit > 0 && 2*usage >= limit:
+		return true
+	case since < statEvery:
+		return false
+	}
+	return usage != lastUsage || since >= statSteadyEvery
+}
 
 // V1 is a cgroup v1 container cgroup spread over the cpu, cpuacct and
 // memory hierarchies.
@@ -36,7 +59,8 @@ type V1 struct {
 	events     chan Event
 	pending    atomic.Bool // an event arrived: read memory.stat on the next sample
 	lastStat   time.Time
-	underOOM   bool // the last read of oom_control saw tasks paused
+	statUsage  int64 // usage at lastStat
+	underOOM   bool  // the last read of oom_control saw tasks paused
 	closed     bool
 }
 
@@ -167,8 +191,8 @@ func (c *V1) Sample(s *Sample) error {
 	// under_oom is a level, not a counter: once seen it is read again
 	// every sample until it clears, or a grow would be answered by the
 	// pause it just ended.
-	if c.pending.Swap(false) || c.underOOM || now.Sub(c.lastStat) >= statEvery || (c.cur.Memory > 0 && 2*s.MemUsage >= c.cur.Memory) {
-		c.lastStat = now
+	if c.pending.Swap(false) || c.underOOM || statDue(now, c.lastStat, s.MemUsage, c.statUsage, c.cur.Memory) {
+		c.lastStat, c.statUsage = now, s.MemUsage
 		s.MemStat = true
 		if b, err = c.memStat.read(c.buf); err != nil {
 			return err

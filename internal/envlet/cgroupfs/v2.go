@@ -35,10 +35,11 @@ type V2 struct {
 	curMax   int64 // memory.max as written (-1 unlimited)
 	memCap   int64
 
-	inotify  *os.File
-	events   chan Event
-	pending  atomic.Bool
-	lastStat time.Time
+	inotify   *os.File
+	events    chan Event
+	pending   atomic.Bool
+	lastStat  time.Time
+	statUsage int64 // usage at lastStat
 }
 
 // PSI triggers armed on cpu.pressure and memory.pressure: wake the
@@ -280,8 +281,8 @@ func (c *V2) SetMemoryCap(b int64) { c.memCap = b }
 func (c *V2) SetThresholds(...float64) error { return nil }
 
 // Sample reads cpu.stat and memory.current every time, and memory.stat and
-// memory.events once a second, when usage is at or above half the grant,
-// or after memory.events changed.
+// memory.events once a second (every 10 s while usage stands still), when
+// usage is at or above half the grant, or after memory.events changed.
 func (c *V2) Sample(s *Sample) error {
 	b, err := c.cpuStat.read(c.buf)
 	if err != nil {
@@ -302,8 +303,8 @@ func (c *V2) Sample(s *Sample) error {
 	s.MemUsage = int64(u)
 	now := time.Now()
 	s.MemStat = false
-	if c.pending.Swap(false) || now.Sub(c.lastStat) >= statEvery || (c.cur.Memory > 0 && 2*s.MemUsage >= c.cur.Memory) {
-		c.lastStat = now
+	if c.pending.Swap(false) || statDue(now, c.lastStat, s.MemUsage, c.statUsage, c.cur.Memory) {
+		c.lastStat, c.statUsage = now, s.MemUsage
 		s.MemStat = true
 		if b, err = c.memStat.read(c.buf); err != nil {
 			return err

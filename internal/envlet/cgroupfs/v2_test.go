@@ -2,6 +2,7 @@ package cgroupfs
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -86,6 +87,22 @@ func TestV2Sample(t *testing.T) {
 	}
 	if s.MemStat || s.InactiveFile != 20<<20 {
 		t.Fatalf("memory.stat re-read on a lean tick: %+v", s)
+	}
+	// A second later with usage where it was (idle): not before 10 s.
+	c.lastStat = time.Now().Add(-2 * time.Second)
+	if err := c.Sample(&s); err != nil || s.MemStat {
+		t.Fatalf("memory.stat re-read after 2 s of still usage: %+v (%v)", s, err)
+	}
+	c.lastStat = time.Now().Add(-statSteadyEvery)
+	if err := c.Sample(&s); err != nil || !s.MemStat || s.InactiveFile != 0 {
+		t.Fatalf("memory.stat not re-read after 10 s of still usage: %+v (%v)", s, err)
+	}
+	// Usage moved: read again after a second.
+	os.WriteFile(filepath.Join(root, path, "memory.current"), []byte(fmt.Sprint(101<<20)), 0o644)
+	os.WriteFile(filepath.Join(root, path, "memory.stat"), []byte("inactive_file 4096\n"), 0o644)
+	c.lastStat = time.Now().Add(-2 * time.Second)
+	if err := c.Sample(&s); err != nil || !s.MemStat || s.InactiveFile != 4096 {
+		t.Fatalf("memory.stat not re-read a second after usage moved: %+v (%v)", s, err)
 	}
 }
 
