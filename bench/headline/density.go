@@ -54,7 +54,7 @@ type DensityConfig struct {
 	// Window is how long each level is then measured.
 	Window time.Duration
 	// Limit is the degradation bound: the level's p95 tool-call latency
-	// over the p95 of one environment alone.
+	// over the reference (DensityRun.Reference: one environment alone).
 	Limit   float64
 	Think   modelstub.Think
 	Systems []string
@@ -110,6 +110,11 @@ type DensityRun struct {
 	// Alone is the tool-call latency (s) of one environment alone on the
 	// node, over its first episode.
 	Alone Summary `json:"alone_tool_call_s"`
+	// Reference is the p95 tool-call latency (s) the levels are held to:
+	// the first level's, one environment alone measured as every level
+	// is (past its first episode), or Alone's p95 when that level saw no
+	// call.
+	Reference float64 `json:"reference_p95_s"`
 	// Held is the most environments the node held with no failure and
 	// the p95 tool-call latency within the limit.
 	Held int `json:"held"`
@@ -129,8 +134,8 @@ type DensityRun struct {
 // DensityLevel is the node holding Envs environments for one window.
 type DensityLevel struct {
 	Envs     int     `json:"envs"`
-	ToolCall Summary `json:"tool_call_s"` // the calls that ended in the window
-	Ratio    float64 `json:"p95_vs_alone"`
+	ToolCall Summary `json:"tool_call_s"`      // the calls that ended in the window
+	Ratio    float64 `json:"p95_vs_reference"` // over DensityRun.Reference
 	// NodeMemory is MemTotal - MemAvailable and NodeFile the page cache
 	// (Cached), both above the node before the first environment, at the
 	// window's end.
@@ -250,7 +255,7 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (_ *DensityReport, r
 			return nil, fmt.Errorf("density on %s: %w", sys, err)
 		}
 		rep.Systems[sys] = run
-		cfg.logf("%-12s held %d environments (%s); alone p95 tool call %.2fs", sys, run.Held, run.Stop, run.Alone.P95)
+		cfg.logf("%-12s held %d environments (%s); alone p95 tool call %.2fs over its first episode, %.2fs after it (the reference)", sys, run.Held, run.Stop, run.Alone.P95, run.Reference)
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
@@ -399,7 +404,13 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 				lv.ShimCPU += (t - t0) / secs
 			}
 		}
-		lv.Ratio = ratio(lv.ToolCall.P95, run.Alone.P95)
+		if len(run.Levels) == 0 {
+			run.Reference = lv.ToolCall.P95
+			if lv.ToolCall.N == 0 {
+				run.Reference = run.Alone.P95
+			}
+		}
+		lv.Ratio = ratio(lv.ToolCall.P95, run.Reference)
 		if used, err := nodeMemoryUsed(); err == nil {
 			lv.NodeMemory = used - baseUsed
 		}
@@ -421,13 +432,13 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 		fail := failed()
 		lv.OK = fail == "" && lv.Ratio <= db.cfg.Limit
 		run.Levels = append(run.Levels, lv)
-		db.cfg.logf("%-12s %3d envs: tool call p50 %.2fs p95 %.2fs (%.2fx alone, %d calls), node memory +%s (file +%s), node CPU %.2f cores (environments %.2f), %d shims %.3f cores %s Pss",
+		db.cfg.logf("%-12s %3d envs: tool call p50 %.2fs p95 %.2fs (%.2fx the reference, %d calls), node memory +%s (file +%s), node CPU %.2f cores (environments %.2f), %d shims %.3f cores %s Pss",
 			sys, n, lv.ToolCall.Median, lv.ToolCall.P95, lv.Ratio, lv.ToolCall.N, mib(lv.NodeMemory), mib(lv.NodeFile), lv.NodeCPU, lv.EnvCPU, lv.Shims, lv.ShimCPU, mib(lv.ShimPss))
 		switch {
 		case fail != "":
 			run.Stop = "a rollout failed at " + strconv.Itoa(n) + " environments: " + fail
 		case !lv.OK:
-			run.Stop = fmt.Sprintf("p95 tool-call latency %.2fx alone at %d environments (limit %.2fx)", lv.Ratio, n, db.cfg.Limit)
+			run.Stop = fmt.Sprintf("p95 tool-call latency %.2fx the reference at %d environments (limit %.2fx)", lv.Ratio, n, db.cfg.Limit)
 		case n >= limit:
 			run.Stop = fmt.Sprintf("reached the scenario's maximum, %d environments", limit)
 		case run.Slots > 0 && n >= run.Slots:
@@ -444,6 +455,7 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 			next = min(next, run.Slots)
 		}
 		var refused string
+		first := n
 		for i := n; i < next && refused == ""; i++ {
 			if refused, err = start(i); err != nil {
 				run.Stop = fmt.Sprintf("starting environment %d of %d: %v", i+1, next, err)
@@ -458,6 +470,20 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 		if run.Stop != "" {
 			break
 		}
+		// A level is measured in its steady state: a new environment's
+		// first episode pays the cold start of its tools (the first
+		// build, lazily read layers), which is start-up, not density.
+		waited := time.Now()
+		for _, e := range started[first:n] {
+			if err := db.rec.waitEpisodes(ctx, e.key, 1, e.done); err != nil {
+				run.Stop = fmt.Sprintf("environment %s did not finish its first episode at %d environments: %v", e.key, n, err)
+				break
+			}
+		}
+		if run.Stop != "" {
+			break
+		}
+		db.cfg.logf("%-12s %3d envs: the new environments' first episodes ended %.0fs after the last start", sys, n, time.Since(waited).Seconds())
 	}
 	run.Episodes = db.rec.completed(sys)
 	run.Failures = db.rec.failures(sys)

@@ -158,8 +158,9 @@ type Iteration struct {
 
 // rigProcesses are the processes whose CPU is the environment tax or the
 // rig's, not the environments' work: the snapshot daemons (containerd
-// pulls and unpacks for overlayfs), the registry, and the bench process
-// (the registry's link proxy and the episode clients).
+// pulls and unpacks for overlayfs), envlet's node arbiter, the registry,
+// and the bench process (the registry's link proxy and the episode
+// clients).
 var rigProcesses = []string{"arbiter", "bench", "containerd", "envsnap", "registry"}
 
 // workSeconds is the CPU time of the environments' own work: the node's

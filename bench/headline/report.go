@@ -175,7 +175,7 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 			}
 		}
 		if len(cpu) > 0 {
-			fmt.Fprintf(&b, "\nCPU seconds during each iteration (node: the busy time of every core; then each daemon, and the bench process, which runs the registry's link proxy and the clients; the environments' own work is the node's time less containerd, the envsnap daemon, the registry and the bench process):\n\n%s", strings.Join(cpu, ""))
+			fmt.Fprintf(&b, "\nCPU seconds during each iteration (node: the busy time of every core; then each daemon, and the bench process, which runs the registry's link proxy and the clients; the environments' own work is the node's time less containerd, the envsnap daemon, the envlet arbiter, the registry and the bench process):\n\n%s", strings.Join(cpu, ""))
 		}
 		if h.IterationFloor > 0 {
 			fmt.Fprintf(&b, "\n**Floor on this node: %.3fx.** On overlayfs the environments' own work alone kept every core busy for that share of the makespan (median of the rounds), so a snapshotter that cost no CPU at all could not make the iteration shorter than about that while the node is CPU-bound. The kernel's writeback of what the snapshotters wrote is counted as the environments' work, so the floor is slightly high; the workload's own CPU does not depend on the snapshotter except through the file system's kernel work.\n", h.IterationFloor)
