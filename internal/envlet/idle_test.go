@@ -28,6 +28,11 @@ func TestTraceIdleReclaim(t *testing.T) {
 	if got := tr.c.Status().Limit.Memory; got < 74*MiB || got > 75*MiB {
 		t.Fatalf("memory limit %s after idle reclaim", FormatBytes(got))
 	}
+	// Reclaimed to 54% of its limit, it is still idle: sampled every
+	// idle period, reporting on the idle grid.
+	if !tr.c.st.Idle {
+		t.Fatal("not idle after idle reclaim left the working set at 54% of the limit")
+	}
 	// Wake up: the working set goes back to 600 MiB.
 	woke := tr.tick
 	for range 10 {

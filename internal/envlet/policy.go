@@ -210,8 +210,13 @@ func (p *Policy) Decide(s State, o Observation) (State, Decision) {
 		}
 	}
 
-	// Idle environments are sampled less often; kernel events still wake them.
-	if o.CPUValid && s.Limit.CPU > 0 && o.CPUUsed/s.Limit.CPU < cfg.IdleUtil && lim > 0 && float64(o.WS) < cfg.MemShrinkWS*float64(lim) {
+	// Idle environments are sampled less often; kernel events still wake
+	// them (v1: the memory thresholds at the grow fractions; v2:
+	// memory.events at memory.high). Idle is CPU under IdleUtil with the
+	// working set below the grow threshold: idle reclaim leaves it at 54%
+	// of the limit (belowGrow), and an environment it reclaimed must stay
+	// idle, else every sleeping agent is sampled every SamplePeriod.
+	if o.CPUValid && s.Limit.CPU > 0 && o.CPUUsed/s.Limit.CPU < cfg.IdleUtil && lim > 0 && float64(o.WS) < cfg.MemGrowWS*float64(lim) {
 		if s.idleSince.IsZero() {
 			s.idleSince = now
 		}
