@@ -153,6 +153,11 @@ const groupSocketEnv = "ENVLET_GROUP_SOCKET"
 // socket or fail to bind.
 func lockGroupSocket(address string) (unlock func(), err error) {
 	path := strings.TrimPrefix(address, "unix://") + ".lock"
+	// The socket directory does not exist before a node's first shim
+	// (shim.NewSocket makes it, with the same mode).
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return nil, fmt.Errorf("shim socket directory: %w", err)
+	}
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open shim socket lock: %w", err)

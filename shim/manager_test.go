@@ -138,3 +138,21 @@ func TestGroupSocketStartsTogether(t *testing.T) {
 		created[0].Close()
 	}
 }
+
+// TestGroupSocketLockFirstShim: on a node whose first shim this is, the
+// socket directory does not exist yet; the lock makes it (a guest with
+// no shim run before failed every start: "open shim socket lock: no such
+// file or directory").
+func TestGroupSocketLockFirstShim(t *testing.T) {
+	address := "unix://" + filepath.Join(t.TempDir(), "s", "group")
+	unlock, err := lockGroupSocket(address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	s, err := groupSocket(address)
+	if err != nil || s == nil {
+		t.Fatalf("first socket of the node: %v, %v", s, err)
+	}
+	s.Close()
+}
