@@ -726,8 +726,11 @@ func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 			s.mu.Unlock()
 			continue
 		}
+		empty := len(s.bundles) == 0
 		s.mu.Unlock()
-		if s.opts.Socket != "" && !s.unlisted {
+		// Only a shim that serves no container leaves: with containers
+		// left (a pod's sandbox), runc's Shutdown below returns at once.
+		if empty && s.opts.Socket != "" && !s.unlisted {
 			if !s.unlist(ctx, seen) {
 				s.mu.Lock()
 				seen = s.creates
@@ -759,7 +762,8 @@ func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 const unlistGrace = time.Second
 
 // unlist removes the group's socket, under the group's lock, when no
-// Create came since seen; it reports whether it did. Only this shim
+// Create came since seen and no container is left; it reports whether
+// it did. Only this shim
 // listens there: a start holding the lock finds it alive and joins it.
 func (s *Service) unlist(ctx context.Context, seen int) bool {
 	unlock, err := lockGroupSocket(s.opts.Socket)
@@ -770,7 +774,7 @@ func (s *Service) unlist(ctx context.Context, seen int) bool {
 	defer unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.creates != seen {
+	if s.creates != seen || len(s.bundles) > 0 {
 		return false
 	}
 	if err := shim.RemoveSocket(s.opts.Socket); err != nil && !errors.Is(err, fs.ErrNotExist) {
