@@ -212,8 +212,8 @@ run_ctr() { # pod-id name command [annotations]: prints the container id
 	: >"/var/lib/vmtest/term-$2"
 	ctr_json "$2" "$3" "${4:-}" >"$2.json"
 	local id
-	id=$(crictl create "$1" "$2.json" pod-"$1".json) || return 1
-	crictl start "$id" >/dev/null || return 1
+	id=$(crictl create "$1" "$2.json" pod-"$1".json 2>/tmp/run_ctr.err) || return 1
+	crictl start "$id" >/dev/null 2>/tmp/run_ctr.err || return 1
 	echo "$id"
 }
 cgdir() { # container id: its cgroup directory, read from its init's /proc/PID/cgroup
@@ -489,6 +489,6 @@ if [ -n "$C5" ]; then
 		fail cgroupfs-lifecycle "rm/stopp/rmp failed: $out"
 	fi
 else
-	fail cgroupfs-cgroup "container did not start under the cgroupfs driver"
+	fail cgroupfs-cgroup "container did not start under the cgroupfs driver (pod ${POD2:-not created}): $(tr '\n' ' ' </tmp/run_ctr.err 2>/dev/null)"
 fi
 finish
