@@ -3,6 +3,7 @@
 package shim
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -16,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/containerd/cgroups/v3"
 	"github.com/containerd/cgroups/v3/cgroup1"
@@ -96,7 +98,7 @@ func (m manager) Start(ctx context.Context, opts *bootapi.BootstrapParams) (_ *b
 		return nil, err
 	}
 	defer unlock()
-	socket, err := groupSocket(address)
+	socket, err := takeGroupSocket(address, id)
 	if err != nil {
 		return nil, err
 	}
@@ -167,6 +169,80 @@ func lockGroupSocket(address string) (unlock func(), err error) {
 		return nil, fmt.Errorf("lock %s: %w", path, err)
 	}
 	return func() { f.Close() }, nil // closing unlocks
+}
+
+// takeGroupSocket returns a new listening socket at address for the
+// shim of container id to serve on, or nil when a live shim already
+// listens there; then it records id as joined to that shim, which must
+// not leave before id's Create reaches it (Service.unlist). The caller
+// holds the group's lock.
+func takeGroupSocket(address, id string) (*net.UnixListener, error) {
+	socket, err := groupSocket(address)
+	if err != nil {
+		return nil, err
+	}
+	if socket == nil {
+		return nil, recordJoin(address, id)
+	}
+	// Joins recorded for a shim that died are not the new shim's.
+	if err := os.Remove(joinsPath(address)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		socket.Close()
+		return nil, fmt.Errorf("remove the joins of a dead shim: %w", err)
+	}
+	return socket, nil
+}
+
+// joinsPath is the file beside a group's socket listing, one per line,
+// the containers whose start returned the live shim there: containerd
+// connects and sends their Create only after the start exits, and a
+// shim leaving in between would lose them.
+func joinsPath(address string) string {
+	return strings.TrimPrefix(address, "unix://") + ".joins"
+}
+
+// recordJoin adds id to the joins of the shim at address. The caller
+// holds the group's lock.
+func recordJoin(address, id string) error {
+	f, err := os.OpenFile(joinsPath(address), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("record join of %s: %w", id, err)
+	}
+	if _, err := f.WriteString(id + "\n"); err != nil {
+		f.Close()
+		return fmt.Errorf("record join of %s: %w", id, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("record join of %s: %w", id, err)
+	}
+	return nil
+}
+
+// pendingJoins returns the containers joined to the shim at address
+// whose Create it has not seen, and when the last join was recorded.
+// The caller holds the group's lock.
+func pendingJoins(address string, created map[string]bool) (pending []string, last time.Time, err error) {
+	f, err := os.Open(joinsPath(address))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, time.Time{}, nil
+	}
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("read joins: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("read joins: %w", err)
+	}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if id := sc.Text(); id != "" && !created[id] {
+			pending = append(pending, id)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, time.Time{}, fmt.Errorf("read joins: %w", err)
+	}
+	return pending, st.ModTime(), nil
 }
 
 // groupSocket returns a new listening socket at address, or nil when a

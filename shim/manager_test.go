@@ -3,13 +3,19 @@
 package shim
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/pkg/shim"
 )
 
 // TestPickGroup fills groups of the namespace in order, counting the
@@ -111,7 +117,7 @@ func TestGroupSocketStartsTogether(t *testing.T) {
 					return
 				}
 				defer unlock()
-				s, err := groupSocket(address)
+				s, err := takeGroupSocket(address, "c")
 				mu.Lock()
 				defer mu.Unlock()
 				switch {
@@ -155,4 +161,77 @@ func TestGroupSocketLockFirstShim(t *testing.T) {
 		t.Fatalf("first socket of the node: %v, %v", s, err)
 	}
 	s.Close()
+}
+
+// TestUnlistWaitsForJoinedCreate: a lingering shim with no container
+// keeps its group's socket while a start that returned it has not had
+// its Create yet (containerd connects only after the start exits; the
+// guest suite's CRI sandbox was created on a shim that had just removed
+// its socket, and the pod's next container found no socket). Once the
+// Create has come and gone, or the join is older than joinPatience, the
+// shim leaves and its joins go with it.
+func TestUnlistWaitsForJoinedCreate(t *testing.T) {
+	address := "unix://" + filepath.Join(t.TempDir(), "group")
+	unlock, err := lockGroupSocket(address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := takeGroupSocket(address, "first")
+	unlock()
+	if err != nil || l == nil {
+		t.Fatalf("first socket: %v, %v", l, err)
+	}
+	defer l.Close()
+	// A second start finds the shim alive and joins it.
+	unlock, err = lockGroupSocket(address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	joiner, err := takeGroupSocket(address, "late")
+	unlock()
+	if err != nil || joiner != nil {
+		t.Fatalf("join: %v, %v", joiner, err)
+	}
+
+	s := &Service{
+		opts:    Options{Socket: address},
+		bundles: map[string]string{},
+		created: map[string]bool{"first": true},
+	}
+	ctx := context.Background()
+	if s.unlist(ctx, 0) {
+		t.Fatal("the shim left before the Create of a container joined to it")
+	}
+	if !shim.CanConnect(address) {
+		t.Fatal("the socket is gone while a join is pending")
+	}
+	// The Create came and the container was deleted again.
+	s.created["late"] = true
+	if !s.unlist(ctx, 0) {
+		t.Fatal("the shim did not leave with every join created")
+	}
+	if shim.CanConnect(address) {
+		t.Fatal("the socket is still there after the shim left")
+	}
+	if _, err := os.Stat(joinsPath(address)); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("joins left behind: %v", err)
+	}
+
+	// A join whose Create never comes holds the shim only joinPatience.
+	s.unlisted = false
+	l2, err := takeGroupSocket(address, "next")
+	if err != nil || l2 == nil {
+		t.Fatalf("second socket: %v, %v", l2, err)
+	}
+	defer l2.Close()
+	if j, err := takeGroupSocket(address, "abandoned"); err != nil || j != nil {
+		t.Fatalf("join: %v, %v", j, err)
+	}
+	old := time.Now().Add(-joinPatience - time.Second)
+	if err := os.Chtimes(joinsPath(address), old, old); err != nil {
+		t.Fatal(err)
+	}
+	if !s.unlist(ctx, 0) {
+		t.Fatal("an abandoned join kept the shim past joinPatience")
+	}
 }

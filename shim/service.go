@@ -120,6 +120,7 @@ type Service struct {
 	// it has.
 	unlisted bool
 	bundles  map[string]string // every container's bundle, by id
+	created  map[string]bool   // every container a Create came for
 	logDir   string            // the bundle whose log pipe is our stderr
 	envs     map[string]*env
 	egress   map[string]*egressEnv
@@ -207,6 +208,7 @@ func New(ctx context.Context, inner taskAPI.TTRPCTaskService, publisher events.P
 		opts:             opts,
 		envs:             make(map[string]*env),
 		bundles:          make(map[string]string),
+		created:          make(map[string]bool),
 		egress:           make(map[string]*egressEnv),
 		lsm:              make(map[string]*lsmEnv),
 	}
@@ -252,6 +254,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	s.mu.Lock()
 	s.creates++
 	s.bundles[r.ID] = r.Bundle
+	s.created[r.ID] = true
 	s.mu.Unlock()
 	ph := phases{t: time.Now()}
 	if s.opts.ConfigErr != nil {
@@ -712,8 +715,8 @@ func (s *Service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*pt
 // linger asks runc's service to shut down after Linger without a Create.
 // Before it does, it removes the group's socket under the group's lock
 // (a start of the group then makes a new shim instead of joining one
-// that is leaving) and waits unlistGrace for a container whose start
-// found the socket just before: if its Create comes, the shim serves on.
+// that is leaving), unless a start has returned this shim for a
+// container whose Create has not come yet.
 func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 	s.mu.Lock()
 	seen := s.creates
@@ -730,14 +733,11 @@ func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 		s.mu.Unlock()
 		// Only a shim that serves no container leaves: with containers
 		// left (a pod's sandbox), runc's Shutdown below returns at once.
-		if empty && s.opts.Socket != "" && !s.unlisted {
-			if !s.unlist(ctx, seen) {
-				s.mu.Lock()
-				seen = s.creates
-				s.mu.Unlock()
-				continue
-			}
-			time.Sleep(unlistGrace)
+		if empty && s.opts.Socket != "" && !s.unlisted && !s.unlist(ctx, seen) {
+			s.mu.Lock()
+			seen = s.creates
+			s.mu.Unlock()
+			continue
 		}
 		s.mu.Lock()
 		if s.creates != seen {
@@ -756,15 +756,18 @@ func (s *Service) linger(ctx context.Context, r *taskAPI.ShutdownRequest) {
 	}
 }
 
-// unlistGrace is how long a shim that removed its group's socket still
-// waits for a Create before it exits: containerd connects and creates
-// within milliseconds of a start that found the socket.
-const unlistGrace = time.Second
+// joinPatience is how long a leaving shim waits for the Create of a
+// container whose start returned it: containerd sends it within
+// milliseconds on an idle node, seconds on a crowded one, never if it
+// gave the container up.
+const joinPatience = 30 * time.Second
 
 // unlist removes the group's socket, under the group's lock, when no
-// Create came since seen and no container is left; it reports whether
-// it did. Only this shim
-// listens there: a start holding the lock finds it alive and joins it.
+// Create came since seen, no container is left and every start that
+// returned this shim has had its Create (or gave up, joinPatience); it
+// reports whether it did. A start holds the same lock while it finds the
+// socket alive and records its join, so none can return this shim after
+// the socket is gone: the next one makes a new shim.
 func (s *Service) unlist(ctx context.Context, seen int) bool {
 	unlock, err := lockGroupSocket(s.opts.Socket)
 	if err != nil {
@@ -776,6 +779,20 @@ func (s *Service) unlist(ctx context.Context, seen int) bool {
 	defer s.mu.Unlock()
 	if s.creates != seen || len(s.bundles) > 0 {
 		return false
+	}
+	pending, last, err := pendingJoins(s.opts.Socket, s.created)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("envlet: leaving shim keeps its socket")
+		return false
+	}
+	if len(pending) > 0 {
+		if time.Since(last) < joinPatience {
+			return false
+		}
+		log.G(ctx).WithField("ids", pending).Warn("envlet: leaving shim: containers joined it and never came")
+	}
+	if err := os.Remove(joinsPath(s.opts.Socket)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		log.G(ctx).WithError(err).Warn("envlet: remove the group's joins")
 	}
 	if err := shim.RemoveSocket(s.opts.Socket); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		log.G(ctx).WithError(err).Warn("envlet: remove the group's socket")
