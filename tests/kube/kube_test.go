@@ -153,6 +153,27 @@ func TestKubernetesNode(t *testing.T) {
 		t.Logf("pod capped: no MEM_CAP_EXCEEDED in its termination message (known gap)")
 	}
 
+	// --- in-place resize: kubelet's resize of a running pod's memory
+	// limit reaches the shim as a task Update, and envlet's cap moves with
+	// it. The pod holds a 192Mi limit and waits (polling a file on the
+	// node's share, which the test writes once kubelet reports the resize
+	// actuated), then reads 256 MiB into one buffer: that succeeds only if
+	// the cap went up to the new 512Mi ---
+	c.applyPod(t, "resize", images[0],
+		"until [ -e /share/resized ]; do sleep 0.2; done; "+ddBurst+"; echo \" $(cat /sys/fs/cgroup/memory.max)\" >>/dev/termination-log",
+		"requests: {memory: 64Mi}\n      limits: {memory: 192Mi}",
+		"  volumes:\n  - name: share\n    hostPath: {path: /mnt/host, type: Directory}\n",
+		"    volumeMounts:\n    - {name: share, mountPath: /share, readOnly: true}\n")
+	c.resizeMemory(t, "resize", "64Mi", "512Mi")
+	writeFile(t, filepath.Join(share, "resized"), "")
+	term, phase = c.waitTerminated(t, "resize")
+	t.Logf("pod resize (limits 192Mi -> 512Mi while running): phase %s, exit %d (%s), memory.peak and memory.max %q", phase, term.ExitCode, term.Reason, term.Message)
+	if f := strings.Fields(term.Message); term.ExitCode != 0 || phase != "Succeeded" || len(f) != 2 {
+		t.Errorf("pod resize: exit %d, phase %s, message %q; want it to succeed past its old 192Mi limit after the resize to 512Mi", term.ExitCode, phase, term.Message)
+	} else if peak, _ := strconv.ParseInt(f[0], 10, 64); peak < burst {
+		t.Errorf("pod resize: memory.peak %d, want at least %d", peak, burst)
+	}
+
 	// --- node exhaustion: a pod without limits asks for more memory than
 	// envlet may grant on the node (435 MiB); envlet freezes and kills it,
 	// and the reason reaches the pod's status through kubelet's
@@ -207,8 +228,20 @@ type terminated struct {
 // lines follow "resources:"), or empty for none.
 func (c *cluster) runPod(t *testing.T, name, image, command, resources string) (terminated, string) {
 	t.Helper()
+	c.applyPod(t, name, image, command, resources, "", "")
+	return c.waitTerminated(t, name)
+}
+
+// applyPod creates the pod runPod describes; podSpec and container are
+// added to the pod's spec and its container's (YAML at their
+// indentation), or empty.
+func (c *cluster) applyPod(t *testing.T, name, image, command, resources, podSpec, container string) {
+	t.Helper()
 	if resources != "" {
 		resources = "\n    resources:\n      " + resources
+	}
+	if container != "" {
+		resources += "\n" + strings.TrimSuffix(container, "\n")
 	}
 	file := filepath.Join(c.dir, name+".yaml")
 	writeFile(t, file, fmt.Sprintf(`apiVersion: v1
@@ -220,13 +253,42 @@ spec:
   runtimeClassName: envlet
   restartPolicy: Never
   automountServiceAccountToken: false
-  containers:
+%s  containers:
   - name: env
     image: %s
     imagePullPolicy: IfNotPresent
     command: ["/bin/sh", "-c", %q]%s
-`, name, image, command, resources))
+`, name, podSpec, image, command, resources))
 	c.mustKubectl(t, "apply", "-f", file)
+}
+
+// resizeMemory resizes the memory of pod name's running container in
+// place (the pod's resize subresource, as `kubectl patch --subresource
+// resize` does) and waits for kubelet to report the new limit actuated.
+func (c *cluster) resizeMemory(t *testing.T, name, request, limit string) {
+	t.Helper()
+	if err := c.waitFor(podBound, func() bool {
+		out, err := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].state.running}")
+		return err == nil && out != ""
+	}); err != nil {
+		out, _ := c.kubectl("describe", "pod", name)
+		t.Fatalf("pod %s not running within %s:\n%s", name, podBound, out)
+	}
+	c.mustKubectl(t, "patch", "pod", name, "--subresource", "resize", "--type", "merge", "-p",
+		fmt.Sprintf(`{"spec":{"containers":[{"name":"env","resources":{"requests":{"memory":%q},"limits":{"memory":%q}}}]}}`, request, limit))
+	if err := c.waitFor(2*time.Minute, func() bool {
+		out, err := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].resources.limits.memory}")
+		return err == nil && out == limit
+	}); err != nil {
+		out, _ := c.kubectl("get", "pod", name, "-o", "yaml")
+		t.Fatalf("kubelet did not report pod %s's memory limit %s within 2m:\n%s", name, limit, out)
+	}
+}
+
+// waitTerminated waits for the container of pod name to terminate and
+// returns its state and the pod's phase.
+func (c *cluster) waitTerminated(t *testing.T, name string) (terminated, string) {
+	t.Helper()
 	var term terminated
 	if err := c.waitFor(podBound, func() bool {
 		out, err := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].state.terminated}")
