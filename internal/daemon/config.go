@@ -4,6 +4,7 @@
 package daemon
 
 import (
+	"bytes"
 	"fmt"
 	"net"
 	"os"
@@ -12,11 +13,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pelletier/go-toml/v2"
-
 	"github.com/envsnap/envsnap/internal/diskcap"
 	"github.com/envsnap/envsnap/internal/fetch"
 	"github.com/envsnap/envsnap/internal/peer"
+	"github.com/envsnap/envsnap/internal/tomlconf"
 	"github.com/envsnap/envsnap/snapshotter"
 )
 
@@ -432,9 +432,7 @@ func LoadConfig(path string, explicit bool) (Config, error) {
 		}
 		return cfg, fmt.Errorf("read config: %w", err)
 	}
-	d := toml.NewDecoder(strings.NewReader(string(b)))
-	d.DisallowUnknownFields()
-	if err := d.Decode(&cfg); err != nil {
+	if err := tomlconf.Decode(bytes.NewReader(b), &cfg); err != nil {
 		return cfg, fmt.Errorf("parse config %s: %w", path, err)
 	}
 	return cfg, nil

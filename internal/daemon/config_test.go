@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,6 +60,10 @@ log_level = "debug"
 			c, err := LoadConfig(p, true)
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("err = %v, wantErr %v", err, tc.wantErr)
+			}
+			// A misspelt key is named, with its line.
+			if tc.name == "unknown field" && !strings.Contains(err.Error(), `"cache_sise" (line 1)`) {
+				t.Fatalf("err = %v, want it to name cache_sise", err)
 			}
 			if err == nil && !tc.want(c) {
 				t.Fatalf("config %+v", c)
@@ -179,6 +184,10 @@ func TestPeerConfig(t *testing.T) {
 			}
 			if (err != nil) != tc.wantErr {
 				t.Fatalf("err = %v, wantErr %v", err, tc.wantErr)
+			}
+			// A misspelt key is named, with its line.
+			if tc.name == "unknown field" && !strings.Contains(err.Error(), `"cache_sise" (line 1)`) {
+				t.Fatalf("err = %v, want it to name cache_sise", err)
 			}
 			if err == nil && c.Peers.Enabled && (c.Peers.Listen != DefaultPeerListen || c.Peers.Refresh != DefaultPeerRefresh) {
 				t.Errorf("defaults not filled: %+v", c.Peers)

@@ -11,7 +11,6 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -19,7 +18,7 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/pelletier/go-toml/v2"
+	"github.com/envsnap/envsnap/internal/tomlconf"
 )
 
 // Plan is one environment: the format of plan files (TOML or JSON) and of
@@ -130,32 +129,16 @@ func Load(path string) (*Plan, error) {
 		dec.DisallowUnknownFields()
 		err = dec.Decode(&p)
 	} else {
-		err = toml.NewDecoder(bytes.NewReader(b)).DisallowUnknownFields().Decode(&p)
+		err = tomlconf.Decode(bytes.NewReader(b), &p)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("parse plan %s: %w", path, namedFields(err))
+		return nil, fmt.Errorf("parse plan %s: %w", path, err)
 	}
 	p.resolvePaths(filepath.Dir(path))
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
 	return &p, nil
-}
-
-// namedFields turns go-toml's strict-mode error, whose message names no
-// field, into one that names every unknown key and its line, so a typo in
-// a plan is found without guessing. Other errors pass through unchanged.
-func namedFields(err error) error {
-	var sme *toml.StrictMissingError
-	if !errors.As(err, &sme) {
-		return err
-	}
-	fields := make([]string, 0, len(sme.Errors))
-	for i := range sme.Errors {
-		row, _ := sme.Errors[i].Position()
-		fields = append(fields, fmt.Sprintf("%q (line %d)", strings.Join(sme.Errors[i].Key(), "."), row))
-	}
-	return fmt.Errorf("unknown field %s", strings.Join(fields, ", "))
 }
 
 func (p *Plan) resolvePaths(dir string) {

@@ -19,11 +19,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pelletier/go-toml/v2"
-
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/envlet"
+	"github.com/envsnap/envsnap/internal/tomlconf"
 )
 
 const (
@@ -349,13 +348,7 @@ func LoadFile(path string) (Config, error) {
 	if err != nil {
 		return c, fmt.Errorf("read envlet config: %w", err)
 	}
-	dec := toml.NewDecoder(bytes.NewReader(b)).DisallowUnknownFields()
-	if err := dec.Decode(&c); err != nil {
-		var sme *toml.StrictMissingError
-		if errors.As(err, &sme) {
-			// Name the offending keys: a typo must be easy to find.
-			return c, fmt.Errorf("parse envlet config %s: unknown keys:\n%s", path, sme.String())
-		}
+	if err := tomlconf.Decode(bytes.NewReader(b), &c); err != nil {
 		return c, fmt.Errorf("parse envlet config %s: %w", path, err)
 	}
 	if _, err := c.Envlet(); err != nil {
