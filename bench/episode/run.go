@@ -44,6 +44,9 @@ type Result struct {
 	Steps map[string]float64 `json:"steps,omitempty"`
 	// Container is the container's ID in the env's namespace.
 	Container string `json:"container"`
+	// Refused counts the creates the envlet arbiter refused before the
+	// container was admitted (devenv.RunAdmitted).
+	Refused int `json:"admission_refused,omitempty"`
 }
 
 // System is a way of starting environments.
@@ -102,14 +105,17 @@ func Run(ctx context.Context, env *devenv.Env, ref string, t Task, sys System, t
 		return res
 	}
 	clock := &readyClock{onReady: func() { res.ReadyRegistryBytes = env.Registry.BlobBytesServed() - before }}
-	out, err := env.Run(ctx, img, devenv.RunOptions{
+	// A container the envlet arbiter refuses is placed again (as a
+	// scheduler would); the wait counts in Ready.
+	out, refused, err := env.RunAdmitted(ctx, img, devenv.RunOptions{
 		Snapshotter: sys.Snapshotter,
 		Runtime:     sys.Runtime,
 		Annotations: sys.Annotations,
 		Args:        []string{"/bin/sh", "-c", Script(t)},
 		Timeout:     timeout,
 		Stdout:      clock,
-	})
+	}, timeout)
+	res.Refused = refused
 	res.Episode = time.Since(start)
 	res.RegistryBytes = env.Registry.BlobBytesServed() - before
 	if ready := clock.at(); !ready.IsZero() {

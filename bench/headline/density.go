@@ -20,7 +20,6 @@ import (
 	v2 "github.com/containerd/cgroups/v3/cgroup2/stats"
 	tasks "github.com/containerd/containerd/api/services/tasks/v1"
 	"github.com/containerd/containerd/v2/pkg/oci"
-	"github.com/containerd/errdefs"
 	"github.com/containerd/typeurl/v2"
 	"github.com/google/nftables"
 	"github.com/opencontainers/runtime-spec/specs-go"
@@ -354,7 +353,7 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 		case <-ready:
 			return "", nil
 		case <-e.done:
-			if e.err != nil && (errdefs.IsResourceExhausted(e.err) || strings.Contains(e.err.Error(), "ADMISSION_REJECTED")) {
+			if devenv.AdmissionRejected(e.err) {
 				return fmt.Sprintf("the node refused environment %d: %v", i+1, e.err), nil
 			}
 			return "", fmt.Errorf("environment %d ended before its first model request: %v", i+1, e.err)

@@ -671,8 +671,12 @@ func (b *bench) runIteration(ctx context.Context, envs []env, sys string, k int)
 				// Registry bytes cannot be told apart per environment here.
 				res.RegistryBytes = 0
 				out[i] = Run{Result: res}
-				b.cfg.logf("%-15s iter  %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d %s",
-					sys, i+1, len(envs), e.name, res.Ready.Seconds(), res.Episode.Seconds(), res.Reward, res.Error)
+				refused := ""
+				if res.Refused > 0 {
+					refused = fmt.Sprintf("(admitted after %d refusals) ", res.Refused)
+				}
+				b.cfg.logf("%-15s iter  %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d %s%s",
+					sys, i+1, len(envs), e.name, res.Ready.Seconds(), res.Episode.Seconds(), res.Reward, refused, res.Error)
 			}
 		}()
 	}

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/pkg/oci"
-	"github.com/containerd/errdefs"
 	"github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/envsnap/envsnap/bench/episode"
@@ -538,20 +537,10 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 	if spec.fixed {
 		opts.SpecOpts = append(opts.SpecOpts, oci.WithCPUCFS(int64(rb.cfg.FixedCPU*100000), 100000), oci.WithMemoryLimit(uint64(rb.cfg.FixedMemory)))
 	}
-	var out devenv.RunResult
-	for {
-		out, err = rb.env.Run(ctx, img, opts)
-		// The envlet arbiter refuses an environment the node cannot take
-		// now; a scheduler would place it again later.
-		if err == nil || !errdefs.IsResourceExhausted(err) && !strings.Contains(err.Error(), "ADMISSION_REJECTED") || time.Since(start) > rb.cfg.Timeout {
-			break
-		}
-		r.Retries++
-		select {
-		case <-ctx.Done():
-		case <-time.After(time.Second):
-		}
-	}
+	// The envlet arbiter refuses an environment the node cannot take
+	// now; a scheduler would place it again later.
+	out, refused, err := rb.env.RunAdmitted(ctx, img, opts, rb.cfg.Timeout-time.Since(start))
+	r.Retries = refused
 	r.End, r.Container = time.Since(start), out.ID
 	o, _ := rb.stub.Outcome(key)
 	if !o.FirstRequest.IsZero() {

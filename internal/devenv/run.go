@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -14,6 +15,7 @@ import (
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/containerd/v2/pkg/snapshotters"
+	"github.com/containerd/errdefs"
 )
 
 // Pull pulls ref with client.Pull, unpack and the image-info labels that
@@ -154,4 +156,30 @@ func (b *OutputBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// AdmissionRejected reports whether err is the envlet arbiter refusing a
+// container the node cannot take now (ADMISSION_REJECTED): back-pressure,
+// not a failure of the environment.
+func AdmissionRejected(err error) bool {
+	return err != nil && (errdefs.IsResourceExhausted(err) || strings.Contains(err.Error(), "ADMISSION_REJECTED"))
+}
+
+// RunAdmitted is Run for a caller that places a refused container again,
+// as a scheduler places a refused pod: while the envlet arbiter refuses it
+// (AdmissionRejected) it tries again every second, until ctx ends or wait
+// has passed. It returns how many times the container was refused.
+func (e *Env) RunAdmitted(ctx context.Context, img client.Image, o RunOptions, wait time.Duration) (RunResult, int, error) {
+	deadline := time.Now().Add(wait)
+	for refused := 0; ; refused++ {
+		out, err := e.Run(ctx, img, o)
+		if !AdmissionRejected(err) || time.Now().After(deadline) {
+			return out, refused, err
+		}
+		select {
+		case <-ctx.Done():
+			return out, refused, err
+		case <-time.After(time.Second):
+		}
+	}
 }

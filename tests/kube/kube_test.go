@@ -189,15 +189,7 @@ func TestKubernetesNode(t *testing.T) {
 	// handler: CRI downloads the whole image into overlayfs and unpacks
 	// it again into envsnap at container creation; the pod still runs
 	// (docs/kubernetes.md, "Which pulls are lazy on Kubernetes") ---
-	writeFile(t, filepath.Join(share, "kubelet-no-gate"), "")
-	select {
-	case ev := <-g.events:
-		if ev != "kubelet-no-gate" {
-			t.Fatalf("guest event %q, want kubelet-no-gate", ev)
-		}
-	case <-time.After(2 * time.Minute):
-		t.Fatal("the guest did not restart kubelet without the gate within 2m")
-	}
+	g.ask(t, share, "kubelet-no-gate")
 	c.waitNodeReady(t)
 	reg.ResetCounters()
 	term, phase = c.runPod(t, "episode-no-gate", images[1], "cat /msg >/dev/termination-log; exit 4", "")
@@ -210,6 +202,40 @@ func TestKubernetesNode(t *testing.T) {
 	}
 	if served < bigSize {
 		t.Errorf("without the gate the registry served %d blob bytes, less than the %d-byte file: the docs say the pull is full", served, bigSize)
+	}
+
+	// --- node memory pressure with the shipped budgets: envlet's node is
+	// the whole machine less its 15% reserve (no [node] memory), kubelet
+	// evicts at memory.available < 100Mi (its default). A pod without
+	// limits reads 3 GiB into one buffer on the 4 GiB guest: envlet stops
+	// granting at its reserve and fails the pod with its reason before
+	// kubelet sees pressure, so kubelet evicts nothing (docs/kubernetes.md,
+	// "Node memory pressure") ---
+	g.ask(t, share, "envlet-node-default")
+	term, phase = c.runPod(t, "fill", images[0], "dd if=/dev/zero bs=3221225472 count=1 2>/dev/null | exec sleep 100000", "")
+	reason, _ := c.kubectl("get", "pod", "fill", "-o", "jsonpath={.status.reason}")
+	evictions, _ := c.kubectl("get", "events", "-A", "--field-selector", "reason=Evicted", "-o", "name")
+	pressure, _ := c.kubectl("get", "node", nodeName, "-o", `jsonpath={.status.conditions[?(@.type=="MemoryPressure")].status} {.status.conditions[?(@.type=="MemoryPressure")].lastTransitionTime}`)
+	t.Logf("pod fill (3 GiB, envlet's whole-node budget): phase %s (%s), exit %d (%s), message %q; Evicted events %q; node MemoryPressure %s",
+		phase, reason, term.ExitCode, term.Reason, term.Message, evictions, pressure)
+	if !strings.Contains(term.Message, "MEM_NODE_EXHAUSTED") || reason == "Evicted" || strings.TrimSpace(evictions) != "" {
+		t.Errorf("pod fill: phase %s (%s), message %q, Evicted events %q: want envlet's MEM_NODE_EXHAUSTED and no eviction by kubelet",
+			phase, reason, term.Message, evictions)
+	}
+}
+
+// ask has the guest do what the event name stands for (testdata/node.sh
+// acts on a file of that name in the share) and waits for it to say so.
+func (g *guest) ask(t *testing.T, share, name string) {
+	t.Helper()
+	writeFile(t, filepath.Join(share, name), "")
+	select {
+	case ev := <-g.events:
+		if ev != name {
+			t.Fatalf("guest event %q, want %s", ev, name)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("the guest did not act on %s within 2m", name)
 	}
 }
 

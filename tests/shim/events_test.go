@@ -1,11 +1,14 @@
 package shim_test
 
 import (
+	"fmt"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/envsnap/envsnap/internal/envlet"
 	"github.com/envsnap/envsnap/shim"
 	"github.com/envsnap/envsnap/tests/testenv"
 )
@@ -45,5 +48,47 @@ func TestCtrEvents(t *testing.T) {
 	t.Logf("ctr events:\n%s", got)
 	if strings.Contains(got, "cannot unmarshal") || !strings.Contains(got, `"reason":"ADMISSION_REJECTED"`) {
 		t.Fatalf("ctr events did not decode the failure:\n%s", got)
+	}
+}
+
+// TestRunAdmittedPlacesAgain: two containers that the node (1 GiB,
+// admitting by request) can hold only one at a time, both started through
+// devenv.RunAdmitted as the benchmarks start theirs: the one the arbiter
+// refuses is placed again once the other has ended, and both finish. The
+// headline iteration counted such refusals as failed environments.
+func TestRunAdmittedPlacesAgain(t *testing.T) {
+	s := newSuite(t, node{cpu: "1", memory: "1Gi", overcommit: "1"})
+	opts := testenv.RunOptions{
+		Runtime: envletRuntime,
+		Annotations: map[string]string{
+			envlet.AnnotationPrefix + "initial-cpu":    "0.25",
+			envlet.AnnotationPrefix + "initial-memory": "768Mi",
+		},
+		Args:    []string{"/workload", "-mode", "idle", "-hold", "3s"},
+		Timeout: time.Minute,
+	}
+	var (
+		wg      sync.WaitGroup
+		refused [2]int
+		errs    [2]error
+	)
+	for i := range 2 {
+		wg.Go(func() {
+			var out testenv.RunResult
+			out, refused[i], errs[i] = s.env.RunAdmitted(s.env.Context(), s.img, opts, time.Minute)
+			if errs[i] == nil && out.ExitCode != 0 {
+				errs[i] = fmt.Errorf("exit %d: %s", out.ExitCode, out.Stderr)
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("refusals before admission: %v", refused)
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("container %d: %v", i, err)
+		}
+	}
+	if refused[0]+refused[1] == 0 {
+		t.Error("two 768 MiB containers ran at once on a 1 GiB node admitting by request: nothing was refused, the test proves nothing")
 	}
 }

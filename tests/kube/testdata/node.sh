@@ -137,6 +137,15 @@ while ! [ -e "$S"/stop ]; do
 		systemctl restart kubelet
 		echo "KUBETEST: EVENT kubelet-no-gate"
 	fi
+	# envlet's node budget back to the shipped default (the whole machine).
+	if [ -e "$S"/envlet-node-default ] && ! [ -e /run/envlet-node-default ]; then
+		touch /run/envlet-node-default
+		sed -i '/^memory = "512Mi"$/d' /etc/envsnap/envlet.toml
+		systemctl restart envsnap-arbiter
+		wait_for 60 /usr/local/bin/containerd-envsnap envs --socket /run/envsnap/arbiter.sock >/dev/null 2>&1 || log "arbiter did not answer after its restart"
+		log "envlet node budget: $(sed -n '/^\[node\]/,/^\[/p' /etc/envsnap/envlet.toml | tr '\n' ' ')"
+		echo "KUBETEST: EVENT envlet-node-default"
+	fi
 	if ! systemctl is-active --quiet kubelet; then
 		log "kubelet not active: $(systemctl show -p SubState --value kubelet)"
 	fi
