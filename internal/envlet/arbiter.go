@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/prometheus/procfs"
 )
 
 // Arbiter divides a node between environments. Every method is keyed by
@@ -106,6 +108,39 @@ func WithOvercommit(o Overcommit) NodeOpt { return func(a *NodeArbiter) { a.over
 // WithVictimPolicy sets whom the node fails first (DefaultVictimPolicy).
 func WithVictimPolicy(p VictimPolicy) NodeOpt { return func(a *NodeArbiter) { a.victims = p } }
 
+// WithNodeMemory bounds the leases' memory by what the machine really has
+// as well as by the capacity (the arbiter daemon sets it when the node's
+// memory is not configured, config.NodeOpts): meminfo reads the machine's
+// MemTotal and MemAvailable (ReadMeminfo). Memory in use outside the
+// leases (the kernel, the node's daemons, kubelet, containers envlet does
+// not run) is then left out of what admission and growth hand out: on a
+// 4 GiB Kubernetes node the shipped budget (the whole machine less 15%)
+// granted a pod 3.3 GiB and the kernel's OOM killer, not envlet, stopped
+// it. Failing a victim still goes by the configured capacity only.
+func WithNodeMemory(meminfo func() (total, available int64, err error)) NodeOpt {
+	return func(a *NodeArbiter) { a.meminfo = meminfo }
+}
+
+// ReadMeminfo returns the machine's MemTotal and MemAvailable in bytes.
+func ReadMeminfo() (total, available int64, err error) {
+	fs, err := procfs.NewDefaultFS()
+	if err != nil {
+		return 0, 0, fmt.Errorf("read node memory: %w", err)
+	}
+	mi, err := fs.Meminfo()
+	if err != nil {
+		return 0, 0, fmt.Errorf("read node memory: %w", err)
+	}
+	if mi.MemTotalBytes == nil || mi.MemAvailableBytes == nil {
+		return 0, 0, fmt.Errorf("read node memory: /proc/meminfo has no MemTotal or MemAvailable")
+	}
+	return int64(*mi.MemTotalBytes), int64(*mi.MemAvailableBytes), nil
+}
+
+// meminfoEvery is how often the arbiter reads the machine's memory
+// (WithNodeMemory): calls come with every report.
+const meminfoEvery = 500 * time.Millisecond
+
 // WithNodeClock replaces the wall clock that stamps admissions (tests).
 func WithNodeClock(now func() time.Time) NodeOpt { return func(a *NodeArbiter) { a.now = now } }
 
@@ -157,6 +192,13 @@ type NodeArbiter struct {
 	// DefaultCPUWindow, as of cpuAt.
 	cpuAvg float64
 	cpuAt  time.Time
+
+	// meminfo reads the machine's memory (WithNodeMemory); as of memAt,
+	// memTotal was its MemTotal and memOutside what was in use outside
+	// the leases.
+	meminfo              func() (total, available int64, err error)
+	memAt                time.Time
+	memTotal, memOutside int64
 }
 
 // Lease is what the arbiter holds for one environment.
@@ -193,8 +235,54 @@ func (a *NodeArbiter) Capacity() (Resources, float64) { return a.capacity, a.res
 func (a *NodeArbiter) growLimit() Resources {
 	return Resources{
 		CPU:    a.capacity.CPU * (1 - a.reserve),
-		Memory: int64(float64(a.capacity.Memory) * (1 - a.reserve)),
+		Memory: int64(float64(a.memCapacity()) * (1 - a.reserve)),
 	}
+}
+
+// memCapacity is the memory the leases may count against: the configured
+// capacity, or less when the machine's memory is known (WithNodeMemory)
+// and what is in use outside the leases leaves less. Outside is what the
+// machine has in use less the leases' reported working sets: a lease's
+// growth since its last report (one tick for a busy environment) counts
+// as outside until it reports, which errs towards granting less. Counting
+// grants instead made outside vanish as soon as a grant ran ahead of its
+// use (the 4 GiB node's pod was granted the whole machine again).
+func (a *NodeArbiter) memCapacity() int64 {
+	if a.meminfo == nil {
+		return a.capacity.Memory
+	}
+	if now := a.now(); a.memAt.IsZero() || now.Sub(a.memAt) >= meminfoEvery || now.Before(a.memAt) {
+		a.memAt = now
+		total, avail, err := a.meminfo()
+		if err != nil {
+			a.memTotal = 0 // unknown: the configured capacity alone
+		} else {
+			var leases int64
+			for _, l := range a.leases {
+				leases += l.Used.Memory
+			}
+			outside := max(total-avail-leases, 0)
+			if bounded := total-outside < a.capacity.Memory; bounded && (a.memOutside == 0 || outside > a.memOutside*9/8 || outside < a.memOutside*7/8) {
+				log.L.WithField("total", FormatBytes(total)).WithField("available", FormatBytes(avail)).
+					WithField("leases", FormatBytes(leases)).WithField("outside", FormatBytes(outside)).
+					Info("arbiter: memory in use outside the environments bounds the grants")
+			}
+			a.memTotal, a.memOutside = total, outside
+		}
+	}
+	if a.memTotal == 0 {
+		return a.capacity.Memory
+	}
+	return min(a.capacity.Memory, a.memTotal-a.memOutside)
+}
+
+// outsideNote says, for a refusal, what the machine holds outside the
+// leases when that is what made memory short.
+func (a *NodeArbiter) outsideNote() string {
+	if a.meminfo == nil || a.memTotal == 0 || a.memTotal-a.memOutside >= a.capacity.Memory {
+		return ""
+	}
+	return fmt.Sprintf(" (the machine's %s less %s in use outside envlet's environments)", FormatBytes(a.memTotal), FormatBytes(a.memOutside))
 }
 
 // use is what a lease counts against the node: its burst, plus its
@@ -309,8 +397,8 @@ func (a *NodeArbiter) Admit(ctx context.Context, env string, base Resources, opt
 func (a *NodeArbiter) admissible(base Resources) error {
 	lim, used := a.growLimit(), a.used("", false)
 	if over := used.Memory - lim.Memory; over > 0 {
-		return fmt.Errorf("node %v: memory short by %s: %s in use of %s leaves less than the %.0f%% reserve: %w",
-			a.capacity, FormatBytes(over), FormatBytes(used.Memory), FormatBytes(a.capacity.Memory), a.reserve*100, errdefs.ErrResourceExhausted)
+		return fmt.Errorf("node %v: memory short by %s: %s in use of %s%s leaves less than the %.0f%% reserve: %w",
+			a.capacity, FormatBytes(over), FormatBytes(used.Memory), FormatBytes(a.memCapacity()), a.outsideNote(), a.reserve*100, errdefs.ErrResourceExhausted)
 	}
 	if cpu := a.cpuUse(); cpu > lim.CPU+1e-9 {
 		return fmt.Errorf("node %v: cpu short by %.2f cores: %.2f of %g cores in use (%v average) leaves less than the %.0f%% reserve: %w",

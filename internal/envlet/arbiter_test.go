@@ -2,6 +2,7 @@ package envlet
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strings"
@@ -307,5 +308,101 @@ func TestNodeArbiterRefusesOnSustainedCPU(t *testing.T) {
 	}
 	if err := a.Admit(ctx, "late", base); err != nil {
 		t.Fatalf("admit after the node went idle: %v", err)
+	}
+}
+
+// Memory in use outside the leases is not handed out (WithNodeMemory): on
+// a 4 GiB machine whose kernel and daemons hold 700 MiB, a lease grows to
+// (4 GiB - 700 MiB) x 85%, not 4 GiB x 85% (the Kubernetes node's pod got
+// 3.3 GiB that way and the kernel's OOM killer stopped it), and a refusal
+// says what the machine holds outside. The configured capacity still
+// bounds when it is the smaller; an unreadable meminfo leaves it alone.
+func TestNodeArbiterMemoryOutsideLeases(t *testing.T) {
+	ctx := context.Background()
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	const total = 4 * GiB
+	var leases int64 // what the environments hold, as the kernel sees it
+	var outside int64 = 700 * MiB
+	meminfo := func() (int64, int64, error) { return total, total - outside - leases, nil }
+	a := NewNodeArbiter(Resources{CPU: 2, Memory: total}, DefaultReserve,
+		WithNodeClock(func() time.Time { return now }), WithNodeMemory(meminfo))
+	base := Resources{CPU: 0.5, Memory: 128 * MiB}
+	mustAdmit(t, a, "fill", base)
+	got, err := a.Grow(ctx, "fill", Resources{CPU: 0.5, Memory: 3584 * MiB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reserve := DefaultReserve
+	want := int64(float64(total-outside) * (1 - reserve))
+	if got.Memory != want {
+		t.Fatalf("grant %s, want (4 GiB - 700 MiB) x 85%% = %s", FormatBytes(got.Memory), FormatBytes(want))
+	}
+	// The lease holds it, and the daemons outside grow by 200 MiB: a
+	// newcomer is refused, and the refusal names the memory outside.
+	leases, outside = got.Memory, 900*MiB
+	if _, err := a.Report(ctx, "fill", got, Resources{CPU: 0.5, Memory: got.Memory}); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(time.Second)
+	err = a.Admit(ctx, "next", base)
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "900.0Mi in use outside") {
+		t.Fatalf("admit next to a full machine: %v, want a refusal naming 900 MiB in use outside", err)
+	}
+
+	// A configured capacity below what the machine has bounds alone.
+	leases, outside = 0, 700*MiB
+	small := NewNodeArbiter(Resources{CPU: 2, Memory: GiB}, DefaultReserve, WithNodeMemory(meminfo))
+	mustAdmit(t, small, "e", base)
+	if got, _ := small.Grow(ctx, "e", Resources{CPU: 0.5, Memory: 2 * GiB}); got.Memory != int64(float64(GiB)*(1-reserve)) {
+		t.Fatalf("grant on a 1 GiB node: %s", FormatBytes(got.Memory))
+	}
+	// Unreadable: the configured capacity.
+	blind := NewNodeArbiter(Resources{CPU: 2, Memory: total}, DefaultReserve,
+		WithNodeMemory(func() (int64, int64, error) { return 0, 0, errors.New("no /proc") }))
+	mustAdmit(t, blind, "e", base)
+	if got, _ := blind.Grow(ctx, "e", Resources{CPU: 0.5, Memory: total}); got.Memory != int64(float64(total)*(1-reserve)) {
+		t.Fatalf("grant with meminfo unreadable: %s", FormatBytes(got.Memory))
+	}
+}
+
+func TestReadMeminfo(t *testing.T) {
+	total, avail, err := ReadMeminfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if total <= 0 || avail <= 0 || avail > total {
+		t.Fatalf("MemTotal %d, MemAvailable %d", total, avail)
+	}
+}
+
+// A grant that runs ahead of its holder's use does not hide the memory in
+// use outside the leases: after a grow to 2 GiB whose holder reports a
+// 1 GiB working set, the machine's 700 MiB outside still bound the next
+// grow (counting grants made outside 0 and handed out the whole machine).
+func TestNodeArbiterOutsideAfterGrantAhead(t *testing.T) {
+	ctx := context.Background()
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	const total, outside = 4 * GiB, 700 * MiB
+	var ws int64
+	a := NewNodeArbiter(Resources{CPU: 2, Memory: total}, DefaultReserve, WithNodeClock(func() time.Time { return now }),
+		WithNodeMemory(func() (int64, int64, error) { return total, total - outside - ws, nil }))
+	base := Resources{CPU: 0.5, Memory: 128 * MiB}
+	mustAdmit(t, a, "fill", base)
+	got, err := a.Grow(ctx, "fill", Resources{CPU: 0.5, Memory: 2 * GiB})
+	if err != nil || got.Memory != 2*GiB {
+		t.Fatalf("grow to 2 GiB: %v, %v", got, err)
+	}
+	ws = GiB
+	if _, err := a.Report(ctx, "fill", got, Resources{CPU: 0.5, Memory: ws}); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(time.Second)
+	got, err = a.Grow(ctx, "fill", Resources{CPU: 0.5, Memory: total})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reserve := DefaultReserve
+	if want := int64(float64(total-outside) * (1 - reserve)); got.Memory != want {
+		t.Fatalf("grant %s, want (4 GiB - 700 MiB) x 85%% = %s", FormatBytes(got.Memory), FormatBytes(want))
 	}
 }

@@ -291,6 +291,13 @@ func (c Config) NodeOpts() ([]envlet.NodeOpt, error) {
 		*f.dst = *f.src
 	}
 	opts := []envlet.NodeOpt{envlet.WithOvercommit(o)}
+	// The node is the whole machine (no [node] memory): what the machine
+	// has in use outside the environments (the kernel, the node's
+	// daemons, kubelet) is not theirs to take. A configured size is the
+	// operator's share for envlet (Kubernetes' allocatable) and stands.
+	if c.Node.Memory == "" {
+		opts = append(opts, envlet.WithNodeMemory(envlet.ReadMeminfo))
+	}
 	if c.Node.Victims != "" {
 		p, err := envlet.ParseVictimPolicy(c.Node.Victims)
 		if err != nil {

@@ -205,18 +205,19 @@ func TestKubernetesNode(t *testing.T) {
 	}
 
 	// --- node memory pressure with the shipped budgets: envlet's node is
-	// the whole machine less its 15% reserve (no [node] memory), kubelet
-	// evicts at memory.available < 100Mi (its default). A pod without
-	// limits reads 3 GiB into one buffer on the 4 GiB guest: envlet stops
-	// granting at its reserve and fails the pod with its reason before
-	// kubelet sees pressure, so kubelet evicts nothing (docs/kubernetes.md,
-	// "Node memory pressure") ---
+	// the whole machine less its 15% reserve (no [node] memory, the
+	// default cap), kubelet evicts at memory.available < 100Mi (its
+	// default). A pod without limits reads 3.5 GiB into one buffer on the
+	// 4 GiB guest: envlet stops granting at its reserve and fails the pod
+	// with its reason before kubelet sees pressure, so kubelet evicts
+	// nothing (docs/kubernetes.md, "Node memory pressure"). If neither
+	// acts, dd finishes and the pod says so ---
 	g.ask(t, share, "envlet-node-default")
-	term, phase = c.runPod(t, "fill", images[0], "dd if=/dev/zero bs=3221225472 count=1 2>/dev/null | exec sleep 100000", "")
+	term, phase = c.runPod(t, "fill", images[0], "dd if=/dev/zero of=/dev/null bs=3758096384 count=1 iflag=fullblock 2>/dev/null; echo \"dd exited $? (nothing stopped it): memory.peak $(cat /sys/fs/cgroup/memory.peak) memory.max $(cat /sys/fs/cgroup/memory.max) memory.swap.peak $(cat /sys/fs/cgroup/memory.swap.peak)\" >/dev/termination-log; exit 9", "")
 	reason, _ := c.kubectl("get", "pod", "fill", "-o", "jsonpath={.status.reason}")
 	evictions, _ := c.kubectl("get", "events", "-A", "--field-selector", "reason=Evicted", "-o", "name")
 	pressure, _ := c.kubectl("get", "node", nodeName, "-o", `jsonpath={.status.conditions[?(@.type=="MemoryPressure")].status} {.status.conditions[?(@.type=="MemoryPressure")].lastTransitionTime}`)
-	t.Logf("pod fill (3 GiB, envlet's whole-node budget): phase %s (%s), exit %d (%s), message %q; Evicted events %q; node MemoryPressure %s",
+	t.Logf("pod fill (3.5 GiB, envlet's whole-node budget): phase %s (%s), exit %d (%s), message %q; Evicted events %q; node MemoryPressure %s",
 		phase, reason, term.ExitCode, term.Reason, term.Message, evictions, pressure)
 	if !strings.Contains(term.Message, "MEM_NODE_EXHAUSTED") || reason == "Evicted" || strings.TrimSpace(evictions) != "" {
 		t.Errorf("pod fill: phase %s (%s), message %q, Evicted events %q: want envlet's MEM_NODE_EXHAUSTED and no eviction by kubelet",

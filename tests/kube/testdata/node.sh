@@ -137,13 +137,14 @@ while ! [ -e "$S"/stop ]; do
 		systemctl restart kubelet
 		echo "KUBETEST: EVENT kubelet-no-gate"
 	fi
-	# envlet's node budget back to the shipped default (the whole machine).
+	# envlet's node budget and cap back to the shipped defaults (the whole
+	# machine; 32Gi, so the node bounds a pod without limits).
 	if [ -e "$S"/envlet-node-default ] && ! [ -e /run/envlet-node-default ]; then
 		touch /run/envlet-node-default
-		sed -i '/^memory = "512Mi"$/d' /etc/envsnap/envlet.toml
+		sed -i '/^memory = "512Mi"$/d; /^cap-memory = /d' /etc/envsnap/envlet.toml
 		systemctl restart envsnap-arbiter
 		wait_for 60 /usr/local/bin/containerd-envsnap envs --socket /run/envsnap/arbiter.sock >/dev/null 2>&1 || log "arbiter did not answer after its restart"
-		log "envlet node budget: $(sed -n '/^\[node\]/,/^\[/p' /etc/envsnap/envlet.toml | tr '\n' ' ')"
+		log "envlet config: $(tr '\n' ' ' </etc/envsnap/envlet.toml); MemTotal $(awk '/^MemTotal/ {print $2 " " $3}' /proc/meminfo)"
 		echo "KUBETEST: EVENT envlet-node-default"
 	fi
 	if ! systemctl is-active --quiet kubelet; then
