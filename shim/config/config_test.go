@@ -1,6 +1,7 @@
 package config
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -172,6 +173,40 @@ func TestGroupSize(t *testing.T) {
 			t.Errorf("%q: loaded, want an error", c.toml)
 		case c.want != 0 && (err != nil || cfg.GroupSize() != c.want):
 			t.Errorf("%q: group size %d, %v; want %d", c.toml, cfg.GroupSize(), err, c.want)
+		}
+	}
+}
+
+// NodeOpts bounds memory by what the machine has only when the node's
+// memory is left to the machine: a node "of" 1 TiB grows an environment
+// past what this machine holds when [node] memory says so, not when the
+// size came from the machine (here handed to the arbiter as 1 TiB).
+func TestNodeOptsMachineMemory(t *testing.T) {
+	total, _, err := envlet.ReadMeminfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	node := envlet.Resources{CPU: 2, Memory: 1 << 40}
+	for _, tc := range []struct {
+		memory  string
+		bounded bool
+	}{{"", true}, {"1Ti", false}} {
+		var c Config
+		c.Node.Memory = tc.memory
+		opts, err := c.NodeOpts()
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := envlet.NewNodeArbiter(node, envlet.DefaultReserve, opts...)
+		if err := a.Admit(context.Background(), "e", envlet.Resources{CPU: 1, Memory: 1 << 30}); err != nil {
+			t.Fatal(err)
+		}
+		got, err := a.Grow(context.Background(), "e", envlet.Resources{CPU: 1, Memory: node.Memory})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bounded := got.Memory < total; bounded != tc.bounded {
+			t.Errorf("[node] memory %q: grant %s on a machine of %s; want bounded by the machine %v", tc.memory, envlet.FormatBytes(got.Memory), envlet.FormatBytes(total), tc.bounded)
 		}
 	}
 }
