@@ -25,6 +25,7 @@ import (
 	"github.com/envsnap/envsnap/bench/netshape"
 	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/egress"
+	"github.com/envsnap/envsnap/internal/envlet"
 )
 
 // Rollout systems: the snapshotter, the runtime and how environments are
@@ -710,11 +711,7 @@ func meminfo(field string) (int64, error) {
 // nodeMemoryUsed is the memory the node cannot hand out without
 // reclaiming (MemTotal - MemAvailable).
 func nodeMemoryUsed() (int64, error) {
-	total, err := meminfo("MemTotal")
-	if err != nil {
-		return 0, err
-	}
-	avail, err := meminfo("MemAvailable")
+	total, avail, err := envlet.ReadMeminfo()
 	if err != nil {
 		return 0, err
 	}
