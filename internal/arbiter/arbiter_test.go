@@ -3,6 +3,7 @@ package arbiter
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -582,5 +583,110 @@ func TestClientWaitsForBusyArbiter(t *testing.T) {
 	}
 	if g := s.arb.Leases()["a"].Grant.Memory; g != 2*gib {
 		t.Fatalf("grant at the arbiter %d, want the 2 GiB grown", g)
+	}
+}
+
+// endedReason returns the reason env is listed as ended with, "" if it is
+// not listed as ended.
+func endedReason(t *testing.T, c *Client, env string) string {
+	t.Helper()
+	envs, err := c.List(context.Background(), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reason := ""
+	for _, e := range envs {
+		if e.Env == env && !e.Ended.IsZero() {
+			reason = e.Reason
+		}
+	}
+	return reason
+}
+
+// A controller's report cut short by its own environment stopping is not
+// an arbiter outage: the release that follows reaches the arbiter with
+// its reason. It used to drop the connection, so the release went to the
+// local fallback and the arbiter listed the environment as running until
+// its stale limit (tests/hostile's envs listing, on a loaded CI node).
+func TestCancelledCallKeepsConnection(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	startArbiter(t, sock, envlet.Resources{CPU: 4, Memory: 4 * gib})
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	if err := c.Admit(ctx, "a", base); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := c.Report(cctx, "a", base, envlet.Resources{CPU: 0.1}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("report with a cancelled context: %v, want context.Canceled", err)
+	}
+	if gaps, failed := c.Gaps(); gaps != 0 || failed != 0 || !c.Connected() {
+		t.Fatalf("after a cancelled call: %d gaps, %d failed calls, connected %v; want none and connected", gaps, failed, c.Connected())
+	}
+	if err := c.ReleaseReason(ctx, "a", envlet.ReasonPidsExhausted); err != nil {
+		t.Fatal(err)
+	}
+	if got := endedReason(t, c, "a"); got != envlet.ReasonPidsExhausted {
+		t.Fatalf("a listed as ended with %q, want %s", got, envlet.ReasonPidsExhausted)
+	}
+}
+
+// Releases made while the arbiter is away reach it when it is back: the
+// grant is returned then (not at the restored lease's grace), and an
+// environment admitted and ended entirely by the fallback is listed as
+// ended too, each with its reason.
+func TestReleaseWhileArbiterAway(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	ledger := DefaultLedgerPath(sock)
+	stop := startArbiter(t, sock, node, WithLedger(ledger))
+	c := NewClient(ClientConfig{Socket: sock, Timeout: 200 * time.Millisecond, Node: node})
+	t.Cleanup(func() { c.Close() })
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	for _, env := range []string{"a", "b"} {
+		if err := c.Admit(ctx, env, base); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop()
+	// ttrpc's graceful shutdown may still serve a call on a connection it
+	// is closing; the arbiter is away once the client saw it close.
+	for deadline := time.Now().Add(5 * time.Second); c.Connected(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the client still holds its connection 5 s after the arbiter stopped")
+		}
+	}
+	if err := c.ReleaseReason(ctx, "a", envlet.ReasonDiskCapExceeded); err != nil {
+		t.Fatalf("release with the arbiter away: %v", err)
+	}
+	if err := c.Admit(ctx, "c", base); err != nil {
+		t.Fatalf("admit by the fallback: %v", err)
+	}
+	if err := c.ReleaseReason(ctx, "c", envlet.ReasonOutputCapExceeded); err != nil {
+		t.Fatal(err)
+	}
+	startArbiter(t, sock, node, WithLedger(ledger))
+	// Nothing calls: the client's redial delivers (a second apart).
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		other := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+		a, cr := endedReason(t, other, "a"), endedReason(t, other, "c")
+		envs, err := other.List(ctx, false)
+		other.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a == envlet.ReasonDiskCapExceeded && cr == envlet.ReasonOutputCapExceeded && len(envs) == 1 && envs[0].Env == "b" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("5 s after the arbiter came back: a ended %q, c ended %q, live %+v; want a %s, c %s, only b live",
+				a, cr, envs, envlet.ReasonDiskCapExceeded, envlet.ReasonOutputCapExceeded)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

@@ -78,11 +78,16 @@ type StatusSource interface {
 type Client struct {
 	cfg ClientConfig
 
-	mu        sync.Mutex
-	conn      *ttrpc.Client
-	dialFail  time.Time
-	boot      string
-	envs      map[string]*envState
+	mu       sync.Mutex
+	conn     *ttrpc.Client
+	dialFail time.Time
+	boot     string
+	envs     map[string]*envState
+	// unsent holds the releases the arbiter did not get (it was away):
+	// they go out on the next connection, so an ended environment's grant
+	// does not stay held until the arbiter's stale limit, and the listing
+	// of ended environments says why it ended.
+	unsent    map[string]*ReleaseRequest
 	local     *envlet.NodeArbiter // nil while connected
 	localEnvs map[string]bool
 	node      *NodeInfo // the arbiter's view of the node, from Admit
@@ -105,6 +110,7 @@ type envState struct {
 	tier          envlet.Tier
 	src           StatusSource
 	nextPoint     uint64 // the first timeline point not reported yet
+	admitted      time.Time
 }
 
 var _ envlet.Arbiter = (*Client)(nil)
@@ -123,7 +129,7 @@ func NewClient(cfg ClientConfig) *Client {
 	if cfg.Owner == "" {
 		cfg.Owner = fmt.Sprintf("pid %d", os.Getpid())
 	}
-	return &Client{cfg: cfg, envs: make(map[string]*envState)}
+	return &Client{cfg: cfg, envs: make(map[string]*envState), unsent: make(map[string]*ReleaseRequest)}
 }
 
 // Track attaches the controller whose status and timeline go with the
@@ -136,10 +142,14 @@ func (c *Client) Track(env string, src StatusSource) {
 	}
 }
 
-// Close drops the connection.
+// Close drops the connection, after one last try at the releases the
+// arbiter has not had yet (a shim exits right after its last container).
 func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if len(c.unsent) > 0 {
+		_ = c.connectLocked(context.Background())
+	}
 	c.closed = true
 	c.dropLocked()
 	return nil
@@ -176,7 +186,7 @@ func (c *Client) dropLocked() {
 // leases (DefaultLedgerGrace) or its stale limit (DefaultStaleAfter)
 // runs out.
 func (c *Client) lostLocked() {
-	if c.redialing || c.closed || len(c.envs) == 0 {
+	if c.redialing || c.closed || len(c.envs)+len(c.unsent) == 0 {
 		return
 	}
 	c.redialing = true
@@ -191,7 +201,7 @@ func (c *Client) redial() {
 	for {
 		time.Sleep(redialInterval)
 		c.mu.Lock()
-		if c.conn != nil || c.closed || len(c.envs) == 0 {
+		if c.conn != nil || c.closed || len(c.envs)+len(c.unsent) == 0 {
 			c.redialing = false
 			c.mu.Unlock()
 			return
@@ -242,8 +252,8 @@ func (c *Client) connectLocked(ctx context.Context) error {
 	return nil
 }
 
-// dialLocked makes a new connection and re-registers every environment
-// on it.
+// dialLocked makes a new connection, re-registers every environment on
+// it and sends the releases the arbiter missed.
 func (c *Client) dialLocked(ctx context.Context) error {
 	d := net.Dialer{Timeout: c.cfg.Timeout}
 	conn, err := d.DialContext(ctx, "unix", c.cfg.Socket)
@@ -263,6 +273,17 @@ func (c *Client) dialLocked(ctx context.Context) error {
 			}
 			log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: re-registering with the arbiter")
 		}
+	}
+	for env, req := range c.unsent {
+		var resp EmptyResponse
+		err := c.callLocked(ctx, methodRelease, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
+		if errors.Is(err, errUnreachable) {
+			return err
+		}
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("env", env).Warn("envlet: late release")
+		}
+		delete(c.unsent, env)
 	}
 	if c.local != nil {
 		log.G(ctx).WithField("socket", c.cfg.Socket).Info("envlet: node arbiter is back; leaving fallback")
@@ -297,6 +318,9 @@ func (c *Client) Capacity() (envlet.Resources, float64) {
 // connection and return errUnreachable; the arbiter's decisions come back
 // as their errdefs kind.
 func (c *Client) callLocked(ctx context.Context, method string, timeout time.Duration, req, resp any, boot *string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%s: %w", method, err)
+	}
 	if err := c.connectLocked(ctx); err != nil {
 		return err
 	}
@@ -312,6 +336,14 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 		if isAnswer(nerr) {
 			c.inGap = false
 			return nerr
+		}
+		if errors.Is(ctx.Err(), context.Canceled) {
+			// The caller gave up (its environment is being stopped), not
+			// the arbiter: dropping the connection here would send the
+			// release that follows to a local fallback, and the arbiter
+			// would hold the grant until its stale limit. A deadline
+			// (the controller's arbiter-timeout) is the arbiter's.
+			return fmt.Errorf("%s: %w", method, ctx.Err())
 		}
 		c.dropLocked()
 		c.dialFail = time.Now()
@@ -364,7 +396,8 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources, o
 	defer c.mu.Unlock()
 	st, known := c.envs[env]
 	if !known {
-		st = &envState{base: base, current: base}
+		st = &envState{base: base, current: base, admitted: time.Now()}
+		delete(c.unsent, env) // the same name again: the old end is moot
 	}
 	// Admitting a known env again (the shim at Create, then the controller
 	// in Run) is idempotent here and at the arbiter.
@@ -574,9 +607,19 @@ func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
 		delete(c.localEnvs, env)
 		_ = c.local.Release(ctx, env)
 	}
+	req := &ReleaseRequest{Env: env, Reason: reason}
 	var resp EmptyResponse
-	err := c.callLocked(ctx, methodRelease, 10*c.cfg.Timeout, &ReleaseRequest{Env: env, Reason: reason}, &resp, &resp.Boot)
-	if err != nil && !errors.Is(err, errUnreachable) {
+	err := c.callLocked(ctx, methodRelease, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
+	if errors.Is(err, errUnreachable) || ctx.Err() != nil {
+		// The arbiter may never have heard of env (admitted by the
+		// fallback): what it needs to list it as ended goes along.
+		base := toWire(st.base)
+		req.Base, req.Admitted, req.Ended = &base, st.admitted, time.Now()
+		c.unsent[env] = req
+		c.lostLocked()
+		return nil
+	}
+	if err != nil {
 		return fmt.Errorf("release %s: %w", env, err)
 	}
 	return nil

@@ -99,6 +99,13 @@ type ReleaseRequest struct {
 	// Reason is recorded in the listing of ended environments ("exited",
 	// or the failure reason).
 	Reason string `json:"reason,omitempty"`
+	// A release the client could not send when the environment ended
+	// carries when it was admitted and ended, and its base: the arbiter
+	// lists an environment it never heard of (admitted by the client's
+	// fallback while the arbiter was away) as ended from them.
+	Base     *Resources `json:"base,omitempty"`
+	Admitted time.Time  `json:"admitted,omitzero"`
+	Ended    time.Time  `json:"ended,omitzero"`
 }
 
 // ResourcesResponse answers Grow (the grant) and Report (the limit the

@@ -255,18 +255,55 @@ func (s *Server) release(ctx context.Context, r *ReleaseRequest) (*EmptyResponse
 	defer s.mu.Unlock()
 	defer s.persistLocked(ctx)
 	s.confirmLocked(r.Env)
-	if _, ok := s.envs[r.Env]; !ok {
-		// Releasing twice (exit, then delete) is normal.
-		return &EmptyResponse{Boot: s.boot}, nil
-	}
 	reason := r.Reason
 	if reason == "" {
 		reason = "released"
 	}
-	if err := s.endLocked(ctx, r.Env, reason); err != nil {
-		return nil, fmt.Errorf("release %s: %w", r.Env, err)
+	rec, ok := s.envs[r.Env]
+	switch {
+	case ok:
+		if err := s.endLocked(ctx, r.Env, reason); err != nil {
+			return nil, fmt.Errorf("release %s: %w", r.Env, err)
+		}
+		if !r.Ended.IsZero() {
+			rec.info.Ended = r.Ended
+		}
+	case !r.Admitted.IsZero():
+		// A late release: the client could not send it when env ended.
+		if rec := s.endedSinceLocked(r.Env, r.Admitted); rec != nil {
+			// This arbiter ended it meanwhile for want of reports; the
+			// shim knows why it really ended.
+			rec.info.Reason, rec.info.Ended = reason, r.Ended
+			break
+		}
+		// Admitted while this arbiter was away: it holds no grant here,
+		// but it ran on the node.
+		info := EnvInfo{Env: r.Env, Admitted: r.Admitted, Updated: r.Ended, Ended: r.Ended, Reason: reason}
+		if r.Base != nil {
+			info.Base, info.Current = *r.Base, *r.Base
+		}
+		s.appendEndedLocked(&record{info: info})
+	default:
+		// Releasing twice (exit, then delete) is normal.
 	}
 	return &EmptyResponse{Boot: s.boot}, nil
+}
+
+// endedSinceLocked returns the latest listing of env as ended after since.
+func (s *Server) endedSinceLocked(env string, since time.Time) *record {
+	for i := len(s.ended) - 1; i >= 0; i-- {
+		if rec := s.ended[i]; rec.info.Env == env && rec.info.Ended.After(since) {
+			return rec
+		}
+	}
+	return nil
+}
+
+func (s *Server) appendEndedLocked(rec *record) {
+	s.ended = append(s.ended, rec)
+	if n := len(s.ended) - DefaultEndedEnvs; n > 0 {
+		s.ended = append(s.ended[:0:0], s.ended[n:]...)
+	}
 }
 
 // endLocked returns env's grant and lists it as ended with reason.
@@ -281,10 +318,7 @@ func (s *Server) endLocked(ctx context.Context, env, reason string) error {
 	delete(s.envs, env)
 	rec.info.Ended = time.Now()
 	rec.info.Reason = reason
-	s.ended = append(s.ended, rec)
-	if n := len(s.ended) - DefaultEndedEnvs; n > 0 {
-		s.ended = append(s.ended[:0:0], s.ended[n:]...)
-	}
+	s.appendEndedLocked(rec)
 	return nil
 }
 
