@@ -629,6 +629,11 @@ func (s *Service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*pt
 	if res.Memory != nil {
 		res.Memory.Limit, res.Memory.Swap = nil, nil
 	}
+	// The files envlet drives are its own; kubelet sends
+	// memory.oom.group=1 with every update, which envlet turns off.
+	for _, k := range envletFiles {
+		delete(res.Unified, k)
+	}
 	if limits.CPU > 0 || limits.Memory > 0 {
 		if err := s.updateBounds(ctx, e, limits); err != nil {
 			return nil, errgrpc.ToGRPC(err)
@@ -643,7 +648,30 @@ func (s *Service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*pt
 		Resources:   &ptypes.Any{TypeUrl: r.Resources.GetTypeUrl(), Value: b},
 		Annotations: r.Annotations,
 	}
-	return s.TTRPCTaskService.Update(ctx, fwd)
+	resp, err := s.TTRPCTaskService.Update(ctx, fwd)
+	// Whatever runc did, with its systemd driver systemd now rewrites the
+	// cgroup from the scope's properties: memory.high back to max,
+	// memory.max and the CPU quota to the container's creation values
+	// (kubelet's in-place resize lost 3 of 10 pods to a kernel OOM kill
+	// at the old limit in tests/kube). The controller puts its limits
+	// back.
+	e.mu.Lock()
+	ctrl := e.ctrl
+	e.mu.Unlock()
+	if rc, ok := ctrl.(LimitRechecker); ok {
+		rc.Recheck()
+	}
+	return resp, err
+}
+
+// envletFiles are the cgroup files envlet drives; an Update's unified
+// resources do not reach them.
+var envletFiles = []string{"memory.high", "memory.max", "memory.oom.group", "cpu.max", "cpu.max.burst"}
+
+// LimitRechecker is implemented by controllers that can check that their
+// limits are still in force (envlet.Controller.Recheck).
+type LimitRechecker interface {
+	Recheck()
 }
 
 // BoundsSetter is implemented by controllers whose cap can move while

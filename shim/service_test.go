@@ -7,10 +7,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -183,6 +185,8 @@ type fakeController struct {
 	cfg    envlet.Config
 	fail   chan *envlet.FailureError
 	caps   []envlet.Resources
+	// rechecks counts Recheck calls.
+	rechecks atomic.Int32
 }
 
 func (c *fakeController) Run(ctx context.Context) error {
@@ -196,6 +200,7 @@ func (c *fakeController) Run(ctx context.Context) error {
 func (c *fakeController) Status() envlet.Status                                     { return envlet.Status{} }
 func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
 func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
+func (c *fakeController) Recheck()                                                  { c.rechecks.Add(1) }
 
 type fixture struct {
 	svc   *Service
@@ -494,9 +499,13 @@ func TestUpdateMovesCap(t *testing.T) {
 		t.Fatal(err)
 	}
 	quota, period, limit, shares := int64(300000), uint64(100000), int64(2*envlet.GiB), uint64(512)
+	// What kubelet's in-place resize sends (containerd's CRI passes the
+	// unified keys on).
 	res := specs.LinuxResources{
 		CPU:    &specs.LinuxCPU{Quota: &quota, Period: &period, Shares: &shares},
 		Memory: &specs.LinuxMemory{Limit: &limit},
+		Unified: map[string]string{"memory.low": "0", "memory.min": "0", "memory.oom.group": "1", "memory.swap.max": "0",
+			"memory.high": "1610612736"},
 	}
 	b, _ := json.Marshal(&res)
 	if _, err := f.svc.Update(ctx, &taskAPI.UpdateTaskRequest{ID: "x", Resources: &ptypes.Any{TypeUrl: "x", Value: b}}); err != nil {
@@ -508,6 +517,13 @@ func TestUpdateMovesCap(t *testing.T) {
 	fwd := f.runc.updates[0]
 	if fwd.CPU.Quota != nil || fwd.Memory.Limit != nil || fwd.CPU.Shares == nil || *fwd.CPU.Shares != 512 {
 		t.Fatalf("forwarded to runc: %+v %+v", fwd.CPU, fwd.Memory)
+	}
+	// envlet turns memory.oom.group off and drives memory.high itself.
+	if want := map[string]string{"memory.low": "0", "memory.min": "0", "memory.swap.max": "0"}; !maps.Equal(fwd.Unified, want) {
+		t.Fatalf("unified resources forwarded to runc %v, want %v", fwd.Unified, want)
+	}
+	if n := f.ctrls["x"].rechecks.Load(); n != 1 {
+		t.Fatalf("controller asked to recheck its limits %d times after the update, want 1", n)
 	}
 }
 

@@ -142,6 +142,12 @@ type oomGrouper interface {
 	SetOOMGroup(bool) error
 }
 
+// limitRestorer is implemented by cgroups that can tell whether the
+// limits they last wrote are still there, and write them again if not.
+type limitRestorer interface {
+	Restore() (bool, error)
+}
+
 // limitsReader is implemented by cgroups that know the limits in force.
 type limitsReader interface {
 	Current() Resources

@@ -105,8 +105,13 @@ type Controller struct {
 	arbDownCalls  int
 	frozen        bool
 
-	mu         sync.Mutex // guards status, timeline and pendingCap
+	// Limits written by others are put back (checkLimits): at least
+	// every LimitCheckPeriod, and at every tick until checkUntil.
+	lastCheck, checkUntil time.Time
+
+	mu         sync.Mutex // guards status, timeline, pendingCap and recheck
 	pendingCap *Resources
+	recheck    bool
 	status     Status
 	tl         []TimelinePoint
 	tlCap      int
@@ -279,7 +284,7 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 			return err
 		}
 		period := c.cfg.SamplePeriod
-		if c.st.Idle {
+		if c.st.Idle && !c.checking(c.clock.Now()) {
 			period = c.cfg.IdlePeriod
 			if _, real := c.clock.(realClock); real {
 				// Kernel events still wake it at once.
@@ -344,6 +349,69 @@ func (c *Controller) SetCap(r Resources) error {
 	return nil
 }
 
+// LimitCheckPeriod is how often the controller checks that the limits it
+// wrote are still in force (Controller.Recheck).
+const LimitCheckPeriod = 5 * time.Second
+
+// recheckFor is how long after Recheck every tick checks the limits:
+// systemd applies a unit's properties to its cgroup shortly after it
+// answered the call that set them, not before.
+const recheckFor = time.Second
+
+// Recheck has the controller check at once, and at every tick for the
+// next second, that the cgroup still holds the limits it wrote, and write
+// them again where it does not. The shim calls it after forwarding a task
+// Update: with runc's systemd driver the update makes systemd rewrite the
+// scope's cgroup from the unit's properties (memory.high back to max,
+// memory.max and the CPU quota to the container's creation values), and
+// runc writes kubelet's memory.oom.group=1 again.
+func (c *Controller) Recheck() {
+	c.mu.Lock()
+	c.recheck = true
+	c.mu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// checkLimits puts back limits someone else rewrote, when a check is due.
+func (c *Controller) checkLimits(ctx context.Context, now time.Time, acts []string) ([]string, error) {
+	lr, ok := c.cg.(limitRestorer)
+	if !ok {
+		return acts, nil
+	}
+	c.mu.Lock()
+	if c.recheck {
+		c.recheck = false
+		c.checkUntil = now.Add(recheckFor)
+	}
+	c.mu.Unlock()
+	if now.Sub(c.lastCheck) < LimitCheckPeriod && !now.Before(c.checkUntil) {
+		return acts, nil
+	}
+	c.lastCheck = now
+	restored, err := lr.Restore()
+	switch {
+	case errors.Is(err, ErrVanished):
+		return acts, err
+	case err != nil:
+		c.logger(ctx).WithError(err).Warn("envlet: check the limits in force")
+	case restored:
+		c.logger(ctx).WithField("limit", c.st.Limit.String()).Warn("envlet: limits rewritten by someone else (systemd applying the unit's properties?); restored")
+		acts = append(acts, "limits restored")
+	}
+	return acts, nil
+}
+
+// checking reports whether ticks must come at the sampling period to
+// check the limits (Recheck).
+func (c *Controller) checking(now time.Time) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.recheck || now.Before(c.checkUntil)
+}
+
 // takeCap installs a cap set by SetCap and returns the limits it forces.
 func (c *Controller) takeCap() (Resources, bool) {
 	c.mu.Lock()
@@ -380,6 +448,10 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		if acts, err = c.apply(ctx, next, nil, acts); err != nil {
 			return err
 		}
+	}
+	acts, err := c.checkLimits(ctx, now, acts)
+	if err != nil {
+		return err
 	}
 	c.prev = c.cur
 	if err := c.cg.Sample(&c.cur); err != nil {

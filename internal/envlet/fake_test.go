@@ -67,6 +67,10 @@ type fakeCgroup struct {
 	applied   []Resources
 	events    chan Event
 	limit     Resources
+	// rewritten: someone else changed the limits (Restore puts them
+	// back); checks counts Restore calls.
+	rewritten bool
+	checks    int
 }
 
 func newFakeCgroup() *fakeCgroup { return &fakeCgroup{events: make(chan Event, 1)} }
@@ -98,6 +102,15 @@ func (f *fakeCgroup) Apply(r Resources) error {
 	f.limit = r
 	f.applied = append(f.applied, r)
 	return nil
+}
+
+func (f *fakeCgroup) Restore() (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.checks++
+	r := f.rewritten
+	f.rewritten = false
+	return r, nil
 }
 
 func (f *fakeCgroup) Events() <-chan Event { return f.events }

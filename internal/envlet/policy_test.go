@@ -434,3 +434,37 @@ func TestTraceV2AboveHighDenied(t *testing.T) {
 		t.Fatalf("failure %+v", fe.Failure)
 	}
 }
+
+// The controller checks that its limits are in force every
+// LimitCheckPeriod, and at every tick for a second after Recheck (the
+// shim's call after a task Update, which systemd follows by rewriting the
+// cgroup); a rewrite it finds is put back and logged.
+func TestTraceRecheck(t *testing.T) {
+	tr := newTrace(t, testConfig(), bigNode(), 8)
+	idle := func(s *Sample) { s.MemUsage = 50 * MiB; tr.cpu(0.05) }
+	checks := func() int {
+		tr.cg.mu.Lock()
+		defer tr.cg.mu.Unlock()
+		return tr.cg.checks
+	}
+	start := checks()
+	ticks := int(LimitCheckPeriod / tick)
+	for range ticks {
+		tr.mustStep(idle)
+	}
+	if got := checks() - start; got != 1 {
+		t.Fatalf("%d checks in %v without Recheck, want 1", got, LimitCheckPeriod)
+	}
+	tr.cg.mu.Lock()
+	tr.cg.rewritten = true
+	tr.cg.mu.Unlock()
+	tr.c.Recheck()
+	before, at := checks(), tr.tick+1
+	for range int(recheckFor/tick) + 2 {
+		tr.mustStep(idle)
+	}
+	if got := checks() - before; got != int(recheckFor/tick) {
+		t.Fatalf("%d checks in the %d ticks after Recheck, want one per tick for %v", got, int(recheckFor/tick)+2, recheckFor)
+	}
+	equalLog(t, tr.log, []string{fmt.Sprintf("%d: limits restored", at)})
+}

@@ -230,11 +230,56 @@ func (c *V1) Apply(l Limits) error {
 	return nil
 }
 
-func (c *V1) applyCPU(cores float64) error {
-	quota := int64(-1)
-	if cores > 0 {
-		quota = max(int64(cores*float64(c.periodUs)), 1000)
+// quotaUs is cpu.cfs_quota_us for cores (-1 for unlimited).
+func (c *V1) quotaUs(cores float64) int64 {
+	if cores <= 0 {
+		return -1
 	}
+	return max(int64(cores*float64(c.periodUs)), 1000)
+}
+
+// Restore rewrites the limits Apply last wrote wherever the files no
+// longer hold them, and reports whether it had to: systemd rewrites a
+// scope's cgroup from the unit's properties whenever it applies any of
+// them (runc update through the systemd driver, daemon-reload).
+func (c *V1) Restore() (bool, error) {
+	restored := false
+	b, err := c.quota.read(c.buf)
+	if err != nil {
+		return false, err
+	}
+	if q, _ := parseLimit(b); q != c.quotaUs(c.cur.CPU) {
+		if err := c.applyCPU(c.cur.CPU); err != nil {
+			return false, err
+		}
+		restored = true
+	}
+	if b, err = c.memLimit.read(c.buf); err != nil {
+		return false, err
+	}
+	lim, _ := parseLimit(b)
+	if lim >= unlimitedV1 {
+		lim = -1
+	}
+	want := c.cur.Memory
+	if want <= 0 {
+		want = -1
+	}
+	if !samePages(lim, want) {
+		// applyMemory orders the memsw write by the limit it believes in
+		// force: make that the one really there.
+		c.cur.Memory = max(lim, 0)
+		if err := c.applyMemory(want); err != nil {
+			c.cur.Memory = max(want, 0)
+			return false, err
+		}
+		restored = true
+	}
+	return restored, nil
+}
+
+func (c *V1) applyCPU(cores float64) error {
+	quota := c.quotaUs(cores)
 	var qb, bb [24]byte
 	q := appendInt(qb[:0], quota)
 	burst := appendInt(bb[:0], max(quota, 0))

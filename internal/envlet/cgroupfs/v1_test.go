@@ -3,6 +3,7 @@ package cgroupfs_test
 import (
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -326,5 +327,38 @@ func TestV1UnderOOMNotStale(t *testing.T) {
 	}
 	if s.UnderOOM {
 		t.Fatalf("under_oom still reported after the limit was raised and the task ran on (memory.stat read: %v)", s.MemStat)
+	}
+}
+
+// TestV1Restore: limits rewritten behind the controller's back (systemd
+// applying a scope's properties) are put back by Restore, once.
+func TestV1Restore(t *testing.T) {
+	cg, c := openV1(t)
+	if err := c.Apply(cgroupfs.Limits{CPU: 0.5, Memory: 256 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if restored, err := c.Restore(); err != nil || restored {
+		t.Fatalf("restore with nothing rewritten: %v, %v; want false", restored, err)
+	}
+	for hier, f := range map[string]string{"cpu": "cpu.cfs_quota_us", "memory": "memory.limit_in_bytes"} {
+		dir := map[string]string{"cpu": cg.Mounts.CPU, "memory": cg.Mounts.Memory}[hier]
+		if err := os.WriteFile(filepath.Join(dir, cg.Path, f), []byte("-1"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if restored, err := c.Restore(); err != nil || !restored {
+		t.Fatalf("restore after the limits were lifted: %v, %v; want true", restored, err)
+	}
+	for hier, want := range map[string]string{"cpu.cfs_quota_us": "50000", "memory.limit_in_bytes": "268435456"} {
+		h := "cpu"
+		if strings.HasPrefix(hier, "memory") {
+			h = "memory"
+		}
+		if got := strings.TrimSpace(cg.Read(t, h, hier)); got != want {
+			t.Errorf("%s = %s after restore, want %s", hier, got, want)
+		}
+	}
+	if restored, err := c.Restore(); err != nil || restored {
+		t.Fatalf("second restore: %v, %v; want false", restored, err)
 	}
 }

@@ -34,6 +34,7 @@ type V2 struct {
 	cur      Limits
 	curMax   int64 // memory.max as written (-1 unlimited)
 	memCap   int64
+	oomGrp   []byte // memory.oom.group as written, nil if never
 
 	inotify   *os.File
 	events    chan Event
@@ -338,12 +339,19 @@ func (c *V2) Apply(l Limits) error {
 	return nil
 }
 
+// quotaUs is cpu.max's quota for cores (-1 for max).
+func (c *V2) quotaUs(cores float64) int64 {
+	if cores <= 0 {
+		return -1
+	}
+	return max(int64(cores*float64(c.periodUs)), 1000)
+}
+
 func (c *V2) applyCPU(cores float64) error {
 	var qb, bb [48]byte
-	quota := int64(-1)
+	quota := c.quotaUs(cores)
 	q := append(qb[:0], "max "...)
-	if cores > 0 {
-		quota = max(int64(cores*float64(c.periodUs)), 1000)
+	if quota > 0 {
 		q = appendInt(qb[:0], quota)
 		q = append(q, ' ')
 	}
@@ -455,7 +463,72 @@ func (c *V2) SetOOMGroup(on bool) error {
 	if err := c.oomGroup.write(v); err != nil {
 		return fmt.Errorf("set memory.oom.group=%s: %w", v, err)
 	}
+	c.oomGrp = v
 	return nil
+}
+
+// Restore rewrites what Apply and SetOOMGroup last wrote wherever the
+// files no longer hold it, and reports whether it had to. Someone else
+// rewrites them: systemd rewrites a scope's cgroup from the unit's
+// properties whenever it applies any of them (runc update through the
+// systemd driver, daemon-reload), which sets memory.high back to max and
+// memory.max and cpu.max to what the container was created with; runc
+// writes kubelet's memory.oom.group=1 again with every update.
+func (c *V2) Restore() (bool, error) {
+	restored := false
+	b, err := c.cpuMax.read(c.buf)
+	if err != nil {
+		return false, err
+	}
+	if q, _ := parseLimit(b); q != c.quotaUs(c.cur.CPU) {
+		if err := c.applyCPU(c.cur.CPU); err != nil {
+			return false, err
+		}
+		restored = true
+	}
+	if b, err = c.memHigh.read(c.buf); err != nil {
+		return false, err
+	}
+	high, _ := parseLimit(b)
+	if b, err = c.memMax.read(c.buf); err != nil {
+		return false, err
+	}
+	actualMax, _ := parseLimit(b)
+	wantHigh := c.cur.Memory
+	if wantHigh <= 0 {
+		wantHigh = -1
+	}
+	if !samePages(high, wantHigh) || !samePages(actualMax, c.curMax) {
+		// applyMemory orders its writes by the memory.max in force and
+		// never puts memory.max below usage.
+		c.curMax = actualMax
+		if err := c.applyMemory(c.cur.Memory); err != nil {
+			return false, err
+		}
+		restored = true
+	}
+	if c.oomGrp != nil {
+		if b, err = c.oomGroup.read(c.buf); err != nil {
+			return false, err
+		}
+		if len(b) == 0 || b[0] != c.oomGrp[0] {
+			if err := c.oomGroup.write(c.oomGrp); err != nil {
+				return false, fmt.Errorf("set memory.oom.group=%s: %w", c.oomGrp, err)
+			}
+			restored = true
+		}
+	}
+	return restored, nil
+}
+
+// samePages compares memory limits as the kernel keeps them: in whole
+// pages (-1 for max).
+func samePages(a, b int64) bool {
+	if a < 0 || b < 0 {
+		return a < 0 && b < 0
+	}
+	page := int64(os.Getpagesize())
+	return a/page == b/page
 }
 
 // RequestStat makes the next Sample read memory.stat and memory.events as

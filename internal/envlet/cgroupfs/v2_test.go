@@ -283,3 +283,44 @@ func BenchmarkSampleV2(b *testing.B) {
 		c.Sample(&s)
 	}
 }
+
+// What systemd does to a scope's cgroup when it applies the unit's
+// properties (runc update through the systemd driver): memory.high back
+// to max, memory.max and cpu.max to the creation values; runc writes
+// kubelet's memory.oom.group=1. Restore puts envlet's values back, once.
+func TestV2Restore(t *testing.T) {
+	root, path := fakeV2(t, nil)
+	dir := filepath.Join(root, path)
+	c, err := OpenV2(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetMemoryCap(512 << 20)
+	if err := c.Apply(Limits{CPU: 0.5, Memory: 128 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SetOOMGroup(false); err != nil {
+		t.Fatal(err)
+	}
+	if restored, err := c.Restore(); err != nil || restored {
+		t.Fatalf("restore with nothing rewritten: %v, %v; want false", restored, err)
+	}
+	want := map[string]string{"cpu.max": "50000 100000", "memory.high": "134217728", "memory.max": "167772160", "memory.oom.group": "0"}
+	for f, v := range map[string]string{"cpu.max": "max 100000", "memory.high": "max", "memory.max": "201326592", "memory.oom.group": "1"} {
+		if err := os.WriteFile(filepath.Join(dir, f), []byte(v+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if restored, err := c.Restore(); err != nil || !restored {
+		t.Fatalf("restore after systemd's rewrite: %v, %v; want true", restored, err)
+	}
+	for f, v := range want {
+		if got := readFile(t, filepath.Join(dir, f)); got != v {
+			t.Errorf("%s = %q after restore, want %q", f, got, v)
+		}
+	}
+	if restored, err := c.Restore(); err != nil || restored {
+		t.Fatalf("second restore: %v, %v; want false", restored, err)
+	}
+}

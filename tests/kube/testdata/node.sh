@@ -147,6 +147,15 @@ while ! [ -e "$S"/stop ]; do
 		log "envlet config: $(tr '\n' ' ' </etc/envsnap/envlet.toml); MemTotal $(awk '/^MemTotal/ {print $2 " " $3}' /proc/meminfo)"
 		echo "KUBETEST: EVENT envlet-node-default"
 	fi
+	# The last two minutes of the node's daemons, when a step failed and the
+	# host wants to know why (each ask writes a new file).
+	for f in "$S"/journal-*; do
+		[ -e "$f" ] && ! [ -e "/run/${f##*/}" ] || continue
+		touch "/run/${f##*/}"
+		journalctl --no-pager --since=-120s -u containerd -u kubelet -u envsnap-arbiter |
+			grep -v 'level=debug' | tail -n 300 | sed 's/^/KUBETEST: JOURNAL /'
+		echo "KUBETEST: EVENT ${f##*/}"
+	done
 	if ! systemctl is-active --quiet kubelet; then
 		log "kubelet not active: $(systemctl show -p SubState --value kubelet)"
 	fi
