@@ -151,6 +151,7 @@ type env struct {
 	ioCancel    context.CancelFunc // ends the relays' waits to open
 	guardReason string             // why the guard failed it; under mu
 	ending      string             // why finish ends it; under mu
+	sigkilled   bool               // its init exited by SIGKILL; under mu
 }
 
 // envArbiter is the arbiter as one environment's controller sees it. The
@@ -479,7 +480,12 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	// The init process's exit ends the environment, whether or not
 	// anybody deletes the task soon.
 	go func() {
-		_, _ = s.TTRPCTaskService.Wait(context.WithoutCancel(s.ctx), &taskAPI.WaitRequest{ID: e.id})
+		w, err := s.TTRPCTaskService.Wait(context.WithoutCancel(s.ctx), &taskAPI.WaitRequest{ID: e.id})
+		if err == nil && w.ExitStatus == 128+uint32(unix.SIGKILL) {
+			e.mu.Lock()
+			e.sigkilled = true
+			e.mu.Unlock()
+		}
 		s.finish(e, "exited")
 	}()
 	return resp, nil
@@ -508,11 +514,20 @@ func (s *Service) finish(e *env, reason string) {
 			reason = e.guardReason
 		}
 		e.ending = reason
-		cancel, closeCg := e.cancel, e.closeCg
+		cancel, closeCg, ctrl, killed := e.cancel, e.closeCg, e.ctrl, e.sigkilled && e.guardReason == ""
 		e.mu.Unlock()
 		if cancel != nil {
 			cancel()
 			<-e.done
+			if kc, ok := ctrl.(CapKillReporter); ok && killed && e.reason == "" {
+				if f := kc.KilledAtCap(); f != nil {
+					// The kernel ended it at its own limit before the
+					// controller could: say so, as fail would have.
+					e.reason = f.Reason
+					log.G(s.ctx).WithField("id", e.id).WithField("reason", f.Reason).Error("envlet: " + f.Message)
+					s.report(context.WithoutCancel(s.ctx), e, *f)
+				}
+			}
 			if closeCg != nil {
 				_ = closeCg()
 			}
@@ -527,17 +542,16 @@ func (s *Service) finish(e *env, reason string) {
 	})
 }
 
-// fail ends an environment loudly, in the order a client can rely on: the
-// reason is published and written to the termination message before the
-// task dies, so whoever sees the exit can already read why.
-func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
-	log.G(ctx).WithField("reason", fe.Reason).WithField("requested", fe.Requested).
-		WithField("granted", fe.Granted).WithField("ooms", fe.OOMs).Error("envlet: environment failed; killing it")
-	f := fe.Failure
+// CapKillReporter is implemented by controllers that can tell, once
+// stopped, that the kernel OOM-killed the environment at its memory cap
+// (envlet.Controller.KilledAtCap).
+type CapKillReporter interface {
+	KilledAtCap() *envlet.Failure
+}
+
+// report publishes e's failure and writes it to the termination message.
+func (s *Service) report(ctx context.Context, e *env, f envlet.Failure) {
 	f.Env = e.id
-	if f.Message == "" {
-		f.Message = fe.Error()
-	}
 	s.publishFailure(f)
 	if e.termMsg != "" {
 		msg := fmt.Sprintf("envlet: %s: %s\n", f.Reason, f.Message)
@@ -545,6 +559,19 @@ func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
 			log.G(ctx).WithError(err).Warn("envlet: write termination message")
 		}
 	}
+}
+
+// fail ends an environment loudly, in the order a client can rely on: the
+// reason is published and written to the termination message before the
+// task dies, so whoever sees the exit can already read why.
+func (s *Service) fail(ctx context.Context, e *env, fe *envlet.FailureError) {
+	log.G(ctx).WithField("reason", fe.Reason).WithField("requested", fe.Requested).
+		WithField("granted", fe.Granted).WithField("ooms", fe.OOMs).Error("envlet: environment failed; killing it")
+	f := fe.Failure
+	if f.Message == "" {
+		f.Message = fe.Error()
+	}
+	s.report(ctx, e, f)
 	// CRI reports Reason=OOMKilled only after /tasks/oom; the kernel may
 	// not have OOM-killed anything (v1 refuses, or the task was paused), so
 	// say it ourselves. A guard failure is not about memory.

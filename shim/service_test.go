@@ -187,6 +187,8 @@ type fakeController struct {
 	caps   []envlet.Resources
 	// rechecks counts Recheck calls.
 	rechecks atomic.Int32
+	// capKill is what KilledAtCap reports.
+	capKill *envlet.Failure
 }
 
 func (c *fakeController) Run(ctx context.Context) error {
@@ -201,6 +203,7 @@ func (c *fakeController) Status() envlet.Status                                 
 func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
 func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
 func (c *fakeController) Recheck()                                                  { c.rechecks.Add(1) }
+func (c *fakeController) KilledAtCap() *envlet.Failure                              { return c.capKill }
 
 type fixture struct {
 	svc   *Service
@@ -486,6 +489,52 @@ func TestFailure(t *testing.T) {
 			t.Fatal("not released after exit")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestKilledAtCap: a task the kernel OOM-killed at its memory cap ends
+// the environment by itself (its shell exits 137); the reason the
+// controller finds afterwards is published, written where kubelet reads
+// it and given to the arbiter, as for a failure the controller caught.
+func TestKilledAtCap(t *testing.T) {
+	f := newFixture(t)
+	termLog := filepath.Join(t.TempDir(), "termination-log")
+	if err := os.WriteFile(termLog, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	spec := linuxSpec("x", map[string]string{annKubeTermination: "/dev/termination-log"})
+	spec.Mounts = []specs.Mount{{Destination: "/dev/termination-log", Source: termLog, Type: "bind"}}
+	ctx := context.Background()
+	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	f.ctrls["x"].capKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
+		Message: "the kernel OOM-killed a task at the per-environment memory cap 192.0Mi"}
+	close(f.runc.exited) // exit status 137, nobody asked
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if r, ok := f.arb.releasedReason("x"); ok {
+			if r != envlet.ReasonCapExceeded {
+				t.Fatalf("released with reason %q, want %s", r, envlet.ReasonCapExceeded)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not released after exit")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if msg, _ := os.ReadFile(termLog); !strings.Contains(string(msg), "MEM_CAP_EXCEEDED: the kernel OOM-killed") {
+		t.Fatalf("termination message %q", msg)
+	}
+	if topics := f.pub.topics(); len(topics) != 1 || topics[0] != FailedEventTopic {
+		t.Fatalf("events %v, want the failure", topics)
+	}
+	if len(f.runc.kills) != 0 {
+		t.Fatalf("the shim killed an environment that had ended: %+v", f.runc.kills)
 	}
 }
 

@@ -349,6 +349,47 @@ func (c *Controller) SetCap(r Resources) error {
 	return nil
 }
 
+// statRequester is implemented by cgroups whose Sample reads the memory
+// counters only at times; RequestStat makes the next one read them.
+type statRequester interface {
+	RequestStat()
+}
+
+// KilledAtCap tells, after Run has returned, whether the kernel OOM-killed
+// a task of the environment while its memory limit stood at its cap, and
+// returns the failure to report if so. There memory.high and memory.max
+// are both the cap (v2; v1 has one limit), so the kernel kills at the
+// first allocation past it, before a tick can see the task stuck; the
+// environment then usually ends by itself (its shell exits with the
+// killed task's status) and would carry no reason. nil otherwise.
+func (c *Controller) KilledAtCap() *Failure {
+	if c.cfg.Cap.Memory <= 0 || c.st.Limit.Memory < c.cfg.Cap.Memory {
+		return nil
+	}
+	if sr, ok := c.cg.(statRequester); ok {
+		sr.RequestStat()
+	}
+	last := c.cur
+	var s Sample
+	if err := c.cg.Sample(&s); err == nil && s.MemStat {
+		last = s
+	}
+	c.mu.Lock()
+	kills := c.status.OOMs
+	c.mu.Unlock()
+	kills += int(max(sub(last.OOM, c.cur.OOM), sub(last.OOMKill, c.cur.OOMKill)))
+	if kills == 0 {
+		return nil
+	}
+	f := &Failure{Env: c.env, Reason: ReasonCapExceeded, Granted: c.st.Limit.Memory, Cap: c.cfg.Cap.Memory,
+		WorkingSet: max(last.WorkingSet(), c.cur.WorkingSet()), OOMs: kills}
+	// The working set after the kill says little (the killed task's
+	// memory is gone); it stays in the failure's fields.
+	f.Message = fmt.Sprintf("the kernel OOM-killed a task at the per-environment memory cap %s (%d OOM kills)",
+		FormatBytes(f.Cap), kills)
+	return f
+}
+
 // LimitCheckPeriod is how often the controller checks that the limits it
 // wrote are still in force (Controller.Recheck).
 const LimitCheckPeriod = 5 * time.Second

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -467,4 +468,30 @@ func TestTraceRecheck(t *testing.T) {
 		t.Fatalf("%d checks in the %d ticks after Recheck, want one per tick for %v", got, int(recheckFor/tick)+2, recheckFor)
 	}
 	equalLog(t, tr.log, []string{fmt.Sprintf("%d: limits restored", at)})
+}
+
+// KilledAtCap: a kernel OOM kill seen after the controller stopped counts
+// when the limit stood at the cap, not below it, and not without a kill.
+func TestKilledAtCap(t *testing.T) {
+	tr := newTrace(t, testConfig(), bigNode(), 8)
+	tr.mustStep(func(s *Sample) { s.MemUsage = 100 * MiB; tr.cpu(0.1) })
+	if f := tr.c.KilledAtCap(); f != nil {
+		t.Fatalf("below the cap, no kill: %+v", f)
+	}
+	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory
+	if f := tr.c.KilledAtCap(); f != nil {
+		t.Fatalf("at the cap, no kill: %+v", f)
+	}
+	tr.cg.mu.Lock()
+	tr.cg.s.OOMKill++
+	tr.cg.s.MemUsage = tr.c.cfg.Cap.Memory
+	tr.cg.mu.Unlock()
+	f := tr.c.KilledAtCap()
+	if f == nil || f.Reason != ReasonCapExceeded || f.OOMs != 1 || f.Cap != tr.c.cfg.Cap.Memory || !strings.Contains(f.Message, "OOM-killed") {
+		t.Fatalf("at the cap after a kill: %+v", f)
+	}
+	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory / 2
+	if f := tr.c.KilledAtCap(); f != nil {
+		t.Fatalf("below the cap after a kill: %+v", f)
+	}
 }
