@@ -8,6 +8,7 @@ package testenv
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,14 +78,21 @@ func New(t testing.TB, opts ...Option) *Env {
 	}
 	de.Logf = t.Logf
 	t.Cleanup(func() {
-		// Logs live in the env's directory, which Close removes.
-		if t.Failed() {
-			for _, p := range de.Processes() {
-				t.Logf("--- tail of %s log (%s) ---\n%s", p.Name, p.LogPath, p.LogTail(60))
-			}
+		// Logs live in the env's directory, which Close removes; a mount
+		// Close finds left behind fails the test after it, and then the
+		// daemons' logs (containerd's above all) say why.
+		var tails []string
+		for _, p := range de.Processes() {
+			tails = append(tails, fmt.Sprintf("--- tail of %s log (%s) ---\n%s", p.Name, p.LogPath, p.LogTail(60)))
 		}
-		if leaked := de.Close(); len(leaked) > 0 {
+		leaked := de.Close()
+		if len(leaked) > 0 {
 			t.Errorf("teardown: mounts left below %s after the daemons stopped (now unmounted): %s", de.Dir, strings.Join(leaked, ", "))
+		}
+		if t.Failed() {
+			for _, tail := range tails {
+				t.Log(tail)
+			}
 		}
 	})
 	return &Env{Env: de, t: t}
