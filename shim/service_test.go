@@ -427,16 +427,25 @@ func TestCreateRejectedMessage(t *testing.T) {
 	}
 }
 
-// TestFailure: a controller that gives up gets the task killed, after the
-// reason is published and written where kubelet reads it.
-func TestFailure(t *testing.T) {
-	f := newFixture(t)
+// kubeTerminationSpec is container id's spec as CRI writes it for a pod:
+// kubelet's termination message file bound at /dev/termination-log; it
+// returns the file's host path.
+func kubeTerminationSpec(t *testing.T, id string) (*specs.Spec, string) {
+	t.Helper()
 	termLog := filepath.Join(t.TempDir(), "termination-log")
 	if err := os.WriteFile(termLog, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	spec := linuxSpec("x", map[string]string{annKubeTermination: "/dev/termination-log"})
+	spec := linuxSpec(id, map[string]string{annKubeTermination: "/dev/termination-log"})
 	spec.Mounts = []specs.Mount{{Destination: "/dev/termination-log", Source: termLog, Type: "bind"}}
+	return spec, termLog
+}
+
+// TestFailure: a controller that gives up gets the task killed, after the
+// reason is published and written where kubelet reads it.
+func TestFailure(t *testing.T) {
+	f := newFixture(t)
+	spec, termLog := kubeTerminationSpec(t, "x")
 	ctx := context.Background()
 	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
 		t.Fatal(err)
@@ -498,12 +507,7 @@ func TestFailure(t *testing.T) {
 // it and given to the arbiter, as for a failure the controller caught.
 func TestKilledAtCap(t *testing.T) {
 	f := newFixture(t)
-	termLog := filepath.Join(t.TempDir(), "termination-log")
-	if err := os.WriteFile(termLog, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	spec := linuxSpec("x", map[string]string{annKubeTermination: "/dev/termination-log"})
-	spec.Mounts = []specs.Mount{{Destination: "/dev/termination-log", Source: termLog, Type: "bind"}}
+	spec, termLog := kubeTerminationSpec(t, "x")
 	ctx := context.Background()
 	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
 		t.Fatal(err)

@@ -243,18 +243,12 @@ func (c *V1) quotaUs(cores float64) int64 {
 // scope's cgroup from the unit's properties whenever it applies any of
 // them (runc update through the systemd driver, daemon-reload).
 func (c *V1) Restore() (bool, error) {
-	restored := false
-	b, err := c.quota.read(c.buf)
+	restored, err := restoreQuota(&c.quota, c.buf, c.quotaUs(c.cur.CPU), func() error { return c.applyCPU(c.cur.CPU) })
 	if err != nil {
 		return false, err
 	}
-	if q, _ := parseLimit(b); q != c.quotaUs(c.cur.CPU) {
-		if err := c.applyCPU(c.cur.CPU); err != nil {
-			return false, err
-		}
-		restored = true
-	}
-	if b, err = c.memLimit.read(c.buf); err != nil {
+	b, err := c.memLimit.read(c.buf)
+	if err != nil {
 		return false, err
 	}
 	lim, _ := parseLimit(b)

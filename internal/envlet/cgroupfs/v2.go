@@ -475,18 +475,12 @@ func (c *V2) SetOOMGroup(on bool) error {
 // memory.max and cpu.max to what the container was created with; runc
 // writes kubelet's memory.oom.group=1 again with every update.
 func (c *V2) Restore() (bool, error) {
-	restored := false
-	b, err := c.cpuMax.read(c.buf)
+	restored, err := restoreQuota(&c.cpuMax, c.buf, c.quotaUs(c.cur.CPU), func() error { return c.applyCPU(c.cur.CPU) })
 	if err != nil {
 		return false, err
 	}
-	if q, _ := parseLimit(b); q != c.quotaUs(c.cur.CPU) {
-		if err := c.applyCPU(c.cur.CPU); err != nil {
-			return false, err
-		}
-		restored = true
-	}
-	if b, err = c.memHigh.read(c.buf); err != nil {
+	b, err := c.memHigh.read(c.buf)
+	if err != nil {
 		return false, err
 	}
 	high, _ := parseLimit(b)
@@ -519,6 +513,19 @@ func (c *V2) Restore() (bool, error) {
 		}
 	}
 	return restored, nil
+}
+
+// restoreQuota reads the CPU quota in f (cpu.max or cpu.cfs_quota_us:
+// the first field, -1 for max) and calls apply when it is not want.
+func restoreQuota(f *cfile, buf []byte, want int64, apply func() error) (bool, error) {
+	b, err := f.read(buf)
+	if err != nil {
+		return false, err
+	}
+	if q, _ := parseLimit(b); q == want {
+		return false, nil
+	}
+	return true, apply()
 }
 
 // samePages compares memory limits as the kernel keeps them: in whole
