@@ -519,9 +519,9 @@ func (s *Service) finish(e *env, reason string) {
 		if cancel != nil {
 			cancel()
 			<-e.done
-			if kc, ok := ctrl.(CapKillReporter); ok && killed && e.reason == "" {
-				if f := kc.KilledAtCap(); f != nil {
-					// The kernel ended it at its own limit before the
+			if kc, ok := ctrl.(KernelKillReporter); ok && killed && e.reason == "" {
+				if f := kc.KilledByKernel(); f != nil {
+					// The kernel ended it at a limit before the
 					// controller could: say so, as fail would have.
 					e.reason = f.Reason
 					log.G(s.ctx).WithField("id", e.id).WithField("reason", f.Reason).Error("envlet: " + f.Message)
@@ -542,11 +542,12 @@ func (s *Service) finish(e *env, reason string) {
 	})
 }
 
-// CapKillReporter is implemented by controllers that can tell, once
-// stopped, that the kernel OOM-killed the environment at its memory cap
-// (envlet.Controller.KilledAtCap).
-type CapKillReporter interface {
-	KilledAtCap() *envlet.Failure
+// KernelKillReporter is implemented by controllers that can tell, once
+// stopped, that the kernel OOM-killed a task of the environment at its
+// memory cap or at the controller's own limit
+// (envlet.Controller.KilledByKernel).
+type KernelKillReporter interface {
+	KilledByKernel() *envlet.Failure
 }
 
 // report publishes e's failure and writes it to the termination message.

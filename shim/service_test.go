@@ -187,8 +187,8 @@ type fakeController struct {
 	caps   []envlet.Resources
 	// rechecks counts Recheck calls.
 	rechecks atomic.Int32
-	// capKill is what KilledAtCap reports.
-	capKill *envlet.Failure
+	// kernelKill is what KilledByKernel reports.
+	kernelKill *envlet.Failure
 }
 
 func (c *fakeController) Run(ctx context.Context) error {
@@ -203,7 +203,7 @@ func (c *fakeController) Status() envlet.Status                                 
 func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
 func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
 func (c *fakeController) Recheck()                                                  { c.rechecks.Add(1) }
-func (c *fakeController) KilledAtCap() *envlet.Failure                              { return c.capKill }
+func (c *fakeController) KilledByKernel() *envlet.Failure                           { return c.kernelKill }
 
 type fixture struct {
 	svc   *Service
@@ -501,11 +501,11 @@ func TestFailure(t *testing.T) {
 	}
 }
 
-// TestKilledAtCap: a task the kernel OOM-killed at its memory cap ends
+// TestKilledByKernel: a task the kernel OOM-killed at its memory cap ends
 // the environment by itself (its shell exits 137); the reason the
 // controller finds afterwards is published, written where kubelet reads
 // it and given to the arbiter, as for a failure the controller caught.
-func TestKilledAtCap(t *testing.T) {
+func TestKilledByKernel(t *testing.T) {
 	f := newFixture(t)
 	spec, termLog := kubeTerminationSpec(t, "x")
 	ctx := context.Background()
@@ -515,7 +515,7 @@ func TestKilledAtCap(t *testing.T) {
 	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
 		t.Fatal(err)
 	}
-	f.ctrls["x"].capKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
+	f.ctrls["x"].kernelKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
 		Message: "the kernel OOM-killed a task at the per-environment memory cap 192.0Mi"}
 	close(f.runc.exited) // exit status 137, nobody asked
 	deadline := time.Now().Add(5 * time.Second)

@@ -355,15 +355,23 @@ type statRequester interface {
 	RequestStat()
 }
 
-// KilledAtCap tells, after Run has returned, whether the kernel OOM-killed
-// a task of the environment while its memory limit stood at its cap, and
-// returns the failure to report if so. There memory.high and memory.max
-// are both the cap (v2; v1 has one limit), so the kernel kills at the
-// first allocation past it, before a tick can see the task stuck; the
-// environment then usually ends by itself (its shell exits with the
-// killed task's status) and would carry no reason. nil otherwise.
-func (c *Controller) KilledAtCap() *Failure {
-	if c.cfg.Cap.Memory <= 0 || c.st.Limit.Memory < c.cfg.Cap.Memory {
+// KilledByKernel tells, after Run has returned, whether the kernel
+// OOM-killed a task of the environment while the controller ran, and
+// returns the failure to report if so; nil otherwise. The environment
+// then usually ends by itself (its shell exits with the killed task's
+// status) and would carry no reason.
+//
+// At the cap, memory.high and memory.max are both the cap (v2; v1 has one
+// limit), so the kernel kills at the first allocation past it, before a
+// tick can see the task stuck: MEM_CAP_EXCEEDED. Below the cap the kill
+// was at the controller's own limit (v2 memory.max, 1.25 x the grant; v1
+// without pause-on-oom): an allocation outran the tick that would have
+// grown it, typically one system call filling a large buffer, where the
+// kernel's memory.high throttling only partly applies. That is envlet
+// failing to serve, not the task's fault, and it must not pass as a bare
+// OOMKilled: MEM_KILLED_BEFORE_GROW.
+func (c *Controller) KilledByKernel() *Failure {
+	if c.cfg.Cap.Memory <= 0 {
 		return nil
 	}
 	if sr, ok := c.cg.(statRequester); ok {
@@ -385,8 +393,14 @@ func (c *Controller) KilledAtCap() *Failure {
 		WorkingSet: max(last.WorkingSet(), c.cur.WorkingSet()), OOMs: kills}
 	// The working set after the kill says little (the killed task's
 	// memory is gone); it stays in the failure's fields.
-	f.Message = fmt.Sprintf("the kernel OOM-killed a task at the per-environment memory cap %s (%d OOM kills)",
-		FormatBytes(f.Cap), kills)
+	if c.st.Limit.Memory >= c.cfg.Cap.Memory {
+		f.Message = fmt.Sprintf("the kernel OOM-killed a task at the per-environment memory cap %s (%d OOM kills)",
+			FormatBytes(f.Cap), kills)
+		return f
+	}
+	f.Reason = ReasonKilledBeforeGrow
+	f.Message = fmt.Sprintf("the kernel OOM-killed a task at envlet's memory limit %s before the controller grew it (cap %s; %d OOM kills): an allocation faster than a tick",
+		FormatBytes(c.st.Limit.Memory), FormatBytes(f.Cap), kills)
 	return f
 }
 

@@ -275,8 +275,12 @@ func (p *Policy) need(s State, o Observation) int64 {
 
 // Failure reasons.
 const (
-	ReasonNodeExhausted     = "MEM_NODE_EXHAUSTED"
-	ReasonCapExceeded       = "MEM_CAP_EXCEEDED"
+	ReasonNodeExhausted = "MEM_NODE_EXHAUSTED"
+	ReasonCapExceeded   = "MEM_CAP_EXCEEDED"
+	// ReasonKilledBeforeGrow: the kernel OOM-killed a task at the
+	// controller's own limit, below the cap, before a tick grew it
+	// (Controller.KilledByKernel).
+	ReasonKilledBeforeGrow  = "MEM_KILLED_BEFORE_GROW"
 	ReasonAdmissionRejected = "ADMISSION_REJECTED"
 	// ReasonArbiterUnreachable: memory was needed and the node arbiter
 	// gave no answer for Config.ArbiterWait. Nothing is known about the
@@ -297,7 +301,7 @@ const (
 // kernel's or the controller's OOM), as opposed to the shim's guard.
 func IsMemoryReason(r string) bool {
 	switch r {
-	case ReasonNodeExhausted, ReasonCapExceeded, ReasonArbiterUnreachable:
+	case ReasonNodeExhausted, ReasonCapExceeded, ReasonKilledBeforeGrow, ReasonArbiterUnreachable:
 		return true
 	}
 	return false

@@ -470,28 +470,34 @@ func TestTraceRecheck(t *testing.T) {
 	equalLog(t, tr.log, []string{fmt.Sprintf("%d: limits restored", at)})
 }
 
-// KilledAtCap: a kernel OOM kill seen after the controller stopped counts
-// when the limit stood at the cap, not below it, and not without a kill.
-func TestKilledAtCap(t *testing.T) {
+// KilledByKernel: a kernel OOM kill seen after the controller stopped
+// counts as the cap's when the limit stood at the cap, and as envlet's own
+// (MEM_KILLED_BEFORE_GROW) below it; no kill, no failure.
+func TestKilledByKernel(t *testing.T) {
 	tr := newTrace(t, testConfig(), bigNode(), 8)
 	tr.mustStep(func(s *Sample) { s.MemUsage = 100 * MiB; tr.cpu(0.1) })
-	if f := tr.c.KilledAtCap(); f != nil {
+	if f := tr.c.KilledByKernel(); f != nil {
 		t.Fatalf("below the cap, no kill: %+v", f)
 	}
 	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory
-	if f := tr.c.KilledAtCap(); f != nil {
+	if f := tr.c.KilledByKernel(); f != nil {
 		t.Fatalf("at the cap, no kill: %+v", f)
 	}
 	tr.cg.mu.Lock()
 	tr.cg.s.OOMKill++
 	tr.cg.s.MemUsage = tr.c.cfg.Cap.Memory
 	tr.cg.mu.Unlock()
-	f := tr.c.KilledAtCap()
+	f := tr.c.KilledByKernel()
 	if f == nil || f.Reason != ReasonCapExceeded || f.OOMs != 1 || f.Cap != tr.c.cfg.Cap.Memory || !strings.Contains(f.Message, "OOM-killed") {
 		t.Fatalf("at the cap after a kill: %+v", f)
 	}
 	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory / 2
-	if f := tr.c.KilledAtCap(); f != nil {
-		t.Fatalf("below the cap after a kill: %+v", f)
+	f = tr.c.KilledByKernel()
+	want := "at envlet's memory limit " + FormatBytes(tr.c.cfg.Cap.Memory/2) + " before the controller grew it (cap " + FormatBytes(tr.c.cfg.Cap.Memory)
+	if f == nil || f.Reason != ReasonKilledBeforeGrow || f.OOMs != 1 || f.Granted != tr.c.cfg.Cap.Memory/2 || !strings.Contains(f.Message, want) {
+		t.Fatalf("below the cap after a kill: %+v, want %s with %q", f, ReasonKilledBeforeGrow, want)
+	}
+	if !IsMemoryReason(f.Reason) {
+		t.Fatalf("%s is not a memory reason", f.Reason)
 	}
 }
