@@ -130,15 +130,23 @@ func TestKubernetesNode(t *testing.T) {
 	}
 
 	// --- requests are not a ceiling: a pod without limits that requests
-	// 64 MiB reads 256 MiB into one buffer (dd's bs) and succeeds, its
+	// 64 MiB reads 256 MiB into one buffer (dd's obs) and succeeds, its
 	// cgroup's memory.peak past envlet's initial 128 MiB; with a 192 MiB
 	// limit the same pod stops there: the limit is envlet's cap
 	// (docs/shim.md). The kernel OOM-kills the pod's dd at the cap (on v2
 	// memory.high and memory.max are both the cap there); the shim finds
 	// the kill after the exit and writes envlet's MEM_CAP_EXCEEDED into
 	// the termination message ---
+	// The reads fill dd's 256 MiB output buffer 1 MiB per read(2), as a
+	// program's own page faults fill its heap: between them the kernel's
+	// memory.high throttling gives the controller its tick. A single
+	// read(2) of 256 MiB may pass envlet's memory.max (1.25 x the grant)
+	// inside the call before a tick grows it: the kernel's kill below the
+	// cap is then envlet's MEM_KILLED_BEFORE_GROW (docs/envlet.md), which
+	// the capped pod must not be confused with.
 	const burst = 256 << 20
-	ddBurst := fmt.Sprintf("dd if=/dev/zero of=/dev/null bs=%d count=1 2>/dev/null && cat /sys/fs/cgroup/memory.peak >/dev/termination-log", burst)
+	ddRead := fmt.Sprintf("dd if=/dev/zero of=/dev/null ibs=1M obs=%d count=%d 2>/dev/null", burst, burst>>20)
+	ddBurst := ddRead + " && cat /sys/fs/cgroup/memory.peak >/dev/termination-log"
 	term, phase = c.runPod(t, "burst", images[0], ddBurst, "requests: {memory: 64Mi}")
 	t.Logf("pod burst (requests 64Mi, no limits): phase %s, exit %d (%s), memory.peak %q", phase, term.ExitCode, term.Reason, term.Message)
 	peak, _ := strconv.ParseInt(strings.TrimSpace(term.Message), 10, 64)
@@ -165,17 +173,11 @@ func TestKubernetesNode(t *testing.T) {
 	// systemd rewrite the scope's cgroup (memory.high back to max,
 	// memory.max to the creation-time 192Mi) and runc writes kubelet's
 	// memory.oom.group=1; envlet puts its own values back.
-	resizeCmd := "until [ -e /share/resized ]; do sleep 0.2; done; cg=/sys/fs/cgroup; " +
+	resizeCmd := "cg=/sys/fs/cgroup; " +
 		"seen=\"high=$(cat $cg/memory.high) max=$(cat $cg/memory.max) oom.group=$(cat $cg/memory.oom.group)\"; echo \"$seen\" >/dev/termination-log; " +
-		fmt.Sprintf("dd if=/dev/zero of=/dev/null bs=%d count=1 2>/dev/null && ", burst) +
+		ddRead + " && " +
 		"echo \"$seen peak=$(cat $cg/memory.peak) max.after=$(cat $cg/memory.max)\" >/dev/termination-log"
-	c.applyPod(t, "resize", images[0], resizeCmd,
-		"requests: {memory: 64Mi}\n      limits: {memory: 192Mi}",
-		"  volumes:\n  - name: share\n    hostPath: {path: /mnt/host, type: Directory}\n",
-		"    volumeMounts:\n    - {name: share, mountPath: /share, readOnly: true}\n")
-	c.resizeMemory(t, "resize", "64Mi", "512Mi")
-	writeFile(t, filepath.Join(share, "resized"), "")
-	term, phase = c.waitTerminated(t, "resize")
+	term, phase = c.resizeWaiting(t, share, "resize", images[0], resizeCmd, "192Mi", "512Mi")
 	t.Logf("pod resize (limits 192Mi -> 512Mi while running): phase %s, exit %d (%s), cgroup %q", phase, term.ExitCode, term.Reason, term.Message)
 	seen := map[string]string{}
 	for _, f := range strings.Fields(term.Message) {
@@ -189,6 +191,16 @@ func TestKubernetesNode(t *testing.T) {
 	if peak, _ := strconv.ParseInt(seen["peak"], 10, 64); term.ExitCode != 0 || phase != "Succeeded" || peak < burst {
 		t.Errorf("pod resize: exit %d, phase %s, message %q; want it to succeed past its old 192Mi limit after the resize to 512Mi, memory.peak at least %d",
 			term.ExitCode, phase, term.Message, burst)
+	}
+	// --- the other way: a running pod created with a 512Mi limit, lowered
+	// in place to 192Mi while it waits, then the same 256 MiB read: the
+	// read that succeeded under 512Mi above is killed at the new cap, with
+	// envlet's reason naming it ---
+	term, phase = c.resizeWaiting(t, share, "lower", images[0], ddRead, "512Mi", "192Mi")
+	t.Logf("pod lower (limits 512Mi -> 192Mi while running): phase %s, exit %d (%s), message %q", phase, term.ExitCode, term.Reason, term.Message)
+	if term.ExitCode != 137 || phase != "Failed" || !strings.Contains(term.Message, "MEM_CAP_EXCEEDED") || !strings.Contains(term.Message, "cap 192.0Mi") {
+		t.Errorf("pod lower: exit %d, phase %s, message %q; want its 256 MiB read killed at the lowered 192Mi limit (exit 137, phase Failed) with envlet's MEM_CAP_EXCEEDED at cap 192.0Mi",
+			term.ExitCode, phase, term.Message)
 	}
 	if t.Failed() {
 		g.ask(t, share, "journal-resize")
@@ -243,6 +255,7 @@ func TestKubernetesNode(t *testing.T) {
 		t.Errorf("pod fill: phase %s (%s), message %q, Evicted events %q: want envlet's MEM_NODE_EXHAUSTED and no eviction by kubelet",
 			phase, reason, term.Message, evictions)
 	}
+
 }
 
 // ask has the guest do what the event name stands for (testdata/node.sh
@@ -307,6 +320,21 @@ spec:
     command: ["/bin/sh", "-c", %q]%s
 `, name, podSpec, image, command, resources))
 	c.mustKubectl(t, "apply", "-f", file)
+}
+
+// resizeWaiting runs pod name with a memory request of 64Mi and limit
+// from; the pod waits for a file of its name on the node's share, then
+// runs command. Its limit is resized in place to to while it waits, then
+// it is let go; it returns how the container ended.
+func (c *cluster) resizeWaiting(t *testing.T, share, name, image, command, from, to string) (terminated, string) {
+	t.Helper()
+	c.applyPod(t, name, image, fmt.Sprintf("until [ -e /share/%s ]; do sleep 0.2; done; %s", name, command),
+		"requests: {memory: 64Mi}\n      limits: {memory: "+from+"}",
+		"  volumes:\n  - name: share\n    hostPath: {path: /mnt/host, type: Directory}\n",
+		"    volumeMounts:\n    - {name: share, mountPath: /share, readOnly: true}\n")
+	c.resizeMemory(t, name, "64Mi", to)
+	writeFile(t, filepath.Join(share, name), "")
+	return c.waitTerminated(t, name)
 }
 
 // resizeMemory resizes the memory of pod name's running container in
