@@ -63,7 +63,8 @@ func init() {
 				return nil, err
 			}
 			publisher := pp.(shim.Publisher)
-			inner, err := runctask.NewTaskService(ic.Context, publisher, ss.(shutdown.Service))
+			tap := &OOMTap{Publisher: publisher}
+			inner, err := runctask.NewTaskService(ic.Context, tap, ss.(shutdown.Service))
 			if err != nil {
 				return nil, err
 			}
@@ -113,7 +114,7 @@ func init() {
 			if cfg.GroupSize() > 1 {
 				linger = GroupLinger
 			}
-			return New(ic.Context, inner, publisher, Options{
+			svc := New(ic.Context, inner, publisher, Options{
 				Linger:   linger,
 				Socket:   os.Getenv(groupSocketEnv),
 				Disabled: cfg.Disabled,
@@ -122,7 +123,9 @@ func init() {
 				Arbiter:  arb,
 				Egress:   &eg,
 				Guard:    guard,
-			}), nil
+			})
+			tap.Notify(svc)
+			return svc, nil
 		},
 	})
 }

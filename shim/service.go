@@ -152,6 +152,10 @@ type env struct {
 	guardReason string             // why the guard failed it; under mu
 	ending      string             // why finish ends it; under mu
 	sigkilled   bool               // its init exited by SIGKILL; under mu
+	// oomKills counts the kernel's OOM kills runc's service reported
+	// (OOMTap); oomSeen gets a value at the first. Under mu.
+	oomKills int
+	oomSeen  chan struct{}
 }
 
 // envArbiter is the arbiter as one environment's controller sees it. The
@@ -298,7 +302,7 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	if err != nil {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet configuration of %s: %v: %w", r.ID, err, errdefs.ErrInvalidArgument))
 	}
-	e := &env{id: r.ID, key: s.envKey(r.ID), cfg: cfg, cgroup: cgroupsPath(spec), termMsg: terminationMessageFile(spec), done: make(chan struct{})}
+	e := &env{id: r.ID, key: s.envKey(r.ID), cfg: cfg, cgroup: cgroupsPath(spec), termMsg: terminationMessageFile(spec), done: make(chan struct{}), oomSeen: make(chan struct{}, 1)}
 	if e.cgroup == "" {
 		return nil, errgrpc.ToGRPC(fmt.Errorf("envlet: container %s has no cgroupsPath: %w", r.ID, errdefs.ErrInvalidArgument))
 	}
@@ -520,7 +524,11 @@ func (s *Service) finish(e *env, reason string) {
 			cancel()
 			<-e.done
 			if kc, ok := ctrl.(KernelKillReporter); ok && killed && e.reason == "" {
-				if f := kc.KilledByKernel(); f != nil {
+				f := kc.KilledByKernel(e.waitOOMs(0))
+				if f == nil {
+					f = kc.KilledByKernel(e.waitOOMs(oomWait))
+				}
+				if f != nil {
 					// The kernel ended it at a limit before the
 					// controller could: say so, as fail would have.
 					e.reason = f.Reason
@@ -542,12 +550,52 @@ func (s *Service) finish(e *env, reason string) {
 	})
 }
 
+// sawOOM counts a kernel OOM kill in container id (OOMTap).
+func (s *Service) sawOOM(id string) {
+	e := s.lookup(id)
+	if e == nil {
+		return
+	}
+	e.mu.Lock()
+	e.oomKills++
+	e.mu.Unlock()
+	select {
+	case e.oomSeen <- struct{}{}:
+	default:
+	}
+}
+
+// oomWait is how long finish waits, after an exit by SIGKILL the
+// controller cannot explain, for runc's service to report an OOM kill: it
+// reads memory.events when the kernel signals it, which may come after
+// the exit is seen.
+const oomWait = 250 * time.Millisecond
+
 // KernelKillReporter is implemented by controllers that can tell, once
 // stopped, that the kernel OOM-killed a task of the environment at its
 // memory cap or at the controller's own limit
 // (envlet.Controller.KilledByKernel).
 type KernelKillReporter interface {
-	KilledByKernel() *envlet.Failure
+	// KilledByKernel gets the OOM kills the shim saw reported.
+	KilledByKernel(seen int) *envlet.Failure
+}
+
+// waitOOMs returns the OOM kills reported for e, waiting up to d for a
+// first one.
+func (e *env) waitOOMs(d time.Duration) int {
+	e.mu.Lock()
+	n := e.oomKills
+	e.mu.Unlock()
+	if n > 0 || d <= 0 {
+		return n
+	}
+	select {
+	case <-e.oomSeen:
+	case <-time.After(d):
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.oomKills
 }
 
 // report publishes e's failure and writes it to the termination message.

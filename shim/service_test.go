@@ -10,6 +10,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -116,6 +117,8 @@ func (p *fakePublisher) Publish(_ context.Context, topic string, e events.Event)
 	return nil
 }
 
+func (p *fakePublisher) Close() error { return nil }
+
 func (p *fakePublisher) topics() []string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -187,8 +190,10 @@ type fakeController struct {
 	caps   []envlet.Resources
 	// rechecks counts Recheck calls.
 	rechecks atomic.Int32
-	// kernelKill is what KilledByKernel reports.
+	// kernelKill is what KilledByKernel reports once it is given at least
+	// needSeen kills seen elsewhere (0: it counts them itself).
 	kernelKill *envlet.Failure
+	needSeen   int
 }
 
 func (c *fakeController) Run(ctx context.Context) error {
@@ -203,7 +208,12 @@ func (c *fakeController) Status() envlet.Status                                 
 func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint64) { return nil, seq }
 func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
 func (c *fakeController) Recheck()                                                  { c.rechecks.Add(1) }
-func (c *fakeController) KilledByKernel() *envlet.Failure                           { return c.kernelKill }
+func (c *fakeController) KilledByKernel(seen int) *envlet.Failure {
+	if seen < c.needSeen {
+		return nil
+	}
+	return c.kernelKill
+}
 
 type fixture struct {
 	svc   *Service
@@ -505,40 +515,65 @@ func TestFailure(t *testing.T) {
 // the environment by itself (its shell exits 137); the reason the
 // controller finds afterwards is published, written where kubelet reads
 // it and given to the arbiter, as for a failure the controller caught.
+// When the cgroup is gone before the controller can count the kill (the
+// systemd driver removes it with its last task), the TaskOOM runc's
+// service publishes through the OOMTap counts, also when it comes after
+// the exit.
 func TestKilledByKernel(t *testing.T) {
-	f := newFixture(t)
-	spec, termLog := kubeTerminationSpec(t, "x")
-	ctx := context.Background()
-	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
-		t.Fatal(err)
-	}
-	f.ctrls["x"].kernelKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
-		Message: "the kernel OOM-killed a task at the per-environment memory cap 192.0Mi"}
-	close(f.runc.exited) // exit status 137, nobody asked
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if r, ok := f.arb.releasedReason("x"); ok {
-			if r != envlet.ReasonCapExceeded {
-				t.Fatalf("released with reason %q, want %s", r, envlet.ReasonCapExceeded)
+	for _, tc := range []struct {
+		name     string
+		needSeen int // kills the controller must be told of
+	}{
+		{"counted by the controller", 0},
+		{"reported by runc after the exit", 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			tap := &OOMTap{Publisher: f.pub}
+			tap.Notify(f.svc)
+			spec, termLog := kubeTerminationSpec(t, "x")
+			ctx := context.Background()
+			if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
+				t.Fatal(err)
 			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("not released after exit")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	if msg, _ := os.ReadFile(termLog); !strings.Contains(string(msg), "MEM_CAP_EXCEEDED: the kernel OOM-killed") {
-		t.Fatalf("termination message %q", msg)
-	}
-	if topics := f.pub.topics(); len(topics) != 1 || topics[0] != FailedEventTopic {
-		t.Fatalf("events %v, want the failure", topics)
-	}
-	if len(f.runc.kills) != 0 {
-		t.Fatalf("the shim killed an environment that had ended: %+v", f.runc.kills)
+			if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
+				t.Fatal(err)
+			}
+			f.ctrls["x"].kernelKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
+				Message: "the kernel OOM-killed a task at the per-environment memory cap 192.0Mi"}
+			f.ctrls["x"].needSeen = tc.needSeen
+			close(f.runc.exited) // exit status 137, nobody asked
+			want := []string{FailedEventTopic}
+			if tc.needSeen > 0 {
+				time.Sleep(oomWait / 5)
+				if err := tap.Publish(ctx, runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: "x"}); err != nil {
+					t.Fatal(err)
+				}
+				want = []string{runtime.TaskOOMEventTopic, FailedEventTopic}
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				if r, ok := f.arb.releasedReason("x"); ok {
+					if r != envlet.ReasonCapExceeded {
+						t.Fatalf("released with reason %q, want %s", r, envlet.ReasonCapExceeded)
+					}
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("not released after exit")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if msg, _ := os.ReadFile(termLog); !strings.Contains(string(msg), "MEM_CAP_EXCEEDED: the kernel OOM-killed") {
+				t.Fatalf("termination message %q", msg)
+			}
+			if topics := f.pub.topics(); !slices.Equal(topics, want) {
+				t.Fatalf("events %v, want %v", topics, want)
+			}
+			if len(f.runc.kills) != 0 {
+				t.Fatalf("the shim killed an environment that had ended: %+v", f.runc.kills)
+			}
+		})
 	}
 }
 

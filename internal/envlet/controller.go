@@ -370,7 +370,12 @@ type statRequester interface {
 // kernel's memory.high throttling only partly applies. That is envlet
 // failing to serve, not the task's fault, and it must not pass as a bare
 // OOMKilled: MEM_KILLED_BEFORE_GROW.
-func (c *Controller) KilledByKernel() *Failure {
+//
+// seen is the count of OOM kills the caller saw reported elsewhere (the
+// runc task service's events): with the systemd cgroup driver the cgroup
+// may be gone, and its counters with it, by the time the task's exit is
+// known.
+func (c *Controller) KilledByKernel(seen int) *Failure {
 	if c.cfg.Cap.Memory <= 0 {
 		return nil
 	}
@@ -386,6 +391,7 @@ func (c *Controller) KilledByKernel() *Failure {
 	kills := c.status.OOMs
 	c.mu.Unlock()
 	kills += int(max(sub(last.OOM, c.cur.OOM), sub(last.OOMKill, c.cur.OOMKill)))
+	kills = max(kills, seen)
 	if kills == 0 {
 		return nil
 	}

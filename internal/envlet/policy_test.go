@@ -476,28 +476,36 @@ func TestTraceRecheck(t *testing.T) {
 func TestKilledByKernel(t *testing.T) {
 	tr := newTrace(t, testConfig(), bigNode(), 8)
 	tr.mustStep(func(s *Sample) { s.MemUsage = 100 * MiB; tr.cpu(0.1) })
-	if f := tr.c.KilledByKernel(); f != nil {
+	if f := tr.c.KilledByKernel(0); f != nil {
 		t.Fatalf("below the cap, no kill: %+v", f)
 	}
 	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory
-	if f := tr.c.KilledByKernel(); f != nil {
+	if f := tr.c.KilledByKernel(0); f != nil {
 		t.Fatalf("at the cap, no kill: %+v", f)
 	}
 	tr.cg.mu.Lock()
 	tr.cg.s.OOMKill++
 	tr.cg.s.MemUsage = tr.c.cfg.Cap.Memory
 	tr.cg.mu.Unlock()
-	f := tr.c.KilledByKernel()
+	f := tr.c.KilledByKernel(0)
 	if f == nil || f.Reason != ReasonCapExceeded || f.OOMs != 1 || f.Cap != tr.c.cfg.Cap.Memory || !strings.Contains(f.Message, "OOM-killed") {
 		t.Fatalf("at the cap after a kill: %+v", f)
 	}
 	tr.c.st.Limit.Memory = tr.c.cfg.Cap.Memory / 2
-	f = tr.c.KilledByKernel()
+	f = tr.c.KilledByKernel(0)
 	want := "at envlet's memory limit " + FormatBytes(tr.c.cfg.Cap.Memory/2) + " before the controller grew it (cap " + FormatBytes(tr.c.cfg.Cap.Memory)
 	if f == nil || f.Reason != ReasonKilledBeforeGrow || f.OOMs != 1 || f.Granted != tr.c.cfg.Cap.Memory/2 || !strings.Contains(f.Message, want) {
 		t.Fatalf("below the cap after a kill: %+v, want %s with %q", f, ReasonKilledBeforeGrow, want)
 	}
 	if !IsMemoryReason(f.Reason) {
 		t.Fatalf("%s is not a memory reason", f.Reason)
+	}
+	// The cgroup gone with its counters (the systemd driver removes it with
+	// its last task): the kills reported elsewhere count.
+	tr2 := newTrace(t, testConfig(), bigNode(), 8)
+	tr2.mustStep(func(s *Sample) { s.MemUsage = 100 * MiB; tr2.cpu(0.1) })
+	tr2.c.st.Limit.Memory = tr2.c.cfg.Cap.Memory
+	if f := tr2.c.KilledByKernel(2); f == nil || f.Reason != ReasonCapExceeded || f.OOMs != 2 {
+		t.Fatalf("at the cap, 2 kills reported, none counted in the cgroup: %+v", f)
 	}
 }

@@ -84,6 +84,21 @@ func TestFilesAgreeOnPaths(t *testing.T) {
 	if p.Exports["enable_remote_snapshot_annotations"] != "true" {
 		t.Error("proxy plugin does not export enable_remote_snapshot_annotations: transfer-service pulls would send no layer labels")
 	}
+	// CRI hands kubelet the proxy plugin's root export as envsnap's image
+	// and container filesystem (kubelet stats it), but only for snapshotters
+	// the image service names: the envlet handler's must be one of them.
+	if p.Exports["root"] != cfg.Root {
+		t.Errorf("proxy plugin envsnap exports root %q; the daemon's root is %q: kubelet would stat a directory envsnap does not use", p.Exports["root"], cfg.Root)
+	}
+	var cri map[string]any
+	if err := toml.Unmarshal(repoFile(t, "deploy/containerd/envsnap.toml"), &cri); err != nil {
+		t.Fatal(err)
+	}
+	runtimeSnap, _ := lookup(cri, "plugins", "io.containerd.cri.v1.runtime", "containerd", "runtimes", "envlet", "snapshotter")
+	imageSnap, _ := lookup(cri, "plugins", "io.containerd.cri.v1.images", "runtime_platforms", "envlet", "snapshotter")
+	if runtimeSnap != "envsnap" || imageSnap != runtimeSnap {
+		t.Errorf("drop-in: envlet runtime snapshotter %v, image service runtime_platforms.envlet snapshotter %v: both must be envsnap, or CRI gives envsnap no filesystem path and kubelet's stats summary fails", runtimeSnap, imageSnap)
+	}
 
 	unit := string(repoFile(t, "deploy/systemd/containerd-envsnap.service"))
 	if !strings.Contains(unit, "containerd-envsnap status --address "+cfg.Address+" ") {

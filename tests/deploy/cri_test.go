@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -102,6 +103,16 @@ func TestCRIEnvletPodWithDropIn(t *testing.T) {
 	crictl("start", ctrID)
 	if out := crictl("exec", ctrID, "cat", "/msg"); out != "envlet" {
 		t.Errorf("exec output %q, want envlet", out)
+	}
+	// kubelet's stats summary stats the filesystem CRI names for each
+	// container's writable layer: for envsnap the proxy plugin's root export,
+	// which CRI gives only a snapshotter its image service names (the
+	// drop-in's runtime_platforms.envlet). An empty name fails kubelet's
+	// whole summary, and with it every eviction.
+	out := crictl("stats", "-o", "json", ctrID)
+	mounts := regexp.MustCompile(`"mountpoint":\s*"([^"]*)"`).FindAllStringSubmatch(out, -1)
+	if len(mounts) != 1 || mounts[0][1] != "/var/lib/containerd-envsnap" {
+		t.Errorf("crictl stats of the envlet container names the writable layer's filesystem %v, want the drop-in's root export /var/lib/containerd-envsnap:\n%s", mounts, out)
 	}
 
 	c, err := env.Client.LoadContainer(ctx, ctrID)

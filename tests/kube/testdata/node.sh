@@ -137,6 +137,13 @@ while ! [ -e "$S"/stop ]; do
 		systemctl restart kubelet
 		echo "KUBETEST: EVENT kubelet-no-gate"
 	fi
+	# kubelet's memory eviction threshold above envlet's reserve.
+	if [ -e "$S"/kubelet-evict-early ] && ! [ -e /run/kubelet-evict-early ]; then
+		touch /run/kubelet-evict-early
+		sed -i 's/^  memory.available: .*/  memory.available: "2Gi"/' /etc/kubernetes/kubelet.yaml
+		systemctl restart kubelet
+		echo "KUBETEST: EVENT kubelet-evict-early"
+	fi
 	# envlet's node budget and cap back to the shipped defaults (the whole
 	# machine; 32Gi, so the node bounds a pod without limits).
 	if [ -e "$S"/envlet-node-default ] && ! [ -e /run/envlet-node-default ]; then
