@@ -161,6 +161,7 @@ while ! [ -e "$S"/stop ]; do
 		touch "/run/${f##*/}"
 		journalctl --no-pager --since=-120s -u containerd -u kubelet -u envsnap-arbiter |
 			grep -v 'level=debug' | tail -n 300 | sed 's/^/KUBETEST: JOURNAL /'
+		journalctl --no-pager --since=-120s -k | grep -i -e oom -e 'killed process' | tail -n 40 | sed 's/^/KUBETEST: JOURNAL /'
 		echo "KUBETEST: EVENT ${f##*/}"
 	done
 	if ! systemctl is-active --quiet kubelet; then
