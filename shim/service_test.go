@@ -451,18 +451,26 @@ func kubeTerminationSpec(t *testing.T, id string) (*specs.Spec, string) {
 	return spec, termLog
 }
 
+// startKube creates and starts container id with a termination message
+// file as kubelet gives one, and returns that file.
+func (f *fixture) startKube(t *testing.T, id string) string {
+	t.Helper()
+	spec, termLog := kubeTerminationSpec(t, id)
+	ctx := context.Background()
+	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: id, Bundle: bundle(t, spec)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	return termLog
+}
+
 // TestFailure: a controller that gives up gets the task killed, after the
 // reason is published and written where kubelet reads it.
 func TestFailure(t *testing.T) {
 	f := newFixture(t)
-	spec, termLog := kubeTerminationSpec(t, "x")
-	ctx := context.Background()
-	if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
-		t.Fatal(err)
-	}
+	termLog := f.startKube(t, "x")
 	f.ctrls["x"].fail <- &envlet.FailureError{Failure: envlet.Failure{
 		Reason: "MEM_NODE_EXHAUSTED", Requested: 6 * envlet.GiB, Granted: 3 * envlet.GiB,
 		Cap: 32 * envlet.GiB, WorkingSet: 3 * envlet.GiB, OOMs: 2, Message: "node granted only 3GiB",
@@ -531,14 +539,8 @@ func TestKilledByKernel(t *testing.T) {
 			f := newFixture(t)
 			tap := &OOMTap{Publisher: f.pub}
 			tap.Notify(f.svc)
-			spec, termLog := kubeTerminationSpec(t, "x")
 			ctx := context.Background()
-			if _, err := f.svc.Create(ctx, &taskAPI.CreateTaskRequest{ID: "x", Bundle: bundle(t, spec)}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := f.svc.Start(ctx, &taskAPI.StartRequest{ID: "x"}); err != nil {
-				t.Fatal(err)
-			}
+			termLog := f.startKube(t, "x")
 			f.ctrls["x"].kernelKill = &envlet.Failure{Reason: envlet.ReasonCapExceeded, Cap: 192 << 20, OOMs: 1,
 				Message: "the kernel OOM-killed a task at the per-environment memory cap 192.0Mi"}
 			f.ctrls["x"].needSeen = tc.needSeen
