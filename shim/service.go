@@ -156,6 +156,9 @@ type env struct {
 	// (OOMTap); oomSeen gets a value at the first. Under mu.
 	oomKills int
 	oomSeen  chan struct{}
+	// killAsked: a SIGKILL for the init came through Kill, which explains
+	// its exit by SIGKILL. Under mu.
+	killAsked bool
 }
 
 // envArbiter is the arbiter as one environment's controller sees it. The
@@ -519,13 +522,14 @@ func (s *Service) finish(e *env, reason string) {
 		}
 		e.ending = reason
 		cancel, closeCg, ctrl, killed := e.cancel, e.closeCg, e.ctrl, e.sigkilled && e.guardReason == ""
+		asked := e.killAsked
 		e.mu.Unlock()
 		if cancel != nil {
 			cancel()
 			<-e.done
 			if kc, ok := ctrl.(KernelKillReporter); ok && killed && e.reason == "" {
 				f := kc.KilledByKernel(e.waitOOMs(0))
-				if f == nil {
+				if f == nil && !asked {
 					f = kc.KilledByKernel(e.waitOOMs(oomWait))
 				}
 				if f != nil {
@@ -570,6 +574,20 @@ func (s *Service) sawOOM(id string) {
 // reads memory.events when the kernel signals it, which may come after
 // the exit is seen.
 const oomWait = 250 * time.Millisecond
+
+// Kill notes a SIGKILL asked for an environment's init, so that its exit
+// by SIGKILL is not taken for an unexplained one (finish then does not
+// wait for an OOM report), and passes the request on.
+func (s *Service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Empty, error) {
+	if r.ExecID == "" && r.Signal == uint32(unix.SIGKILL) {
+		if e := s.lookup(r.ID); e != nil {
+			e.mu.Lock()
+			e.killAsked = true
+			e.mu.Unlock()
+		}
+	}
+	return s.TTRPCTaskService.Kill(ctx, r)
+}
 
 // KernelKillReporter is implemented by controllers that can tell, once
 // stopped, that the kernel OOM-killed a task of the environment at its

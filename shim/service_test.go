@@ -194,6 +194,8 @@ type fakeController struct {
 	// needSeen kills seen elsewhere (0: it counts them itself).
 	kernelKill *envlet.Failure
 	needSeen   int
+	// killedCalls counts KilledByKernel calls.
+	killedCalls atomic.Int32
 }
 
 func (c *fakeController) Run(ctx context.Context) error {
@@ -209,6 +211,7 @@ func (c *fakeController) TimelineSince(seq uint64) ([]envlet.TimelinePoint, uint
 func (c *fakeController) SetCap(r envlet.Resources) error                           { c.caps = append(c.caps, r); return nil }
 func (c *fakeController) Recheck()                                                  { c.rechecks.Add(1) }
 func (c *fakeController) KilledByKernel(seen int) *envlet.Failure {
+	c.killedCalls.Add(1)
 	if seen < c.needSeen {
 		return nil
 	}
@@ -574,6 +577,49 @@ func TestKilledByKernel(t *testing.T) {
 			}
 			if len(f.runc.kills) != 0 {
 				t.Fatalf("the shim killed an environment that had ended: %+v", f.runc.kills)
+			}
+		})
+	}
+}
+
+// TestAskedKillNoOOMWait: a SIGKILL asked through Kill explains the
+// init's exit by SIGKILL: the shim asks the controller once whether the
+// kernel killed it and does not wait for runc to report an OOM kill; an
+// exit by SIGKILL nobody asked for gets the second look after the wait.
+func TestAskedKillNoOOMWait(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		asked bool
+		calls int32
+	}{
+		{"asked", true, 1},
+		{"unexplained", false, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t)
+			f.startKube(t, "x")
+			if tc.asked {
+				if _, err := f.svc.Kill(context.Background(), &taskAPI.KillRequest{ID: "x", Signal: uint32(unix.SIGKILL)}); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				close(f.runc.exited)
+			}
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				if r, ok := f.arb.releasedReason("x"); ok {
+					if r != "exited" {
+						t.Fatalf("released with reason %q, want exited", r)
+					}
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("not released after exit")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			if got := f.ctrls["x"].killedCalls.Load(); got != tc.calls {
+				t.Fatalf("KilledByKernel called %d times, want %d", got, tc.calls)
 			}
 		})
 	}

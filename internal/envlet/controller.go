@@ -366,10 +366,10 @@ type statRequester interface {
 // tick can see the task stuck: MEM_CAP_EXCEEDED. Below the cap the kill
 // was at the controller's own limit (v2 memory.max, 1.25 x the grant; v1
 // without pause-on-oom): an allocation outran the tick that would have
-// grown it, typically one system call filling a large buffer, where the
-// kernel's memory.high throttling only partly applies. That is envlet
-// failing to serve, not the task's fault, and it must not pass as a bare
-// OOMKilled: MEM_KILLED_BEFORE_GROW.
+// grown it (one system call filling a large buffer can: the kernel's
+// memory.high throttling applies on the way back to user space). That is
+// envlet failing to serve, not the task's fault, and it must not pass as
+// a bare OOMKilled: MEM_KILLED_BEFORE_GROW.
 //
 // seen is the count of OOM kills the caller saw reported elsewhere (the
 // runc task service's events): with the systemd cgroup driver the cgroup
