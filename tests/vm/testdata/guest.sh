@@ -480,13 +480,15 @@ if [ -n "$C5" ]; then
 		test "$D5" = "/sys/fs/cgroup/kubepods/burstable/podvm2/$C5"
 	check cgroupfs-envlet "cpu.max not at the initial quota under the cgroupfs driver: $(cat "$D5"/cpu.max)" \
 		wait_for 20 sh -c "[ \"\$(cat $D5/cpu.max)\" = '50000 100000' ]"
-	crictl stop -t 1 "$C5" >/dev/null
+	# crictl stop's own answer goes into the failure: once the rm below
+	# found the container still running after it.
+	stopped=$(crictl stop -t 1 "$C5" 2>&1; echo "(exit $?)")
 	# Through the crictl function (120 s timeout): under sh -c the bare
 	# binary's 2 s default timed out on a loaded host.
 	if out=$({ crictl rm "$C5" && crictl stopp "$POD2" && crictl rmp "$POD2"; } 2>&1); then
 		pass cgroupfs-lifecycle
 	else
-		fail cgroupfs-lifecycle "rm/stopp/rmp failed: $out"
+		fail cgroupfs-lifecycle "rm/stopp/rmp failed: $out (crictl stop said: $stopped)"
 	fi
 else
 	fail cgroupfs-cgroup "container did not start under the cgroupfs driver (pod ${POD2:-not created}): $(tr '\n' ' ' </tmp/run_ctr.err 2>/dev/null)"
