@@ -469,6 +469,25 @@ func (f *fixture) startKube(t *testing.T, id string) string {
 	return termLog
 }
 
+// waitReleased waits for container id's lease to be released and checks
+// the reason it was released with.
+func (f *fixture) waitReleased(t *testing.T, id, want string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if r, ok := f.arb.releasedReason(id); ok {
+			if r != want {
+				t.Fatalf("released with reason %q, want %s", r, want)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not released after exit")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // TestFailure: a controller that gives up gets the task killed, after the
 // reason is published and written where kubelet reads it.
 func TestFailure(t *testing.T) {
@@ -507,19 +526,7 @@ func TestFailure(t *testing.T) {
 	if !strings.Contains(string(msg), "MEM_NODE_EXHAUSTED") {
 		t.Fatalf("termination message %q", msg)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if r, ok := f.arb.releasedReason("x"); ok {
-			if r != "MEM_NODE_EXHAUSTED" {
-				t.Fatalf("released with reason %q", r)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("not released after exit")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	f.waitReleased(t, "x", "MEM_NODE_EXHAUSTED")
 }
 
 // TestKilledByKernel: a task the kernel OOM-killed at its memory cap ends
@@ -556,19 +563,7 @@ func TestKilledByKernel(t *testing.T) {
 				}
 				want = []string{runtime.TaskOOMEventTopic, FailedEventTopic}
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for {
-				if r, ok := f.arb.releasedReason("x"); ok {
-					if r != envlet.ReasonCapExceeded {
-						t.Fatalf("released with reason %q, want %s", r, envlet.ReasonCapExceeded)
-					}
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("not released after exit")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+			f.waitReleased(t, "x", envlet.ReasonCapExceeded)
 			if msg, _ := os.ReadFile(termLog); !strings.Contains(string(msg), "MEM_CAP_EXCEEDED: the kernel OOM-killed") {
 				t.Fatalf("termination message %q", msg)
 			}
@@ -605,19 +600,7 @@ func TestAskedKillNoOOMWait(t *testing.T) {
 			} else {
 				close(f.runc.exited)
 			}
-			deadline := time.Now().Add(5 * time.Second)
-			for {
-				if r, ok := f.arb.releasedReason("x"); ok {
-					if r != "exited" {
-						t.Fatalf("released with reason %q, want exited", r)
-					}
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("not released after exit")
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+			f.waitReleased(t, "x", "exited")
 			if got := f.ctrls["x"].killedCalls.Load(); got != tc.calls {
 				t.Fatalf("KilledByKernel called %d times, want %d", got, tc.calls)
 			}
