@@ -106,44 +106,66 @@ func (j *Job) Run(fn func()) {
 	// on a saturated node may not run again before its first turn.
 	floor.add(j)
 	defer floor.remove(j)
-	onOwnThread(func() {
+	onOwnThread(func(tid int) {
 		j.mu.Lock()
 		if !j.boosted {
-			j.th = lower(unix.Gettid())
+			j.th = lower(tid)
 		}
 		j.mu.Unlock()
-		defer func() {
-			// The thread ends at the daemon's priority: its exit is
-			// on the path of whoever waits for the job.
-			j.mu.Lock()
-			if j.th != nil {
-				j.th.raise()
-			}
-			j.th = nil
-			j.mu.Unlock()
-		}()
-		fn()
+	}, fn, func() {
+		// The thread ends at the daemon's priority: it has to run to
+		// end, and the job's waiter waits for that.
+		j.mu.Lock()
+		th := j.th
+		j.th = nil
+		j.mu.Unlock()
+		if th != nil {
+			th.raise()
+		}
 	})
 }
 
 // onOwnThread runs fn on a goroutine locked to a thread that ends with
-// it, and waits for it. The runtime does not end the process's main
-// thread at the end of a locked goroutine but parks it for good, lowered:
-// a goroutine that lands there hands the thread back and starts fn again
-// on another one.
-func onOwnThread(fn func()) {
-	done := make(chan struct{})
+// it, and waits for it. before runs on the calling goroutine with the
+// thread's id before fn starts, after once fn has returned and before
+// the thread ends: the job's thread is lowered and raised from there, at
+// the daemon's priority, never by itself. A lowered thread that held
+// j.mu while it lowered or raised itself could be preempted there and,
+// on a saturated node, not run again until a core fell idle, while
+// Boost (a foreground read waiting on the job) and the floor's turns
+// waited for j.mu: the first turn came seconds late under load.
+//
+// The runtime does not end the process's main thread at the end of a
+// locked goroutine but parks it for good: a goroutine that lands there
+// hands the whole run to another one and returns the thread.
+func onOwnThread(before func(tid int), fn, after func()) {
+	tids := make(chan int)
+	start, ran, end, done := make(chan struct{}), make(chan struct{}), make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
 		runtime.LockOSThread()
 		if unix.Gettid() == unix.Getpid() {
-			onOwnThread(fn) // lands elsewhere: this goroutine holds the main thread
+			onOwnThread(before, fn, after) // lands elsewhere: this goroutine holds the main thread
 			runtime.UnlockOSThread()
 			return
 		}
 		// Never unlocked: see the package doc.
+		tids <- unix.Gettid()
+		<-start
 		fn()
+		close(ran)
+		<-end
 	}()
+	select {
+	case tid := <-tids:
+		before(tid)
+	case <-done:
+		return // run in full from the goroutine that landed on the main thread
+	}
+	close(start)
+	<-ran
+	after()
+	close(end)
 	<-done
 }
 
@@ -205,8 +227,8 @@ var (
 	bgErr  error
 )
 
-// lower lowers thread tid, which must be the calling one, as far as the
-// node allows; what fails is logged once, and the job runs anyway.
+// lower lowers thread tid as far as the node allows; what fails is
+// logged once, and the job runs anyway.
 func lower(tid int) *lowered {
 	th := &lowered{tid: tid, ioprio: -1}
 	var st Status
@@ -364,9 +386,15 @@ func (f *floorTurns) next() (*Job, bool) {
 	return pick, true
 }
 
+// loop gives the turns from a thread of its own that the kernel wakes
+// itself (nanosleep): a turn ends when FloorFor is up, not when the Go
+// runtime next gets round to a timer, which on a loaded node can be much
+// later, all of it at the daemon's priority.
 func (f *floorTurns) loop() {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	for {
-		time.Sleep(FloorEvery - FloorFor)
+		sleepThread(FloorEvery - FloorFor)
 		j, ok := f.next()
 		if !ok {
 			return
@@ -374,8 +402,16 @@ func (f *floorTurns) loop() {
 		if !j.turn(true) {
 			continue
 		}
-		time.Sleep(FloorFor)
+		sleepThread(FloorFor)
 		j.turn(false)
+	}
+}
+
+// sleepThread blocks the calling thread in the kernel for d, across the
+// signals the runtime sends it.
+func sleepThread(d time.Duration) {
+	ts := unix.NsecToTimespec(d.Nanoseconds())
+	for unix.Nanosleep(&ts, &ts) == unix.EINTR {
 	}
 }
 
