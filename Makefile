@@ -97,10 +97,10 @@ BENCH_ARGS ?=
 
 bench: deps build
 	@mkdir -p bench/out
-	$(GO) run ./bench/cmd/envsnap-bench -variant small -rollouts 48 -rollout-tasks 8 2>&1 | tee bench/out/rollout.txt
-	$(GO) run ./bench/cmd/envsnap-bench -variant small -density 96 -density-step 8 -rollout-tasks 8 -no-prefetch 2>&1 | tee bench/out/density.txt
-	$(GO) run ./bench/cmd/envsnap-bench $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
-	$(GO) run ./bench/cmd/envsnap-bench -variant small -peers 4 -peer-envs 4 -peer-slow-hedge-after 2s -peer-slow-timeout 30s 2>&1 | tee bench/out/peers.txt
+	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -rollouts 48 -rollout-tasks 8 2>&1 | tee bench/out/rollout.txt
+	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -density 96 -density-step 8 -rollout-tasks 8 -no-prefetch 2>&1 | tee bench/out/density.txt
+	$(GO) run ./bench/cmd/envsnap-bench -publish $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
+	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -peers 4 -peer-envs 4 -peer-slow-hedge-after 2s -peer-slow-timeout 30s 2>&1 | tee bench/out/peers.txt
 	$(GO) run ./bench/cmd/envsnap-peersim 2>&1 | tee bench/out/peersim.txt
 	$(GO) test -count=1 -run '^$$' -bench . -benchmem $(MICRO_BENCH_PKGS) 2>&1 | tee bench/out/micro.txt
 	ENVSNAP_BENCH=1 $(GO) test -count=1 -p 1 -timeout 90m -v -run '^TestBench' -bench . -benchtime 1x ./tests/... 2>&1 | tee bench/out/e2e.txt

@@ -72,8 +72,9 @@ func main() {
 	var pcSystems string
 	flag.IntVar(&pc.N, "pagecache", 0, "run only the page-cache sharing scenario: this many environments of one image hold the agent CLI resident, on overlayfs and envsnap's lazy and native lowers; print and write its JSON")
 	flag.StringVar(&pcSystems, "pagecache-systems", strings.Join(headline.PageCacheSystems, ","), "systems of the page-cache scenario, in order")
-	out := flag.String("out", "", "raw JSON (default docs/benchmarks.json, or docs/benchmarks-peers.json with -peers)")
-	doc := flag.String("doc", "", "markdown report (default docs/benchmarks.md)")
+	publish := flag.Bool("publish", false, "write the repository's own report, as make bench does: docs/benchmarks*.json, docs/benchmarks.md, docs/img and, for -rollouts, the README's first table (default: the same files under bench/out, which git ignores)")
+	out := flag.String("out", "", "raw JSON (default benchmarks.json, benchmarks-peers.json, benchmarks-rollout.json or benchmarks-density.json, by scenario, under bench/out or with -publish docs)")
+	doc := flag.String("doc", "", "markdown report (default bench/out/benchmarks.md, with -publish docs/benchmarks.md)")
 	flag.Parse()
 	cfg.Systems = strings.Split(systems, ",")
 	cfg.Log = os.Stdout
@@ -98,13 +99,13 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	slow.Nodes, slow.EnvsPerNode = *peers, *peerEnvs
-	if err := run(ctx, cfg, variant, *out, *doc, slow, ro, de, pc, pcSystems); err != nil {
+	if err := run(ctx, cfg, variant, *publish, *out, *doc, slow, ro, de, pc, pcSystems); err != nil {
 		fmt.Fprintf(os.Stderr, "envsnap-bench: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, cfg headline.Config, variant, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig, de headline.DensityConfig, pc headline.PageCacheConfig, pcSystems string) error {
+func run(ctx context.Context, cfg headline.Config, variant string, publish bool, out, doc string, peers headline.PeersConfig, ro headline.RolloutConfig, de headline.DensityConfig, pc headline.PageCacheConfig, pcSystems string) error {
 	if err := devenv.CheckMachine(); err != nil {
 		return err
 	}
@@ -127,20 +128,30 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 			}
 		}
 	}
+	// A run writes the repository's report only when asked: an
+	// experiment run the obvious way must not replace the published
+	// figures.
+	reports := filepath.Join(root, "bench/out")
+	if publish {
+		reports = filepath.Join(root, "docs")
+	}
+	if err := os.MkdirAll(reports, 0o755); err != nil {
+		return err
+	}
 	if out == "" {
-		out = filepath.Join(root, "docs/benchmarks.json")
+		out = filepath.Join(reports, "benchmarks.json")
 		if peers.Nodes > 0 {
-			out = filepath.Join(root, "docs/benchmarks-peers.json")
+			out = filepath.Join(reports, "benchmarks-peers.json")
 		}
 		if ro.Rollouts > 0 {
-			out = filepath.Join(root, "docs/benchmarks-rollout.json")
+			out = filepath.Join(reports, "benchmarks-rollout.json")
 		}
 		if de.Max > 0 {
-			out = filepath.Join(root, "docs/benchmarks-density.json")
+			out = filepath.Join(reports, "benchmarks-density.json")
 		}
 	}
 	if doc == "" {
-		doc = filepath.Join(root, "docs/benchmarks.md")
+		doc = filepath.Join(reports, "benchmarks.md")
 	}
 	command := strings.Join(append([]string{"go run ./bench/cmd/envsnap-bench"}, redact(os.Args[1:], root)...), " ")
 	rel, _ := filepath.Rel(root, out)
@@ -151,7 +162,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	if pc.N > 0 {
 		pc.Tasks, pc.RTT, pc.Rate, pc.Timeout, pc.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.Log
 		pc.Systems = strings.Split(pcSystems, ",")
-		if out == filepath.Join(root, "docs/benchmarks.json") {
+		if out == filepath.Join(reports, "benchmarks.json") {
 			out = filepath.Join(root, "bench/out/pagecache.json")
 		}
 		rep, err := headline.MeasurePageCache(ctx, pc)
@@ -172,7 +183,7 @@ func run(ctx context.Context, cfg headline.Config, variant, out, doc string, pee
 	}
 	if ro.Rollouts > 0 {
 		ro.Tasks, ro.RTT, ro.Rate, ro.Timeout, ro.NoPrefetch, ro.Log = cfg.Tasks, cfg.RTT, cfg.Rate, cfg.Timeout, cfg.NoPrefetch, cfg.Log
-		return runRollout(ctx, ro, command, out, rel, doc)
+		return runRollout(ctx, ro, command, out, rel, doc, publish)
 	}
 	write := func(rep *headline.Report) ([]string, error) {
 		rep.Command = command
@@ -234,7 +245,7 @@ func redact(args []string, root string) []string {
 // runRollout runs the rollout scenario and writes its JSON, its plots
 // and its section of the markdown report; the last line it prints is
 // the comparison.
-func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, rel, doc string) error {
+func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, rel, doc string, publish bool) error {
 	// Every turn of every rollout: raw output, not the report.
 	root, err := devenv.RepoRoot()
 	if err != nil {
@@ -265,7 +276,7 @@ func runRollout(ctx context.Context, cfg headline.RolloutConfig, command, out, r
 		}
 		// The README's first table is this comparison, from the same
 		// run, when the report is the repository's own.
-		if doc != filepath.Join(root, "docs/benchmarks.md") {
+		if !publish {
 			return nil
 		}
 		return rep.WriteReadme(filepath.Join(root, "README.md"))
