@@ -763,6 +763,27 @@ func (rep *RolloutReport) Floor() (seconds float64, why string) {
 	return 0, ""
 }
 
+// ThinkFloor is the least makespan the model's think time alone allows
+// system sys's batch, whatever the runtime: its longest rollout's think
+// time and, with Slots environments admitted at a time, the batch's
+// whole think time spread over the slots (every rollout holds a slot at
+// least while it waits on the model).
+func (rep *RolloutReport) ThinkFloor(sys string) float64 {
+	it := rep.Systems[sys]
+	if it == nil {
+		return 0
+	}
+	var longest, total time.Duration
+	for _, r := range it.Runs {
+		longest, total = max(longest, r.Think), total+r.Think
+	}
+	floor := longest.Seconds()
+	if it.Slots > 0 {
+		floor = max(floor, total.Seconds()/float64(it.Slots))
+	}
+	return floor
+}
+
 func (rep *RolloutReport) Comparison() string {
 	e, sq, all := rep.Systems[Envsnap], rep.Systems[StatusQuo], rep.Systems[OverlayfsAll]
 	if e == nil {

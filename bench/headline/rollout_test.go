@@ -186,3 +186,20 @@ func TestRolloutFloor(t *testing.T) {
 		t.Errorf("floor %.1f s (%s), want the 150 s think time", f, why)
 	}
 }
+
+func TestRolloutThinkFloor(t *testing.T) {
+	runs := []RolloutRun{{Think: 30 * time.Second}, {Think: 10 * time.Second}, {Think: 20 * time.Second}, {Think: 20 * time.Second}}
+	rep := &RolloutReport{Systems: map[string]*RolloutIteration{
+		// 80 s of think time over 2 slots: 40 s, above the longest 30.
+		StatusQuo: {Slots: 2, Runs: runs},
+		// All at once: the longest rollout's think time.
+		Envsnap: {Runs: runs},
+		// 80 s over 4 slots is 20 s: the longest, 30 s, bounds it.
+		OverlayfsAll: {Slots: 4, Runs: runs},
+	}}
+	for sys, want := range map[string]float64{StatusQuo: 40, Envsnap: 30, OverlayfsAll: 30, "unknown": 0} {
+		if got := rep.ThinkFloor(sys); got != want {
+			t.Errorf("%s: think floor %.1f s, want %.1f s", sys, got, want)
+		}
+	}
+}
