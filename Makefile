@@ -92,7 +92,7 @@ demo: deps build
 # (docs/scale.md's table; about a minute of CPU), the micro-benchmarks
 # (format, fetcher, FUSE, sampler) and the end-to-end benchmarks gated by
 # ENVSNAP_BENCH=1. Raw output in bench/out.
-MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/
+MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/ ./internal/idleprio/
 BENCH_ARGS ?=
 
 bench: deps build

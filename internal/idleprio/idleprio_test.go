@@ -205,14 +205,7 @@ func TestBoost(t *testing.T) {
 func TestIdleShare(t *testing.T) {
 	n := runtime.NumCPU() + 1
 	const spin = 3 * time.Second
-	fg := make([]*exec.Cmd, n)
-	for i := range fg {
-		fg[i] = exec.Command("/bin/sh", "-c", "while :; do :; done")
-		if err := fg[i].Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { fg[i].Process.Kill(); fg[i].Wait() })
-	}
+	fg := startSpinners(t, n)
 	stop := make(chan struct{})
 	var bg time.Duration
 	done := make(chan struct{})
@@ -249,6 +242,21 @@ func TestIdleShare(t *testing.T) {
 	if bg < time.Millisecond {
 		t.Errorf("background job got %v of CPU in %v: its floor turns did not run it", bg, spin)
 	}
+}
+
+// startSpinners starts n processes that keep a core busy each until the
+// test ends (or are killed earlier).
+func startSpinners(t testing.TB, n int) []*exec.Cmd {
+	t.Helper()
+	fg := make([]*exec.Cmd, n)
+	for i := range fg {
+		fg[i] = exec.Command("/bin/sh", "-c", "while :; do :; done")
+		if err := fg[i].Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { fg[i].Process.Kill(); fg[i].Wait() })
+	}
+	return fg
 }
 
 // spinUntil burns the CPU until stop is closed and returns the calling
