@@ -1,6 +1,7 @@
 package headline
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -159,11 +160,60 @@ type RolloutIteration struct {
 	// during the batch and decided locally (its log line in containerd's
 	// log, arbiterGapLine); runc systems have none to lose.
 	ArbiterGaps int `json:"arbiter_gaps"`
+	// DaemonGC is the envsnap daemon's garbage collection over the batch
+	// (systems on the envsnap snapshotter): every stop-the-world pause
+	// stops its file-system serving too.
+	DaemonGC *GCPauses `json:"daemon_gc,omitempty"`
 	// AdmissionRetries counts creates the envlet arbiter refused (node
 	// full) and the bench submitted again a second later.
 	AdmissionRetries int             `json:"admission_retries"`
 	Timeline         []TimelinePoint `json:"timeline"`
 	Runs             []RolloutRun    `json:"runs"`
+}
+
+// GCPauses is what a process's garbage collector stopped it for, from
+// its go_gc_duration_seconds summary: Count and Total over a span, Max
+// the longest of its latest pauses (the summary's quantile 1, over the
+// runtime's last 256) at the span's end.
+type GCPauses struct {
+	Count int     `json:"count"`
+	Total float64 `json:"total_s"`
+	Max   float64 `json:"max_s"`
+}
+
+func (p GCPauses) String() string {
+	return fmt.Sprintf("%d pauses, %.2f s in all, the longest of the latest %.0f ms", p.Count, p.Total, 1e3*p.Max)
+}
+
+// readGCPauses reads the go_gc_duration_seconds summary from metrics
+// (Prometheus text format), cumulative since the process started.
+func readGCPauses(metricsURL string) (GCPauses, error) {
+	resp, err := http.Get(metricsURL)
+	if err != nil {
+		return GCPauses{}, fmt.Errorf("read the daemon's metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	var p GCPauses
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		name, value, ok := strings.Cut(sc.Text(), " ")
+		if !ok || !strings.HasPrefix(name, "go_gc_duration_seconds") {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
+		if err != nil {
+			continue
+		}
+		switch name {
+		case `go_gc_duration_seconds{quantile="1"}`:
+			p.Max = v
+		case "go_gc_duration_seconds_sum":
+			p.Total = v
+		case "go_gc_duration_seconds_count":
+			p.Count = int(v)
+		}
+	}
+	return p, sc.Err()
 }
 
 // TimelinePoint is one sample of the node during a batch.
@@ -408,6 +458,13 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	if it.NodeMemoryBase, err = nodeMemoryUsed(); err != nil {
 		return nil, err
 	}
+	lazy := spec.snapshotter == Envsnap
+	var gcFrom GCPauses
+	if lazy {
+		if gcFrom, err = readGCPauses(rb.metrics); err != nil {
+			return nil, err
+		}
+	}
 	var running gauge
 	smp := newSampler(rb.env, &running, it.NodeMemoryBase)
 	sctx, stopSampling := context.WithCancel(ctx)
@@ -442,6 +499,13 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	stopSampling()
 	<-sampled
 	it.RegistryBytes = rb.env.Registry.BlobBytesServed()
+	if lazy {
+		gc, err := readGCPauses(rb.metrics)
+		if err != nil {
+			return nil, err
+		}
+		it.DaemonGC = &GCPauses{Count: gc.Count - gcFrom.Count, Total: gc.Total - gcFrom.Total, Max: gc.Max}
+	}
 	if spec.envlet {
 		if it.ArbiterGaps, err = rb.env.Containerd.CountLogLines(logFrom, arbiterGapLine); err != nil {
 			return nil, fmt.Errorf("count arbiter gaps: %w", err)

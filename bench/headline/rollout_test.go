@@ -1,6 +1,9 @@
 package headline
 
 import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -201,5 +204,34 @@ func TestRolloutThinkFloor(t *testing.T) {
 		if got := rep.ThinkFloor(sys); got != want {
 			t.Errorf("%s: think floor %.1f s, want %.1f s", sys, got, want)
 		}
+	}
+}
+
+func TestReadGCPauses(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `# HELP go_gc_duration_seconds A summary of the wall-time pause (stop-the-world) duration in garbage collection cycles.
+# TYPE go_gc_duration_seconds summary
+go_gc_duration_seconds{quantile="0"} 2.1e-05
+go_gc_duration_seconds{quantile="0.5"} 0.000104
+go_gc_duration_seconds{quantile="1"} 0.674
+go_gc_duration_seconds_sum 1.25
+go_gc_duration_seconds_count 42
+go_goroutines 17
+`)
+	}))
+	defer srv.Close()
+	p, err := readGCPauses(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (GCPauses{Count: 42, Total: 1.25, Max: 0.674}); p != want {
+		t.Fatalf("read %+v, want %+v", p, want)
+	}
+	if got := p.String(); !strings.Contains(got, "42 pauses") || !strings.Contains(got, "674 ms") {
+		t.Errorf("String: %q", got)
+	}
+	srv.Close()
+	if _, err := readGCPauses(srv.URL); err == nil {
+		t.Error("no error from a daemon that does not answer")
 	}
 }

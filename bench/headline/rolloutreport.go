@@ -152,6 +152,15 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 	if len(gaps) > 0 {
 		fmt.Fprintf(&b, "\nArbiter gaps (an envlet shim that lost the node arbiter and decided locally, counted from containerd's log over the batch): %s.\n", strings.Join(gaps, ", "))
 	}
+	var pauses []string
+	for _, sys := range rep.Order {
+		if it := rep.Systems[sys]; it != nil && it.DaemonGC != nil {
+			pauses = append(pauses, fmt.Sprintf("%s %s", sys, it.DaemonGC))
+		}
+	}
+	if len(pauses) > 0 {
+		fmt.Fprintf(&b, "\nThe envsnap daemon's garbage collector over the batch (every stop-the-world pause stops its file-system serving; a lowered background thread the kernel does not run holds a pause up, docs/fetching.md): %s.\n", strings.Join(pauses, "; "))
+	}
 	var failures []string
 	for _, sys := range rep.Order {
 		it := rep.Systems[sys]

@@ -107,6 +107,9 @@ func run(ctx context.Context, cfg headline.RolloutConfig) error {
 			float64(it.NodeMemoryPeak-it.NodeMemoryBase)/(1<<20), it.EnvMemory.Median, it.Failed)
 		fmt.Printf("%-14s %-12s ready p50 split: queue %.1f s, pull %.1f s, create+start %.1f s, agent start %.1f s\n", "", "",
 			it.Queue.Median, it.Pull.Median, it.Start.Median, it.Agent.Median)
+		if it.DaemonGC != nil {
+			fmt.Printf("%-14s %-12s envsnap daemon's garbage collector: %s\n", "", "", it.DaemonGC)
+		}
 		for _, r := range it.Runs {
 			if r.Error != "" {
 				fmt.Printf("    %s failed: %s\n", r.Name, r.Error)
