@@ -458,7 +458,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	if it.NodeMemoryBase, err = nodeMemoryUsed(); err != nil {
 		return nil, err
 	}
-	lazy := spec.snapshotter == Envsnap
+	lazy := spec.snapshotter == rolloutSystems[Envsnap].snapshotter
 	var gcFrom GCPauses
 	if lazy {
 		if gcFrom, err = readGCPauses(rb.metrics); err != nil {
