@@ -183,15 +183,30 @@ func (img *snapshotImage) pushConfig(ctx context.Context, pusher remotes.Pusher,
 	return sent, nil
 }
 
+// manifestCommitTimeout bounds the manifest's push once it has started.
+const manifestCommitTimeout = 30 * time.Second
+
 // pushManifest pushes the manifest, which makes the image visible under
 // target; guard, if set, runs just before and stops it with its error.
+//
+// The push is the commit point and is not cut off half way by ctx: a
+// request the registry has taken may have moved the tag even though its
+// answer never arrived, and a caller told "not pushed" would be wrong
+// (a SIGTERM during the request did that). A ctx ended before it starts
+// stops it; once started it runs to its answer, within
+// manifestCommitTimeout.
 func (img *snapshotImage) pushManifest(ctx context.Context, pusher remotes.Pusher, target string, res *Result, guard func(context.Context) error) error {
 	if guard != nil {
 		if err := guard(ctx); err != nil {
 			return fmt.Errorf("push %s: %w", target, err)
 		}
 	}
-	sent, err := group.PushBytes(ctx, pusher, img.desc, img.manifestRaw)
+	if err := context.Cause(ctx); err != nil {
+		return fmt.Errorf("push %s: manifest: %w", target, err)
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), manifestCommitTimeout)
+	defer cancel()
+	sent, err := group.PushBytes(cctx, pusher, img.desc, img.manifestRaw)
 	if err != nil {
 		return fmt.Errorf("push %s: manifest: %w", target, err)
 	}
