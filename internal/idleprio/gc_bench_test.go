@@ -3,6 +3,8 @@
 package idleprio
 
 import (
+	"context"
+	"os/exec"
 	"runtime"
 	"slices"
 	"testing"
@@ -20,17 +22,27 @@ import (
 func BenchmarkGCBesideLoweredJob(b *testing.B) {
 	startSpinners(b, runtime.NumCPU()+1)
 	// The first job raises GOMAXPROCS (package doc): raised before the
-	// first sample, both kinds run with the same.
+	// first sample, every kind runs with the same.
 	Lower()
 	const samples = 8
-	gcBeside := func(lowered bool) time.Duration {
+	const (
+		normal = iota
+		lowered
+		process
+	)
+	gcBeside := func(kind int) time.Duration {
 		stop, done := make(chan struct{}), make(chan struct{})
+		ctx, kill := context.WithCancel(context.Background())
+		spinner := exec.CommandContext(ctx, "/bin/sh", "-c", "while :; do :; done")
 		go func() {
 			defer close(done)
-			if lowered {
-				Run(func() { spinUntil(stop) })
-			} else {
+			switch kind {
+			case normal:
 				spinUntil(stop)
+			case lowered:
+				Run(func() { spinUntil(stop) })
+			case process:
+				RunProcess(spinner) // ends killed
 			}
 		}()
 		time.Sleep(100 * time.Millisecond)
@@ -38,20 +50,27 @@ func BenchmarkGCBesideLoweredJob(b *testing.B) {
 		runtime.GC()
 		d := time.Since(start)
 		close(stop)
+		kill()
 		<-done
 		return d
 	}
 	for range b.N {
-		var normal, lowered []time.Duration
+		var got [3][]time.Duration
 		for range samples {
-			normal = append(normal, gcBeside(false))
-			lowered = append(lowered, gcBeside(true))
+			for kind := range got {
+				got[kind] = append(got[kind], gcBeside(kind))
+			}
 		}
-		slices.Sort(normal)
-		slices.Sort(lowered)
-		b.ReportMetric(float64(normal[samples/2].Microseconds())/1e3, "gc-ms-p50-beside-normal")
-		b.ReportMetric(float64(lowered[samples/2].Microseconds())/1e3, "gc-ms-p50-beside-lowered")
-		b.ReportMetric(float64(lowered[samples-1].Microseconds())/1e3, "gc-ms-max-beside-lowered")
-		b.ReportMetric(float64(lowered[samples/2])/float64(normal[samples/2]), "lowered/normal")
+		for kind := range got {
+			slices.Sort(got[kind])
+		}
+		p50 := func(kind int) float64 { return float64(got[kind][samples/2].Microseconds()) / 1e3 }
+		b.ReportMetric(p50(normal), "gc-ms-p50-beside-normal")
+		b.ReportMetric(p50(lowered), "gc-ms-p50-beside-lowered")
+		b.ReportMetric(float64(got[lowered][samples-1].Microseconds())/1e3, "gc-ms-max-beside-lowered")
+		b.ReportMetric(p50(process), "gc-ms-p50-beside-lowered-process")
+		b.ReportMetric(float64(got[process][samples-1].Microseconds())/1e3, "gc-ms-max-beside-lowered-process")
+		b.ReportMetric(p50(lowered)/p50(normal), "lowered/normal")
+		b.ReportMetric(p50(process)/p50(normal), "lowered-process/normal")
 	}
 }

@@ -34,14 +34,20 @@
 // a P back only from a thread in a system call), so at most Slots jobs
 // run lowered at once and GOMAXPROCS is raised by Slots when the first
 // one starts: starved background threads never leave the daemon's
-// foreground goroutines fewer Ps than the node has cores.
+// foreground goroutines fewer Ps than the node has cores. It also
+// holds up every stop-the-world phase of the process's garbage
+// collector until it next runs; RunProcess lowers a child process
+// instead, with the same turns and Boost, for work that needs the CPU
+// more than it waits.
 package idleprio
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -109,7 +115,7 @@ func (j *Job) Run(fn func()) {
 	onOwnThread(func(tid int) {
 		j.mu.Lock()
 		if !j.boosted {
-			j.th = lower(tid)
+			j.th = lower(tid, false)
 		}
 		j.mu.Unlock()
 	}, fn, func() {
@@ -200,9 +206,49 @@ func (j *Job) Boosted() bool {
 // Run runs fn as a job nobody boosts (Job.Run).
 func Run(fn func()) { NewJob().Run(fn) }
 
-// lowered is a thread and what it was before lower.
+// RunProcess starts cmd, lowers the whole process as Run lowers a job's
+// thread (every thread of it, and so the threads they create, with the
+// same floor turns and Boost), and waits for it; it returns cmd.Wait's
+// error. It takes none of the Slots: a process holds none of the
+// daemon's Ps. That is what it is for: a lowered thread of the daemon
+// that the kernel does not run stops the daemon's garbage collector at
+// its next stop-the-world phase, and with it every goroutine of the
+// daemon, the file-system requests it serves included, until the thread
+// next runs (BenchmarkGCBesideLoweredJob); a lowered process stops only
+// itself. The process runs at the daemon's priority from its start
+// until it is lowered, just after.
+func (j *Job) RunProcess(cmd *exec.Cmd) error {
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	pid := cmd.Process.Pid
+	floor.add(j)
+	j.mu.Lock()
+	if !j.boosted {
+		j.th = lower(pid, true)
+	}
+	j.mu.Unlock()
+	// Waited for without reaping it first: the floor's turns and Boost
+	// change the process by its pid, which must not be reused until
+	// they let go of it.
+	var info unix.Siginfo
+	for unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil) == unix.EINTR {
+	}
+	floor.remove(j)
+	j.mu.Lock()
+	j.th = nil
+	j.mu.Unlock()
+	return cmd.Wait()
+}
+
+// RunProcess runs cmd as a job nobody boosts (Job.RunProcess).
+func RunProcess(cmd *exec.Cmd) error { return NewJob().RunProcess(cmd) }
+
+// lowered is a thread, or every thread of a process, and what it was
+// before lower.
 type lowered struct {
-	tid    int
+	id     int             // a thread's id, or a process's
+	proc   bool            // id is a process: its threads are listed at every change
 	attr   *unix.SchedAttr // nil when the policy could not be changed
 	ioprio int             // -1 when the I/O class could not be changed
 	cgroup string          // v1 cpu cgroup directory it came from; "" when it did not move
@@ -227,22 +273,24 @@ var (
 	bgErr  error
 )
 
-// lower lowers thread tid as far as the node allows; what fails is
-// logged once, and the job runs anyway.
-func lower(tid int) *lowered {
-	th := &lowered{tid: tid, ioprio: -1}
+// lower lowers thread id, or every thread of process id, as far as the
+// node allows; what fails is logged once, and the job runs anyway.
+func lower(id int, proc bool) *lowered {
+	th := &lowered{id: id, proc: proc, ioprio: -1}
 	var st Status
 	var errs []error
-	if a, err := unix.SchedGetAttr(tid, 0); err != nil {
+	// A process's id is its first thread's: what every thread of it
+	// started with.
+	if a, err := unix.SchedGetAttr(id, 0); err != nil {
 		errs = append(errs, fmt.Errorf("read scheduling policy: %w", err))
-	} else if err := setIdle(tid); err != nil {
+	} else if err := th.each(setIdle); err != nil {
 		errs = append(errs, err)
 	} else {
 		th.attr, st.SchedIdle = a, true
 	}
-	if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(tid), 0); e != 0 {
+	if p, _, e := unix.Syscall(unix.SYS_IOPRIO_GET, ioprioWhoProcess, uintptr(id), 0); e != 0 {
 		errs = append(errs, fmt.Errorf("read I/O priority: %w", e))
-	} else if err := setIOIdle(tid); err != nil {
+	} else if err := th.each(setIOIdle); err != nil {
 		errs = append(errs, err)
 	} else {
 		th.ioprio, st.IOIdle = int(p), true
@@ -250,12 +298,12 @@ func lower(tid int) *lowered {
 	if dir, err := backgroundCgroup(); err != nil {
 		errs = append(errs, err)
 	} else if dir != "" {
-		from, err := threadCPUCgroup(tid)
+		from, err := th.cpuCgroup()
 		if err == nil {
-			err = writeTask(dir, tid)
+			err = th.move(dir)
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("move thread to %s: %w", dir, err))
+			errs = append(errs, fmt.Errorf("move to %s: %w", dir, err))
 		} else {
 			th.cgroup, th.bg, st.Cgroup = from, dir, dir
 		}
@@ -287,17 +335,79 @@ func setIOIdle(tid int) error {
 	return nil
 }
 
-// lowerAgain lowers a raised thread again, as lower did.
+// each applies set to the thread, or to every thread of the process. A
+// process's threads are listed again until a listing finds no thread not
+// yet set: one created meanwhile by a thread not yet set inherits the
+// old setting, one created by a thread already set the new. Threads of a
+// process that end meanwhile are not errors, nor is the process ending.
+func (th *lowered) each(set func(tid int) error) error {
+	if !th.proc {
+		return set(th.id)
+	}
+	done := map[int]bool{}
+	for {
+		tids, err := processThreads(th.id)
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return err
+		}
+		fresh := false
+		var errs []error
+		for _, tid := range tids {
+			if done[tid] {
+				continue
+			}
+			done[tid], fresh = true, true
+			if err := set(tid); err != nil && !errors.Is(err, unix.ESRCH) {
+				errs = append(errs, fmt.Errorf("thread %d: %w", tid, err))
+			}
+		}
+		if !fresh || len(errs) > 0 {
+			return errors.Join(errs...)
+		}
+	}
+}
+
+// processThreads lists the threads of process pid.
+func processThreads(pid int) ([]int, error) {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return nil, fmt.Errorf("list the threads of process %d: %w", pid, err)
+	}
+	tids := make([]int, 0, len(ents))
+	for _, e := range ents {
+		if tid, err := strconv.Atoi(e.Name()); err == nil {
+			tids = append(tids, tid)
+		}
+	}
+	return tids, nil
+}
+
+// move moves the thread, or the whole process, into the v1 cgroup dir.
+func (th *lowered) move(dir string) error {
+	if !th.proc {
+		return os.WriteFile(filepath.Join(dir, "tasks"), []byte(strconv.Itoa(th.id)), 0)
+	}
+	err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(th.id)), 0)
+	if errors.Is(err, unix.ESRCH) {
+		return nil // it ended
+	}
+	return err
+}
+
+// lowerAgain lowers a raised thread or process again, as lower did.
 func (th *lowered) lowerAgain() {
 	var errs []error
 	if th.attr != nil {
-		errs = append(errs, setIdle(th.tid))
+		errs = append(errs, th.each(setIdle))
 	}
 	if th.ioprio >= 0 {
-		errs = append(errs, setIOIdle(th.tid))
+		errs = append(errs, th.each(setIOIdle))
 	}
 	if th.bg != "" {
-		errs = append(errs, writeTask(th.bg, th.tid))
+		errs = append(errs, th.move(th.bg))
 	}
 	if err := errors.Join(errs...); err != nil {
 		log.G(context.TODO()).WithError(err).Warn("lowering background work again")
@@ -308,21 +418,27 @@ func (th *lowered) lowerAgain() {
 func (th *lowered) raise() {
 	var errs []error
 	if th.cgroup != "" {
-		if err := writeTask(th.cgroup, th.tid); err != nil {
-			errs = append(errs, fmt.Errorf("move thread back to %s: %w", th.cgroup, err))
+		if err := th.move(th.cgroup); err != nil {
+			errs = append(errs, fmt.Errorf("move back to %s: %w", th.cgroup, err))
 		}
 	}
 	if th.ioprio >= 0 {
-		if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(th.tid), uintptr(th.ioprio)); e != 0 {
-			errs = append(errs, fmt.Errorf("restore I/O priority: %w", e))
-		}
+		errs = append(errs, th.each(func(tid int) error {
+			if _, _, e := unix.Syscall(unix.SYS_IOPRIO_SET, ioprioWhoProcess, uintptr(tid), uintptr(th.ioprio)); e != 0 {
+				return fmt.Errorf("restore I/O priority: %w", e)
+			}
+			return nil
+		}))
 	}
 	if th.attr != nil {
 		a := *th.attr
 		a.Size = unix.SizeofSchedAttr
-		if err := unix.SchedSetAttr(th.tid, &a, 0); err != nil {
-			errs = append(errs, fmt.Errorf("restore scheduling policy: %w", err))
-		}
+		errs = append(errs, th.each(func(tid int) error {
+			if err := unix.SchedSetAttr(tid, &a, 0); err != nil {
+				return fmt.Errorf("restore scheduling policy: %w", err)
+			}
+			return nil
+		}))
 	}
 	if err := errors.Join(errs...); err != nil {
 		log.G(context.TODO()).WithError(err).Warn("boosting background work")
@@ -470,15 +586,20 @@ func backgroundCgroup() (string, error) {
 	return bgDir, bgErr
 }
 
-// threadCPUCgroup returns the directory of thread tid's v1 cpu cgroup.
-func threadCPUCgroup(tid int) (string, error) {
-	m, err := cgroups.ParseCgroupFile(fmt.Sprintf("/proc/self/task/%d/cgroup", tid))
+// cpuCgroup returns the directory of the v1 cpu cgroup the thread or
+// process is in.
+func (th *lowered) cpuCgroup() (string, error) {
+	file := fmt.Sprintf("/proc/self/task/%d/cgroup", th.id)
+	if th.proc {
+		file = fmt.Sprintf("/proc/%d/cgroup", th.id)
+	}
+	m, err := cgroups.ParseCgroupFile(file)
 	if err != nil {
-		return "", fmt.Errorf("read the thread's cgroups: %w", err)
+		return "", fmt.Errorf("read the cgroups: %w", err)
 	}
 	own, ok := m["cpu"]
 	if !ok {
-		return "", fmt.Errorf("the thread has no cgroup v1 cpu group (%v)", m)
+		return "", fmt.Errorf("no cgroup v1 cpu group (%v)", m)
 	}
 	mnt, root, err := cgroups.FindCgroupMountpointAndRoot("", "cpu")
 	if err != nil {
@@ -489,9 +610,4 @@ func threadCPUCgroup(tid int) (string, error) {
 		rel = strings.TrimPrefix(own, root)
 	}
 	return filepath.Join(mnt, rel), nil
-}
-
-// writeTask moves thread tid into the v1 cgroup dir.
-func writeTask(dir string, tid int) error {
-	return os.WriteFile(filepath.Join(dir, "tasks"), []byte(strconv.Itoa(tid)), 0)
 }

@@ -3,6 +3,7 @@
 package idleprio
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -31,6 +33,13 @@ type priority struct {
 
 func threadPriority(t *testing.T, tid int) priority {
 	t.Helper()
+	return priorityOf(t, &lowered{id: tid})
+}
+
+// priorityOf reads what th's first thread runs at.
+func priorityOf(t *testing.T, th *lowered) priority {
+	t.Helper()
+	tid := th.id
 	a, err := unix.SchedGetAttr(tid, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +50,7 @@ func threadPriority(t *testing.T, tid int) priority {
 	}
 	pr := priority{policy: a.Policy, class: int(p) >> ioprioClassShift}
 	if !cgroups.IsCgroup2UnifiedMode() {
-		if pr.cgroup, err = threadCPUCgroup(tid); err != nil {
+		if pr.cgroup, err = th.cpuCgroup(); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -188,6 +197,70 @@ func TestBoost(t *testing.T) {
 	wg.Wait()
 	if ranOn != caller {
 		t.Fatalf("a job boosted before it ran ran on thread %d, not the caller's %d", ranOn, caller)
+	}
+}
+
+// TestProcessRunsLowered: RunProcess lowers the process, Boost raises
+// it back, and the floor lets go of it when it ends.
+func TestProcessRunsLowered(t *testing.T) {
+	runtime.LockOSThread()
+	normal := threadPriority(t, unix.Gettid())
+	runtime.UnlockOSThread()
+
+	stdin, toChild, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer toChild.Close()
+	fromChild, stdout, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fromChild.Close()
+	// The shell says who it is and waits to be told to end.
+	cmd := exec.Command("/bin/sh", "-c", `echo $$; read end`)
+	cmd.Stdin, cmd.Stdout = stdin, stdout
+	j := NewJob()
+	done := make(chan error, 1)
+	go func() { done <- j.RunProcess(cmd) }()
+	line, err := bufio.NewReader(fromChild).ReadString('\n')
+	if err != nil {
+		t.Fatalf("the shell said nothing: %v", err)
+	}
+	shell, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := priority{policy: unix.SCHED_IDLE, class: ioprioClassIdle, cgroup: wantV1Cgroup(t)}
+	// Looked at until seen lowered: lowering follows the start, and a
+	// floor turn raises it for FloorFor of every FloorEvery.
+	var seen []priority
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		seen = append(seen, priorityOf(t, &lowered{id: shell, proc: true}))
+		if seen[len(seen)-1] == want {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the process ran at %+v, want %+v", seen, want)
+		}
+	}
+	j.Boost()
+	if got := priorityOf(t, &lowered{id: shell, proc: true}); got != normal {
+		t.Fatalf("boosted process runs at %+v, want the daemon's %+v", got, normal)
+	}
+	if _, err := toChild.WriteString("\n"); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("RunProcess: %v", err)
+	}
+	stdin.Close()
+	stdout.Close()
+	floor.mu.Lock()
+	_, listed := floor.jobs[j]
+	floor.mu.Unlock()
+	if listed {
+		t.Fatal("the floor still lists the job of a process that ended")
 	}
 }
 
