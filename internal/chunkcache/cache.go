@@ -191,9 +191,33 @@ func (c *Cache) load() error {
 	return nil
 }
 
-func (c *Cache) path(d digest.Digest) string {
+func (c *Cache) path(d digest.Digest) string { return entryPath(c.dir, d) }
+
+func entryPath(dir string, d digest.Digest) string {
 	enc := d.Encoded()
-	return filepath.Join(c.dir, d.Algorithm().String(), enc[:2], enc)
+	return filepath.Join(dir, d.Algorithm().String(), enc[:2], enc)
+}
+
+// Reader reads the entries of a cache that another process has open: a
+// helper the daemon starts (the native layer builder) reads chunks it
+// was told are there. Get verifies as Cache.Get does; it neither keeps
+// an index nor touches or removes a file: the owner does.
+type Reader struct{ dir string }
+
+// NewReader returns a Reader of the cache rooted at dir.
+func NewReader(dir string) Reader { return Reader{dir: dir} }
+
+// Get returns the bytes stored under d, or false when there are none
+// or they do not match d.
+func (r Reader) Get(d digest.Digest) ([]byte, bool) {
+	if d.Validate() != nil {
+		return nil, false
+	}
+	b, err := os.ReadFile(entryPath(r.dir, d))
+	if err != nil || d.Algorithm().FromBytes(b) != d {
+		return nil, false
+	}
+	return b, true
 }
 
 // Contains reports whether d is indexed, without reading or verifying it.

@@ -256,6 +256,38 @@ func TestCorruptFileDropped(t *testing.T) {
 	}
 }
 
+// TestReader: another process's view of the cache serves what the
+// owner stored, verified, and leaves a damaged entry to the owner.
+func TestReader(t *testing.T) {
+	dir := t.TempDir()
+	c := open(t, dir, 1<<20)
+	b, d := blob(9, 4096)
+	r := NewReader(dir)
+	if _, ok := r.Get(d); ok {
+		t.Fatal("hit before Put")
+	}
+	if err := c.Put(d, b); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := r.Get(d); !ok || !bytes.Equal(got, b) {
+		t.Fatalf("Get after the owner's Put: ok=%v equal=%v", ok, bytes.Equal(got, b))
+	}
+	if _, ok := r.Get("sha256:nothex"); ok {
+		t.Fatal("hit for an invalid digest")
+	}
+	flipped := bytes.Clone(b)
+	flipped[100] ^= 1
+	if err := os.WriteFile(c.path(d), flipped, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := r.Get(d); ok {
+		t.Fatal("served a damaged entry")
+	}
+	if _, err := os.Stat(c.path(d)); err != nil {
+		t.Fatalf("the reader removed the owner's file: %v", err)
+	}
+}
+
 // TestENOSPC runs the cache on a 2 MiB tmpfs with a bound far above it: Put
 // must fail with ErrFull (callers then serve uncached), never corrupt the
 // index, and work again once space returns.
