@@ -141,6 +141,10 @@ func runServe(ctx context.Context, c *cli.Command) error {
 			cfg.KeeperCommand = []string{self}
 		}
 	}
+	// The daemon's own binary even if a newer one replaced it on disk:
+	// the build process must make the trees this daemon's marker
+	// version promises.
+	cfg.NativeBuildCommand = []string{"/proc/self/exe"}
 	if err := log.SetLevel(cfg.LogLevel); err != nil {
 		return fmt.Errorf("log level: %w", err)
 	}

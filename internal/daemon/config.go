@@ -187,6 +187,11 @@ type Config struct {
 	// not the file; empty runs without a keeper (mounts then die with the
 	// daemon).
 	KeeperCommand []string `toml:"-"`
+	// NativeBuildCommand is the containerd-envsnap binary that builds
+	// native layer copies, each in a process of its own
+	// (native.Store.SetBuildCommand). Set by the serve command, not the
+	// file; empty builds them in the daemon's process.
+	NativeBuildCommand []string `toml:"-"`
 }
 
 // WritableCap is the disk cap of container snapshots.

@@ -154,6 +154,7 @@ func Run(ctx context.Context, cfg Config) error {
 			return err
 		}
 		defer copies.Close()
+		copies.SetBuildCommand(cfg.NativeBuildCommand)
 		cache.SetTenant(copies)
 	}
 	peers, err := d.startPeerClient(ctx, cfg.Peers, reg)

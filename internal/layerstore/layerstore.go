@@ -428,7 +428,7 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 	}
 	if s.cfg.Native != nil {
 		m.native.Store(NativeWaitChunks)
-		go s.buildNative(fillCtx, ldgst, m, toc)
+		go s.buildNative(fillCtx, ldgst, m, native.Source{TOC: toc, Chunks: s.cfg.Cache, TOCDigest: o.tocDigest, ChunkDir: s.cfg.Cache.Dir()})
 	}
 
 	s.mu.Lock()
@@ -443,7 +443,7 @@ func (s *Store) serve(ctx context.Context, mountpoint string, o *opened, takeove
 // background at idle priority (native.Store.Build): never on a
 // container's start path, and never waiting for an idle core. It gives up when the
 // layer is unmounted (ctx) or the build fails; a later mount tries again.
-func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, toc *layerfmt.TOC) {
+func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, src native.Source) {
 	tick := time.NewTicker(nativePoll)
 	defer tick.Stop()
 	for {
@@ -453,8 +453,13 @@ func (s *Store) buildNative(ctx context.Context, d digest.Digest, m *mounted, to
 		}
 		if cached, total := m.layer.Progress(); cached >= total {
 			m.native.Store(NativeBuilding)
+			if !s.cfg.Cache.Contains(src.TOCDigest) {
+				// A takeover serves without its metadata kept
+				// (serve): a build process could not read the TOC.
+				src.TOCDigest, src.ChunkDir = "", ""
+			}
 			done := make(chan error, 1)
-			s.cfg.Native.Build(d, toc, s.cfg.Cache, func(err error) { done <- err })
+			s.cfg.Native.Build(d, src, func(err error) { done <- err })
 			err := <-done
 			switch {
 			case err == nil:

@@ -3,13 +3,17 @@
 package native
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -18,6 +22,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"golang.org/x/sys/unix"
 
+	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/idleprio"
 	"github.com/envsnap/envsnap/layerfmt"
 )
@@ -61,12 +66,15 @@ type marker struct {
 
 // Stats is a snapshot of the store's counters.
 type Stats struct {
-	Copies    int    `json:"copies"`
-	Size      int64  `json:"size"` // bytes charged to the budget
-	Builds    uint64 `json:"builds"`
-	Failed    uint64 `json:"failed"` // builds that failed (missing or corrupt chunk, disk)
-	Skipped   uint64 `json:"skipped"`
-	Reclaimed uint64 `json:"reclaimed"` // copies dropped to make room
+	Copies int    `json:"copies"`
+	Size   int64  `json:"size"` // bytes charged to the budget
+	Builds uint64 `json:"builds"`
+	// ProcessBuilds counts the builds that ran in a process of their
+	// own (SetBuildCommand), failed ones included.
+	ProcessBuilds uint64 `json:"process_builds"`
+	Failed        uint64 `json:"failed"` // builds that failed (missing or corrupt chunk, disk)
+	Skipped       uint64 `json:"skipped"`
+	Reclaimed     uint64 `json:"reclaimed"` // copies dropped to make room
 }
 
 type entry struct {
@@ -86,6 +94,7 @@ type Store struct {
 	slots  chan struct{}
 
 	mu       sync.Mutex
+	command  []string // the helper that builds trees; nil builds them in this process
 	copies   map[digest.Digest]*entry
 	building map[digest.Digest]bool
 	inUse    InUse
@@ -93,7 +102,7 @@ type Store struct {
 	inUseMap map[digest.Digest]bool
 	closed   bool
 
-	builds, failed, skipped, reclaimed atomic.Uint64
+	builds, processBuilds, failed, skipped, reclaimed atomic.Uint64
 }
 
 // Open opens the copies under dir, charging each complete one to budget;
@@ -191,6 +200,28 @@ func (s *Store) SetInUse(f InUse) {
 	s.inUse = f
 }
 
+// SetBuildCommand has trees built by a process of their own: command is
+// the containerd-envsnap binary, to which `native-build` and its
+// arguments are appended (BuildFromCache). Builds whose Source names no
+// chunk directory or TOC digest, and every build until it is set, run in
+// this process.
+func (s *Store) SetBuildCommand(command []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.command = command
+}
+
+// Source is what a copy is built from: the layer's TOC and its verified
+// chunks, and, for a build in a process of its own, the chunk cache
+// directory holding both the chunks and the encoded TOC (under
+// TOCDigest), which the helper reads and verifies itself.
+type Source struct {
+	TOC       *layerfmt.TOC
+	Chunks    Chunks
+	TOCDigest digest.Digest
+	ChunkDir  string
+}
+
 // Dir returns the directory of the complete copy of layer d, if any.
 func (s *Store) Dir(d digest.Digest) (string, bool) {
 	s.mu.Lock()
@@ -203,11 +234,12 @@ func (s *Store) Dir(d digest.Digest) (string, bool) {
 	return s.path(d), true
 }
 
-// Build makes the copy of layer d from toc and verified chunks in the
-// background, at idle CPU and I/O priority (idleprio), unless it exists, is being built, a build is running
-// already (the caller asks again later), or the budget has no room. done,
-// if not nil, is called with the outcome (nil when the copy exists).
-func (s *Store) Build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks, done func(error)) {
+// Build makes the copy of layer d from src in the background, at idle
+// CPU and I/O priority (idleprio), unless it exists, is being built, a
+// build is running already (the caller asks again later), or the budget
+// has no room. done, if not nil, is called with the outcome (nil when
+// the copy exists).
+func (s *Store) Build(d digest.Digest, src Source, done func(error)) {
 	if done == nil {
 		done = func(error) {}
 	}
@@ -240,12 +272,7 @@ func (s *Store) Build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks, done fu
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
-		// Decompressing and writing a whole layer takes seconds of CPU
-		// and disk that the node's environments come first for; at
-		// idle priority it takes what they leave, however busy the
-		// node, instead of waiting for a core to be idle.
-		var err error
-		idleprio.Run(func() { err = s.build(d, toc, chunks) })
+		err := s.build(d, src)
 		<-s.slots
 		s.mu.Lock()
 		delete(s.building, d)
@@ -260,8 +287,8 @@ var errBusy = errors.New("native layer store busy")
 // IsBusy reports whether err is Build's "try again later".
 func IsBusy(err error) bool { return errors.Is(err, errBusy) }
 
-func (s *Store) build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks) (retErr error) {
-	size := TreeSize(toc)
+func (s *Store) build(d digest.Digest, src Source) (retErr error) {
+	size := TreeSize(src.TOC)
 	if err := s.budget.Charge(size); err != nil {
 		s.skipped.Add(1)
 		return fmt.Errorf("build native copy of layer %s (%d bytes): %w", d, size, err)
@@ -283,7 +310,7 @@ func (s *Store) build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks) (retErr
 	if err != nil {
 		return fmt.Errorf("build native copy of layer %s: %w", d, err)
 	}
-	if err := BuildTree(s.ctx, tmp, toc, chunks); err != nil {
+	if err := s.buildTree(tmp, src); err != nil {
 		return fmt.Errorf("build native copy of layer %s: %w", d, err)
 	}
 	if err := os.MkdirAll(filepath.Dir(s.path(d)), 0o700); err != nil {
@@ -312,6 +339,56 @@ func (s *Store) build(d digest.Digest, toc *layerfmt.TOC, chunks Chunks) (retErr
 	s.builds.Add(1)
 	log.G(s.ctx).WithField("layer", d).WithField("bytes", size).WithField("took", time.Since(start)).Info("built native layer copy")
 	return nil
+}
+
+// buildTree writes the tree of src into dir at idle CPU and I/O
+// priority: decompressing and writing a whole layer takes seconds of CPU
+// and disk that the node's environments come first for; at idle priority
+// it takes what they leave, however busy the node, instead of waiting
+// for a core to be idle. With a build command it runs in a process of
+// its own: a lowered thread of the daemon that the kernel does not run
+// would hold up every stop-the-world phase of the daemon's garbage
+// collector, and every file-system request the daemon serves with it,
+// until the thread next ran (idleprio.RunProcess).
+func (s *Store) buildTree(dir string, src Source) error {
+	s.mu.Lock()
+	command := s.command
+	s.mu.Unlock()
+	if len(command) == 0 || src.TOCDigest == "" || src.ChunkDir == "" {
+		var err error
+		idleprio.Run(func() { err = BuildTree(s.ctx, dir, src.TOC, src.Chunks) })
+		return err
+	}
+	args := append(slices.Clip(command[1:]), "native-build", "--chunks", src.ChunkDir, "--toc", src.TOCDigest.String(), dir)
+	cmd := exec.CommandContext(s.ctx, command[0], args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	s.processBuilds.Add(1)
+	if err := idleprio.RunProcess(cmd); err != nil {
+		if ctxErr := s.ctx.Err(); ctxErr != nil {
+			return ctxErr
+		}
+		return fmt.Errorf("build process: %w: %s", err, strings.TrimSpace(stderr.String()))
+	}
+	return nil
+}
+
+// BuildFromCache is the build process's side of buildTree: it writes
+// the tree of the layer whose encoded TOC is stored under tocDigest in
+// the chunk cache at chunkDir into dir, from that cache's chunks. It
+// trusts nothing it is handed: the TOC and every chunk are verified
+// against their digests as they are read.
+func BuildFromCache(ctx context.Context, dir, chunkDir string, tocDigest digest.Digest) error {
+	chunks := chunkcache.NewReader(chunkDir)
+	b, ok := chunks.Get(tocDigest)
+	if !ok {
+		return fmt.Errorf("TOC %s: %w", tocDigest, ErrChunkMissing)
+	}
+	toc, err := layerfmt.DecodeTOC(b, tocDigest)
+	if err != nil {
+		return fmt.Errorf("TOC %s: %w", tocDigest, err)
+	}
+	return BuildTree(ctx, dir, toc, chunks)
 }
 
 // syncfs flushes the file system holding dir: the marker promises a
@@ -454,11 +531,12 @@ func (s *Store) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := Stats{
-		Copies:    len(s.copies),
-		Builds:    s.builds.Load(),
-		Failed:    s.failed.Load(),
-		Skipped:   s.skipped.Load(),
-		Reclaimed: s.reclaimed.Load(),
+		Copies:        len(s.copies),
+		Builds:        s.builds.Load(),
+		ProcessBuilds: s.processBuilds.Load(),
+		Failed:        s.failed.Load(),
+		Skipped:       s.skipped.Load(),
+		Reclaimed:     s.reclaimed.Load(),
 	}
 	for _, e := range s.copies {
 		st.Size += e.size

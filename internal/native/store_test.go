@@ -4,8 +4,11 @@ package native
 
 import (
 	"context"
+	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,10 +20,10 @@ import (
 	"github.com/envsnap/envsnap/layerfmt"
 )
 
-func buildNow(t *testing.T, s *Store, d digest.Digest, toc *layerfmt.TOC, chunks Chunks) error {
+func buildNow(t *testing.T, s *Store, d digest.Digest, src Source) error {
 	t.Helper()
 	done := make(chan error, 1)
-	s.Build(d, toc, chunks, func(err error) { done <- err })
+	s.Build(d, src, func(err error) { done <- err })
 	return <-done
 }
 
@@ -40,7 +43,7 @@ func TestStoreRestart(t *testing.T) {
 	if _, ok := s.Dir(d); ok {
 		t.Fatal("copy ready before any build")
 	}
-	if err := buildNow(t, s, d, toc, cache); err != nil {
+	if err := buildNow(t, s, d, Source{TOC: toc, Chunks: cache}); err != nil {
 		t.Fatalf("build: %v", err)
 	}
 	p, ok := s.Dir(d)
@@ -119,10 +122,10 @@ func TestStoreBudget(t *testing.T) {
 	s.SetInUse(func(context.Context) (map[digest.Digest]bool, error) { return used, nil })
 
 	a, b := digest.FromString("layer a"), digest.FromString("layer b")
-	if err := buildNow(t, s, a, toc, cache); err != nil {
+	if err := buildNow(t, s, a, Source{TOC: toc, Chunks: cache}); err != nil {
 		t.Fatalf("build a: %v", err)
 	}
-	if err := buildNow(t, s, b, toc, cache); err == nil {
+	if err := buildNow(t, s, b, Source{TOC: toc, Chunks: cache}); err == nil {
 		t.Fatal("a second copy was built beyond the bound")
 	}
 	if _, ok := s.Dir(b); ok {
@@ -200,7 +203,7 @@ func TestBuildRunsIdle(t *testing.T) {
 	defer s.Close()
 	chunks := &pausingChunks{Cache: cache, asked: make(chan int), resume: make(chan struct{})}
 	done := make(chan error, 1)
-	s.Build(digest.FromString("layer"), toc, chunks, func(err error) { done <- err })
+	s.Build(digest.FromString("layer"), Source{TOC: toc, Chunks: chunks}, func(err error) { done <- err })
 	tid := <-chunks.asked
 	const ioClassIdle = 3
 	var sched, io bool
@@ -219,5 +222,97 @@ func TestBuildRunsIdle(t *testing.T) {
 	}
 	if !sched || !io {
 		t.Fatalf("the build's thread ran SCHED_IDLE: %v, at I/O class idle: %v; want both", sched, io)
+	}
+}
+
+// TestMain runs the test binary as the build process when a Store with
+// a build command starts it (TestBuildProcess), as containerd-envsnap's
+// native-build subcommand does.
+func TestMain(m *testing.M) {
+	if len(os.Args) == 7 && os.Args[1] == "native-build" && os.Args[2] == "--chunks" && os.Args[4] == "--toc" {
+		if err := BuildFromCache(context.Background(), os.Args[6], os.Args[3], digest.Digest(os.Args[5])); err != nil {
+			fmt.Fprintf(os.Stderr, "native-build: %v\n", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestBuildProcess: with a build command the tree is built by a process
+// of its own from the chunk cache's directory, the same tree as in
+// process; what that process cannot read or verify fails the build with
+// its reason.
+func TestBuildProcess(t *testing.T) {
+	requireRoot(t)
+	blob, toc, cache := cachedLayer(t, buildTar(t, allKinds()))
+	tocOff, tocSize, err := layerfmt.TOCRange(blob[len(blob)-layerfmt.FooterSize:], int64(len(blob)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	encoded := blob[tocOff : tocOff+tocSize]
+	tocDigest := digest.FromBytes(encoded)
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	open := func() *Store {
+		s, err := Open(context.Background(), t.TempDir(), cache)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Close)
+		s.SetBuildCommand([]string{self})
+		return s
+	}
+	src := Source{TOC: toc, Chunks: cache, TOCDigest: tocDigest, ChunkDir: cache.Dir()}
+	d := digest.FromString("layer")
+
+	// The encoded TOC is not in the cache yet: only the process reads it.
+	s := open()
+	err = buildNow(t, s, d, src)
+	if err == nil || !strings.Contains(err.Error(), "build process") || !strings.Contains(err.Error(), tocDigest.String()) {
+		t.Fatalf("build without the TOC in the cache: %v; want the build process's error naming the TOC", err)
+	}
+	if _, ok := s.Dir(d); ok {
+		t.Fatal("a copy after a failed build")
+	}
+
+	if err := cache.Put(tocDigest, encoded); err != nil {
+		t.Fatal(err)
+	}
+	if err := buildNow(t, s, d, src); err != nil {
+		t.Fatalf("build: %v", err)
+	}
+	got, ok := s.Dir(d)
+	if !ok {
+		t.Fatal("no copy after a successful build")
+	}
+	if st := s.Stats(); st.Builds != 1 || st.ProcessBuilds != 2 {
+		t.Fatalf("stats %+v, want 1 build, 2 in a process", st)
+	}
+	want := filepath.Join(t.TempDir(), "tree")
+	if err := BuildTree(context.Background(), want, toc, cache); err != nil {
+		t.Fatal(err)
+	}
+	w, g := describe(t, want), describe(t, got)
+	if len(w) < 50 || !maps.Equal(w, g) {
+		t.Fatalf("the process built a different tree:\n got  %v\n want %v", g, w)
+	}
+
+	// A chunk damaged on disk: the process refuses it.
+	f := toc.Frame(toc.NumFrames() / 2)
+	p := filepath.Join(cache.Dir(), f.Digest.Algorithm().String(), f.Digest.Encoded()[:2], f.Digest.Encoded())
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)/2] ^= 1
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s = open()
+	if err := buildNow(t, s, d, src); err == nil || !strings.Contains(err.Error(), ErrChunkMissing.Error()) {
+		t.Fatalf("build over a damaged chunk: %v; want %q", err, ErrChunkMissing)
 	}
 }

@@ -74,6 +74,10 @@ func TestNativeLower(t *testing.T) {
 	env.RunContainer(t, image, testenv.RunOptions{Snapshotter: "envsnap", Args: []string{"sha256sum", f.Path}})
 	waitFilled(t, env, time.Minute)
 	st := waitNativeCopies(t, env, len(img.Layers), time.Minute)
+	// serve has them built by processes of their own.
+	if st.Native.ProcessBuilds != st.Native.Builds {
+		t.Errorf("%d of %d native copies built in a process of their own, want all", st.Native.ProcessBuilds, st.Native.Builds)
+	}
 	if st.Cache.Charged != st.Native.Size || st.Native.Size == 0 {
 		t.Errorf("native copies take %d bytes but the cache has %d charged", st.Native.Size, st.Cache.Charged)
 	}
