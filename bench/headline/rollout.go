@@ -132,8 +132,13 @@ type RolloutIteration struct {
 	// request to the model), summed over rollouts, over the summed
 	// rollout time (submit to end), as WeEnv reports it.
 	InitShare float64 `json:"init_share"`
-	Ready     Summary `json:"ready_s"`
-	Rollout   Summary `json:"rollout_s"`
+	// InitShareFloor is the least InitShare the environments' own work
+	// before ready allows on the node's cores (initShareFloor); InitCPU
+	// that work per environment.
+	InitShareFloor float64 `json:"init_share_floor"`
+	InitCPU        Summary `json:"init_cpu_s"`
+	Ready          Summary `json:"ready_s"`
+	Rollout        Summary `json:"rollout_s"`
 	// Queue is the time from submit to admission (fixed quotas).
 	Queue Summary `json:"queue_s"`
 	// Where ready goes, per rollout: Pull from admission to the image on
@@ -248,7 +253,11 @@ type RolloutRun struct {
 	// largest; 0 when no sample caught the container running.
 	MemoryMiB float64 `json:"memory_mib"`
 	PeakMiB   float64 `json:"peak_mib"`
-	Error     string  `json:"error,omitempty"`
+	// InitCPU is the CPU time the environment's cgroup had used when
+	// its agent first called the model (read just after, while the agent
+	// waits), seconds; 0 when it could not be read.
+	InitCPU float64 `json:"init_cpu_s"`
+	Error   string  `json:"error,omitempty"`
 }
 
 // arbiterGapLine is what an envlet shim logs when its node arbiter
@@ -319,6 +328,8 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 	if err != nil {
 		return nil, err
 	}
+	initCPU := &initCPURecorder{env: denv, cpu: map[string]map[string]float64{}}
+	stub.OnFirstRequest = initCPU.record
 	ln, err := br.Nodes[0].Listen(ctx, gatewayPort)
 	if err != nil {
 		return nil, err
@@ -354,7 +365,7 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 	if err != nil {
 		return nil, err
 	}
-	rb := &rolloutBench{bench: b, cfg: cfg, stub: stub, gateway: gw, allow: allow, nodes: br.Nodes[1:], envs: envs, memTotal: memTotal}
+	rb := &rolloutBench{bench: b, cfg: cfg, stub: stub, gateway: gw, allow: allow, nodes: br.Nodes[1:], envs: envs, memTotal: memTotal, initCPU: initCPU}
 	for _, sys := range cfg.Systems {
 		cfg.logf("%-18s %d rollouts from an empty node", sys, cfg.Rollouts)
 		it, err := rb.iteration(ctx, sys)
@@ -420,6 +431,7 @@ type rolloutBench struct {
 	nodes    []netshape.BridgeNode
 	envs     []env
 	memTotal int64
+	initCPU  *initCPURecorder
 	// agent is the User-Agent the agent CLI sent the model.
 	agentOnce sync.Once
 	agent     string
@@ -514,7 +526,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	it.Timeline, _, it.NodeMemoryPeak = smp.timeline(start)
 	it.PeakConcurrent = int(running.peak.Load())
 	it.NodeMemoryPeak += it.NodeMemoryBase
-	var ready, total, queue, pull, startup, agent, envMem, envPeak []float64
+	var ready, total, queue, pull, startup, agent, envMem, envPeak, initCPU []float64
 	var readySum, totalSum float64
 	for i := range it.Runs {
 		r := &it.Runs[i]
@@ -526,6 +538,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 		}
 		ready, total, queue = append(ready, r.Ready.Seconds()), append(total, r.End.Seconds()), append(queue, r.Admitted.Seconds())
 		readySum, totalSum = readySum+r.Ready.Seconds(), totalSum+r.End.Seconds()
+		initCPU = append(initCPU, r.InitCPU)
 		if r.Started > 0 {
 			pull = append(pull, (r.Pulled - r.Admitted).Seconds())
 			startup = append(startup, (r.Started - r.Pulled).Seconds())
@@ -541,7 +554,66 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	if totalSum > 0 {
 		it.InitShare = readySum / totalSum
 	}
+	it.InitCPU = summarize(initCPU)
+	it.InitShareFloor = initShareFloor(it.Runs, it.Cores)
 	return it, nil
+}
+
+// initShareFloor is the least init share (InitShare) the environments'
+// own work before ready allows on cores, with the batch's times after
+// ready as measured: each environment needs its InitCPU before it is
+// ready, and no schedule of that work on the cores gives a smaller sum
+// of ready times than running it shortest first at the speed of every
+// core together (environment k ready when the k shortest are done).
+// Failed rollouts are left out; 0 when nothing was measured.
+func initShareFloor(runs []RolloutRun, cores int) float64 {
+	if cores <= 0 {
+		return 0
+	}
+	var work []float64
+	after := 0.0
+	for _, r := range runs {
+		if r.Error != "" {
+			continue
+		}
+		work = append(work, r.InitCPU)
+		after += (r.End - r.Ready).Seconds()
+	}
+	slices.Sort(work)
+	done, readySum := 0.0, 0.0
+	for _, c := range work {
+		done += c / float64(cores)
+		readySum += done
+	}
+	if readySum+after <= 0 {
+		return 0
+	}
+	return readySum / (readySum + after)
+}
+
+// initCPURecorder holds, by rollout key, every container's CPU time read
+// at the rollout's first model request (modelstub.Server.OnFirstRequest).
+type initCPURecorder struct {
+	env *devenv.Env
+	mu  sync.Mutex
+	cpu map[string]map[string]float64
+}
+
+func (rec *initCPURecorder) record(key string) {
+	cpu := map[string]float64{}
+	for id, st := range containerStats(rec.env) {
+		cpu[id] = st.cpu
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	rec.cpu[key] = cpu
+}
+
+// of is container's CPU time read at rollout key's first request.
+func (rec *initCPURecorder) of(key, container string) float64 {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	return rec.cpu[key][container]
 }
 
 // agentEnv is what the agent CLI needs to run offline against the model
@@ -607,6 +679,7 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 	out, refused, err := rb.env.RunAdmitted(ctx, img, opts, rb.cfg.Timeout-time.Since(start))
 	r.Retries = refused
 	r.End, r.Container = time.Since(start), out.ID
+	r.InitCPU = rb.initCPU.of(key, out.ID)
 	o, _ := rb.stub.Outcome(key)
 	if !o.FirstRequest.IsZero() {
 		r.Ready = o.FirstRequest.Sub(start)
@@ -875,7 +948,11 @@ func (rep *RolloutReport) Comparison() string {
 		}
 		parts = append(parts, floor)
 	}
-	parts = append(parts, fmt.Sprintf("environment initialisation %.1f%% of rollout time", 100*e.InitShare))
+	init := fmt.Sprintf("environment initialisation %.1f%% of rollout time", 100*e.InitShare)
+	if e.InitShareFloor > 0 {
+		init += fmt.Sprintf(" (floor on this node %.1f%%: its environments' own CPU before ready, %.1f CPU-s median, run shortest first on %d cores)", 100*e.InitShareFloor, e.InitCPU.Median, e.Cores)
+	}
+	parts = append(parts, init)
 	if sq != nil {
 		parts = append(parts, fmt.Sprintf("%.1fx the peak concurrent environments of the status quo (%d vs %d)", ratio(float64(e.PeakConcurrent), float64(sq.PeakConcurrent)), e.PeakConcurrent, sq.PeakConcurrent))
 	}

@@ -2,6 +2,7 @@ package headline
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -204,6 +205,37 @@ func TestRolloutThinkFloor(t *testing.T) {
 		if got := rep.ThinkFloor(sys); got != want {
 			t.Errorf("%s: think floor %.1f s, want %.1f s", sys, got, want)
 		}
+	}
+}
+
+func TestInitShareFloor(t *testing.T) {
+	sec := func(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+	runs := []RolloutRun{
+		// Needs 4 CPU-s before ready; 50 s after it.
+		{InitCPU: 4, Ready: sec(30), End: sec(80)},
+		{InitCPU: 2, Ready: sec(20), End: sec(70)},
+		{InitCPU: 6, Ready: sec(40), End: sec(90)},
+		// Failed: left out, whatever it used.
+		{InitCPU: 0.1, Ready: sec(1), End: sec(500), Error: "timeout"},
+	}
+	// Shortest first on 2 cores: ready at 1, 1+2, 1+2+3 s: 10 s in all,
+	// against 150 s after ready.
+	if got, want := initShareFloor(runs, 2), 10.0/160; math.Abs(got-want) > 1e-12 {
+		t.Errorf("floor %.6f, want %.6f", got, want)
+	}
+	// The measured share is never below it.
+	ready, total := 0.0, 0.0
+	for _, r := range runs[:3] {
+		ready, total = ready+r.Ready.Seconds(), total+r.End.Seconds()
+	}
+	if share := ready / total; share < initShareFloor(runs, 2) {
+		t.Errorf("share %.3f below its floor", share)
+	}
+	if got := initShareFloor(runs, 0); got != 0 {
+		t.Errorf("floor without cores %v, want 0", got)
+	}
+	if got := initShareFloor(nil, 2); got != 0 {
+		t.Errorf("floor of no rollouts %v, want 0", got)
 	}
 }
 

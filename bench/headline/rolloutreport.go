@@ -115,7 +115,7 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 	if s := rep.Comparison(); s != "" {
 		fmt.Fprintf(&b, "**%s.**\n\n", s)
 	}
-	fmt.Fprintf(&b, "| system | admitted at once | makespan | init share | ready p50 | ready p95 | rollout p50 | rollout p95 | rollout max | peak envs | node memory peak | env memory p50 | registry MiB | failed | admission retries |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| system | admitted at once | makespan | init share | init share floor | ready p50 | ready p95 | rollout p50 | rollout p95 | rollout max | peak envs | node memory peak | env memory p50 | registry MiB | failed | admission retries |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, sys := range rep.Order {
 		it := rep.Systems[sys]
 		if it == nil {
@@ -125,10 +125,11 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 		if it.Slots > 0 {
 			slots = fmt.Sprint(it.Slots)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %.1f s | %.1f%% | %.1f s | %.1f s | %.1f s | %.1f s | %.1f s | %d | %.0f MiB | %.0f MiB | %.1f | %d | %d |\n",
-			sys, slots, it.Makespan.Seconds(), 100*it.InitShare, it.Ready.Median, it.Ready.P95, it.Rollout.Median, it.Rollout.P95, it.Rollout.Max,
+		fmt.Fprintf(&b, "| %s | %s | %.1f s | %.1f%% | %.1f%% | %.1f s | %.1f s | %.1f s | %.1f s | %.1f s | %d | %.0f MiB | %.0f MiB | %.1f | %d | %d |\n",
+			sys, slots, it.Makespan.Seconds(), 100*it.InitShare, 100*it.InitShareFloor, it.Ready.Median, it.Ready.P95, it.Rollout.Median, it.Rollout.P95, it.Rollout.Max,
 			it.PeakConcurrent, float64(it.NodeMemoryPeak-it.NodeMemoryBase)/(1<<20), it.EnvMemory.Median, float64(it.RegistryBytes)/(1<<20), it.Failed, it.AdmissionRetries)
 	}
+	fmt.Fprintf(&b, "\nInit share floor: the least init share that the environments' own work before ready allows on the node's cores, with the batch's times after ready as measured. Each environment's cgroup CPU time is read at its agent's first request to the model; no schedule of that work gives a smaller sum of ready times than running it shortest first at the speed of every core together. The daemons' work (pulls, unpacking, serving lazy reads) is not in it, so it is the same bound for every runtime given the same work; the gap to the measured share is what the runtime and the crowd of starts add.\n")
 	fmt.Fprintf(&b, "\nWhere ready goes, per rollout (p50 / p95, seconds): waiting for admission, then the image pulled (for envsnap its manifest and config; layers mount on demand), then the snapshot, container and task created until the container's shell ran, then the agent CLI's own start until its first request (its files read: lazily on envsnap).\n\n| system | queue | pull | create + start | agent start |\n|---|---|---|---|---|\n")
 	for _, sys := range rep.Order {
 		if it := rep.Systems[sys]; it != nil {

@@ -21,8 +21,13 @@ type Server struct {
 	// PingEvery is the period of the SSE ping events sent while thinking,
 	// as the API keeps a slow stream alive.
 	PingEvery time.Duration
-	now       func() time.Time
-	sleep     func(r *http.Request, d time.Duration) error
+	// OnFirstRequest, when set before the server serves, is called on a
+	// goroutine of its own with a rollout's key at its first request:
+	// the moment the environment became ready, while its agent waits on
+	// the model.
+	OnFirstRequest func(key string)
+	now            func() time.Time
+	sleep          func(r *http.Request, d time.Duration) error
 
 	mu       sync.Mutex
 	rollouts map[string]*rollout
@@ -249,6 +254,9 @@ func (s *Server) messages(w http.ResponseWriter, r *http.Request, key string) {
 	ro.out.Requests++
 	if ro.out.FirstRequest.IsZero() {
 		ro.out.FirstRequest, ro.out.UserAgent = now, r.UserAgent()
+		if s.OnFirstRequest != nil {
+			go s.OnFirstRequest(key)
+		}
 	}
 	script, sample := ro.script, ro.sample
 	side := !offers(req.Tools, script)

@@ -235,6 +235,8 @@ func TestEpisodeCompletes(t *testing.T) {
 	for _, stream := range []bool{true, false} {
 		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
 			s, hs, log := newTestServer(t)
+			firsts := make(chan string, 100)
+			s.OnFirstRequest = func(key string) { firsts <- key }
 			s.Register("rollout-7", "uuid-hash/0", testScript())
 			a := &agent{t: t, url: hs.URL, key: "rollout-7", stream: stream}
 			exec, ran := repoExec(t, "")
@@ -255,6 +257,9 @@ func TestEpisodeCompletes(t *testing.T) {
 			}
 			if o.Requests != len(want)+1 || o.Steps != len(want) || o.FirstRequest.IsZero() || o.Think != time.Duration(len(want)+1)*10*time.Millisecond || o.UserAgent != "test-agent/1.0" {
 				t.Fatalf("outcome %+v", o)
+			}
+			if key := <-firsts; key != "rollout-7" || len(firsts) != 0 {
+				t.Fatalf("first request reported for %q, then %d more times", key, len(firsts))
 			}
 			if stream {
 				for i, ev := range a.events {

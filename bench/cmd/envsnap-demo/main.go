@@ -107,6 +107,8 @@ func run(ctx context.Context, cfg headline.RolloutConfig) error {
 			float64(it.NodeMemoryPeak-it.NodeMemoryBase)/(1<<20), it.EnvMemory.Median, it.Failed)
 		fmt.Printf("%-14s %-12s ready p50 split: queue %.1f s, pull %.1f s, create+start %.1f s, agent start %.1f s\n", "", "",
 			it.Queue.Median, it.Pull.Median, it.Start.Median, it.Agent.Median)
+		fmt.Printf("%-14s %-12s init share floor %.1f%%: each environment's own CPU before ready (p50 %.2f s, max %.2f s), run shortest first on %d cores\n", "", "",
+			100*it.InitShareFloor, it.InitCPU.Median, it.InitCPU.Max, it.Cores)
 		if it.DaemonGC != nil {
 			fmt.Printf("%-14s %-12s envsnap daemon's garbage collector: %s\n", "", "", it.DaemonGC)
 		}
