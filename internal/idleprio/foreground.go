@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,16 +29,12 @@ import (
 // own (a systemd service on cgroup v2), the cgroup's weight decides
 // instead, and nice only ranks the daemon's threads among themselves.
 func RaiseForeground(nice int) error {
-	tasks, err := os.ReadDir("/proc/self/task")
+	tids, err := processThreads(os.Getpid())
 	if err != nil {
-		return fmt.Errorf("list the daemon's threads: %w", err)
+		return err
 	}
 	var errs []error
-	for _, e := range tasks {
-		tid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
+	for _, tid := range tids {
 		// PRIO_PROCESS with a thread id sets that thread alone on Linux.
 		if err := unix.Setpriority(unix.PRIO_PROCESS, tid, nice); err != nil && !errors.Is(err, unix.ESRCH) {
 			errs = append(errs, fmt.Errorf("set nice %d on thread %d: %w", nice, tid, err))
