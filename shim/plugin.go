@@ -54,6 +54,13 @@ func init() {
 		ID:       "task",
 		Requires: []plugin.Type{plugins.EventPlugin, plugins.InternalPlugin},
 		InitFn: func(ic *plugin.InitContext) (any, error) {
+			// containerd's shim library logs through the log pipe's own
+			// descriptor, of which stderr is a copy. Through stderr, the
+			// log follows the pipe a shared shim moves it to when the
+			// container it was started for is deleted
+			// (Service.handOverLog, attachLog); through the first
+			// descriptor, every line after that delete was lost.
+			log.G(ic.Context).Logger.SetOutput(os.Stderr)
 			pp, err := ic.GetByID(plugins.EventPlugin, "publisher")
 			if err != nil {
 				return nil, err

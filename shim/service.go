@@ -263,6 +263,13 @@ func (s *Service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (*ta
 	s.creates++
 	s.bundles[r.ID] = r.Bundle
 	s.created[r.ID] = true
+	if s.logDir == "" {
+		// A lingering shim whose containers were all deleted has no
+		// log pipe containerd reads: this container's is.
+		if err := s.attachLog(r.Bundle); err != nil {
+			log.G(ctx).WithError(err).WithField("id", r.ID).Warn("envlet: log through the new container's log pipe")
+		}
+	}
 	s.mu.Unlock()
 	ph := phases{t: time.Now()}
 	if s.opts.ConfigErr != nil {
@@ -952,7 +959,8 @@ func (s *Service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 // handOverLog moves the shim's log (its stderr) to the log pipe of
 // another container it serves when the container id, whose pipe it is,
 // is deleted: containerd reads a container's pipe only until it deletes
-// the container, and a shared shim serves the others on.
+// the container, and a shared shim serves the others on. With none left,
+// the next container's Create takes the log (a lingering shim).
 func (s *Service) handOverLog(ctx context.Context, id string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -961,26 +969,34 @@ func (s *Service) handOverLog(ctx context.Context, id string) {
 	if gone == "" || gone != s.logDir {
 		return
 	}
+	s.logDir = ""
 	for next, dir := range s.bundles {
-		// containerd holds each bundle's pipe open for reading while the
-		// container lives, so this open does not block.
-		fd, err := unix.Open(filepath.Join(dir, "log"), unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-		if err != nil {
+		if err := s.attachLog(dir); err != nil {
 			log.G(ctx).WithError(err).WithField("id", next).Warn("envlet: open the log pipe of another container")
 			continue
 		}
-		// Blocking writes, as on the pipe we were started with.
-		_ = unix.SetNonblock(fd, false)
-		err = unix.Dup3(fd, int(os.Stderr.Fd()), 0)
-		unix.Close(fd)
-		if err != nil {
-			log.G(ctx).WithError(err).Warn("envlet: move the shim's log")
-			return
-		}
-		s.logDir = dir
 		log.G(ctx).WithField("from", id).WithField("to", next).Info("envlet: shim log moved")
 		return
 	}
+}
+
+// attachLog makes the log pipe of bundle dir the shim's stderr, where
+// its log goes. containerd opens a bundle's pipe for reading before it
+// starts or joins the shim for the container, and keeps it open while
+// the container lives, so the open does not block. Called with s.mu held.
+func (s *Service) attachLog(dir string) error {
+	fd, err := unix.Open(filepath.Join(dir, "log"), unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	// Blocking writes, as on the pipe we were started with.
+	_ = unix.SetNonblock(fd, false)
+	if err := unix.Dup3(fd, int(os.Stderr.Fd()), 0); err != nil {
+		return fmt.Errorf("move the shim's log: %w", err)
+	}
+	s.logDir = dir
+	return nil
 }
 
 // Exec relays the new process's output through the environment's output

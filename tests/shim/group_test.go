@@ -3,6 +3,7 @@ package shim_test
 import (
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -123,6 +124,67 @@ func alive(pid int) bool {
 	}
 	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
 	return len(f) > 0 && f[0] != "Z"
+}
+
+// TestLingeringShimLogs: a container that joins a shared shim whose
+// containers were all deleted (the shim lingers for the next) has its
+// shim's log in containerd's log. The shim's log used to stay on the
+// deleted container's pipe, which containerd no longer read: every
+// line after the first container's delete was lost.
+func TestLingeringShimLogs(t *testing.T) {
+	s := newSuite(t, node{groupSize: "3"})
+	ann := map[string]string{"initial-cpu": "0.25", "initial-memory": "128Mi"}
+	ctx := s.env.Context()
+	// The next container must reach the shim within its linger
+	// (shim.GroupLinger); a slow node gets three tries.
+	for try := 1; ; try++ {
+		first, err := s.run(t, ann, "-mode", "idle", "-hold", "30m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		shim, err := shimPid(first)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := first.task.Delete(ctx, client.WithProcessKill); err != nil {
+			t.Fatal(err)
+		}
+		next, err := s.run(t, ann, "-mode", "idle", "-hold", "30m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid, err := shimPid(next)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pid != shim {
+			if try == 3 {
+				t.Fatalf("no container joined its group's lingering shim in %d tries (shim %d, then %d)", try, shim, pid)
+			}
+			t.Logf("try %d: %s started on shim %d, not the lingering %d", try, next.id, pid, shim)
+			continue
+		}
+		created := regexp.MustCompile(`msg="envlet: created".* id=` + regexp.QuoteMeta(next.id) + `(\s|$)`)
+		var logged bool
+		for deadline := time.Now().Add(10 * time.Second); !logged && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			raw, err := os.ReadFile(s.env.Containerd.LogPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			logged = created.Match(raw)
+		}
+		if !logged {
+			raw, _ := os.ReadFile(s.env.Containerd.LogPath)
+			var lines []string
+			for _, l := range strings.Split(string(raw), "\n") {
+				if strings.Contains(l, "envlet") {
+					lines = append(lines, l)
+				}
+			}
+			t.Fatalf("containerd's log has no \"envlet: created\" line of %s, which joined lingering shim %d; its envlet lines:\n%s", next.id, shim, strings.Join(lines, "\n"))
+		}
+		return
+	}
 }
 
 // TestSharedShimStartsTogether starts a group's containers at once, the
