@@ -33,6 +33,7 @@ import (
 	"github.com/containerd/log"
 	"github.com/containerd/plugin"
 	"github.com/containerd/plugin/registry"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
 	"github.com/envsnap/envsnap/internal/lsm"
@@ -60,6 +61,11 @@ func init() {
 			// container it was started for is deleted
 			// (Service.handOverLog, attachLog); through the first
 			// descriptor, every line after that delete was lost.
+			// stderr shares that descriptor's non-blocking mode, in
+			// which a full pipe fails a write (EAGAIN, the line
+			// dropped) where the library's file waited: blocking, it
+			// waits too.
+			_ = unix.SetNonblock(int(os.Stderr.Fd()), false)
 			log.G(ic.Context).Logger.SetOutput(os.Stderr)
 			pp, err := ic.GetByID(plugins.EventPlugin, "publisher")
 			if err != nil {
