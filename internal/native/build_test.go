@@ -22,6 +22,7 @@ import (
 
 	"github.com/containerd/containerd/v2/pkg/archive"
 	"github.com/containerd/containerd/v2/pkg/archive/compression"
+	"github.com/opencontainers/go-digest"
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/chunkcache"
@@ -238,7 +239,19 @@ func TestBuildTreeCorruptChunk(t *testing.T) {
 	if !ok {
 		t.Fatal("bin/tool not in TOC")
 	}
-	d := toc.Chunk(i, 1).Digest
+	damageChunk(t, cache, toc.Chunk(i, 1).Digest)
+	err := BuildTree(context.Background(), filepath.Join(t.TempDir(), "tree"), toc, cache)
+	if !errors.Is(err, ErrChunkMissing) {
+		t.Fatalf("BuildTree with a corrupt chunk: %v, want ErrChunkMissing", err)
+	}
+	if cache.Stats().Corrupt != 1 {
+		t.Errorf("cache reported %d corrupt entries, want 1", cache.Stats().Corrupt)
+	}
+}
+
+// damageChunk flips a byte in the middle of chunk d's file in cache.
+func damageChunk(t testing.TB, cache *chunkcache.Cache, d digest.Digest) {
+	t.Helper()
 	p := filepath.Join(cache.Dir(), d.Algorithm().String(), d.Encoded()[:2], d.Encoded())
 	b, err := os.ReadFile(p)
 	if err != nil {
@@ -247,13 +260,6 @@ func TestBuildTreeCorruptChunk(t *testing.T) {
 	b[len(b)/2] ^= 0xff
 	if err := os.WriteFile(p, b, 0o600); err != nil {
 		t.Fatal(err)
-	}
-	err = BuildTree(context.Background(), filepath.Join(t.TempDir(), "tree"), toc, cache)
-	if !errors.Is(err, ErrChunkMissing) {
-		t.Fatalf("BuildTree with a corrupt chunk: %v, want ErrChunkMissing", err)
-	}
-	if cache.Stats().Corrupt != 1 {
-		t.Errorf("cache reported %d corrupt entries, want 1", cache.Stats().Corrupt)
 	}
 }
 

@@ -301,16 +301,7 @@ func TestBuildProcess(t *testing.T) {
 	}
 
 	// A chunk damaged on disk: the process refuses it.
-	f := toc.Frame(toc.NumFrames() / 2)
-	p := filepath.Join(cache.Dir(), f.Digest.Algorithm().String(), f.Digest.Encoded()[:2], f.Digest.Encoded())
-	b, err := os.ReadFile(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b[len(b)/2] ^= 1
-	if err := os.WriteFile(p, b, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	damageChunk(t, cache, toc.Frame(toc.NumFrames()/2).Digest)
 	s = open()
 	if err := buildNow(t, s, d, src); err == nil || !strings.Contains(err.Error(), ErrChunkMissing.Error()) {
 		t.Fatalf("build over a damaged chunk: %v; want %q", err, ErrChunkMissing)
