@@ -89,19 +89,64 @@ func startRegistry(dir string, n RegistryNetwork, ip string) (_ *Registry, retEr
 	if err != nil {
 		return nil, err
 	}
+	storage := filepath.Join(dir, "registry")
+	if err := os.MkdirAll(storage, 0o700); err != nil {
+		return nil, err
+	}
+	// The proxy's port is taken before the registry's is picked: picked
+	// after, the kernel could hand it the port freePort just closed, and the
+	// proxy would forward to itself until it ran out of descriptors.
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		return nil, err
+	}
+	r := &Registry{StorageDir: storage, Host: ln.Addr().String(), perBlob: map[string]int64{}}
+	proxy := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: "http"})
+	direct := proxy.Director
+	proxy.Director = func(req *http.Request) {
+		direct(req)
+		r.mu.Lock()
+		req.URL.Host = r.backend
+		r.mu.Unlock()
+	}
+	// Connection errors while the backend starts are expected; the readiness
+	// poll reports real failures.
+	proxy.ErrorLog = log.New(io.Discard, "", 0)
+	r.server = &http.Server{Handler: r.handler(proxy), ReadHeaderTimeout: 10 * time.Second}
+	go r.server.Serve(ln)
+	defer func() {
+		if retErr != nil {
+			r.Close()
+		}
+	}()
+
+	// Another process can bind the picked port before the registry does; a
+	// fresh port is picked then, a few times.
+	const attempts = 3
+	for attempt := 1; ; attempt++ {
+		err := r.startBackend(dir, bin, storage, n)
+		if err == nil {
+			return r, nil
+		}
+		if n != nil || attempt == attempts || r.proc == nil || !r.proc.LogContains("address already in use") {
+			return nil, err
+		}
+		r.proc.Stop(10 * time.Second)
+	}
+}
+
+// startBackend starts the registry process behind the proxy and waits
+// until /v2/ answers through it.
+func (r *Registry) startBackend(dir, bin, storage string, n RegistryNetwork) error {
 	listen := ""
 	if n != nil {
 		listen = n.ListenAddr()
 	} else {
 		port, err := freePort()
 		if err != nil {
-			return nil, err
+			return err
 		}
 		listen = fmt.Sprintf("127.0.0.1:%d", port)
-	}
-	storage := filepath.Join(dir, "registry")
-	if err := os.MkdirAll(storage, 0o700); err != nil {
-		return nil, err
 	}
 	cfg := fmt.Sprintf(`version: 0.1
 log:
@@ -118,44 +163,30 @@ http:
 `, storage, listen)
 	cfgPath := filepath.Join(dir, "registry.yml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
-		return nil, err
+		return err
 	}
-	r := &Registry{StorageDir: storage, backend: listen, perBlob: map[string]int64{}}
 	cmd := exec.Command(bin, "serve", cfgPath)
 	if n != nil {
 		cmd = n.Command(bin, "serve", cfgPath)
 	}
-	if r.proc, err = StartCommand(dir, "registry", nil, cmd); err != nil {
-		return nil, err
+	proc, err := StartCommand(dir, "registry", nil, cmd)
+	if err != nil {
+		return err
 	}
-	defer func() {
-		if retErr != nil {
-			r.Close()
-		}
-	}()
+	r.mu.Lock()
+	r.proc, r.backend = proc, listen
+	r.mu.Unlock()
 	if n != nil {
 		front, closer, err := n.Front(listen)
 		if err != nil {
-			return nil, fmt.Errorf("registry network: %w", err)
+			return fmt.Errorf("registry network: %w", err)
 		}
+		r.mu.Lock()
 		r.backend, r.front = front, closer
+		r.mu.Unlock()
 	}
-
-	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
-	if err != nil {
-		return nil, err
-	}
-	r.Host = ln.Addr().String()
-	target := &url.URL{Scheme: "http", Host: r.backend}
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	// Connection errors while the backend starts are expected; the readiness
-	// poll below reports real failures.
-	proxy.ErrorLog = log.New(io.Discard, "", 0)
-	r.server = &http.Server{Handler: r.handler(proxy), ReadHeaderTimeout: 10 * time.Second}
-	go r.server.Serve(ln)
-
 	if err := waitFor(20*time.Second, "registry to answer /v2/", func() error {
-		if exited, err := r.proc.Exited(); exited {
+		if exited, err := proc.Exited(); exited {
 			return fmt.Errorf("registry exited: %v", err)
 		}
 		resp, err := http.Get("http://" + r.Host + "/v2/")
@@ -168,9 +199,9 @@ http:
 		}
 		return nil
 	}); err != nil {
-		return nil, fmt.Errorf("start registry: %w\n%s", err, r.proc.LogTail(30))
+		return fmt.Errorf("start registry: %w\n%s", err, proc.LogTail(30))
 	}
-	return r, nil
+	return nil
 }
 
 func (r *Registry) handler(next http.Handler) http.Handler {
@@ -218,7 +249,9 @@ func (r *Registry) Close() {
 	if r.front != nil {
 		r.front.Close()
 	}
-	r.proc.Stop(10 * time.Second)
+	if r.proc != nil {
+		r.proc.Stop(10 * time.Second)
+	}
 }
 
 // Intercept installs f in front of the registry; when f returns true it has
