@@ -142,11 +142,11 @@ func (r *Registry) startBackend(dir, bin, storage string, n RegistryNetwork) err
 	if n != nil {
 		listen = n.ListenAddr()
 	} else {
-		port, err := freePort()
+		ports, err := FreePorts(1)
 		if err != nil {
 			return err
 		}
-		listen = fmt.Sprintf("127.0.0.1:%d", port)
+		listen = fmt.Sprintf("127.0.0.1:%d", ports[0])
 	}
 	cfg := fmt.Sprintf(`version: 0.1
 log:
@@ -339,11 +339,18 @@ func WriteHostsDir(dir, host string) error {
 	return os.WriteFile(filepath.Join(hostDir, "hosts.toml"), []byte(toml), 0o644)
 }
 
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
+// FreePorts returns n distinct TCP ports free on the loopback now. All n
+// are held until the last is picked, so none is returned twice; another
+// process can still bind one before the caller does.
+func FreePorts(n int) ([]int, error) {
+	ports := make([]int, 0, n)
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("pick a free loopback port: %w", err)
+		}
+		defer ln.Close()
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return ports, nil
 }

@@ -32,6 +32,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/envsnap/envsnap/internal/devenv"
 	"github.com/envsnap/envsnap/internal/egress"
 	"github.com/envsnap/envsnap/internal/prereq"
 	"github.com/envsnap/envsnap/tests/testenv"
@@ -78,7 +79,11 @@ func TestEgressAllowList(t *testing.T) {
 
 	// The arbiter's metrics port, given without a host as in the
 	// DaemonSet: it must not be on the node's addresses.
-	metricsPort := freePort(t)
+	ports, err := devenv.FreePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsPort := ports[0]
 	cfgPath := filepath.Join(dir, "envlet.toml")
 	socket := filepath.Join(dir, "arbiter.sock")
 	writeFile(t, cfgPath, fmt.Sprintf(`[policy]
@@ -376,16 +381,6 @@ func listenGreeting(t *testing.T, addr string) {
 			c.Close()
 		}
 	}()
-}
-
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func writeFile(t *testing.T, path, s string) {

@@ -537,7 +537,11 @@ func startControlPlane(t *testing.T, dir, kbin string) *cluster {
 	p.issue(t, "kubelet", "system:node:"+nodeName, []string{"system:nodes"}, nil, nil)
 	p.serviceAccountKey(t)
 
-	etcdClient, etcdPeer := freePort(t), freePort(t)
+	ports, err := devenv.FreePorts(5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	etcdClient, etcdPeer, apiPort, controllerPort, schedulerPort := ports[0], ports[1], ports[2], ports[3], ports[4]
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdClient)
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPeer)
 	testenv.StartProcess(t, dir, "etcd", nil, filepath.Join(kbin, "etcd"),
@@ -546,7 +550,7 @@ func startControlPlane(t *testing.T, dir, kbin string) *cluster {
 		"--listen-peer-urls", peerURL, "--initial-advertise-peer-urls", peerURL,
 		"--initial-cluster", "default="+peerURL, "--log-level", "warn")
 
-	c := &cluster{dir: dir, bin: kbin, apiPort: freePort(t), kubeconfig: filepath.Join(dir, "admin.conf")}
+	c := &cluster{dir: dir, bin: kbin, apiPort: apiPort, kubeconfig: filepath.Join(dir, "admin.conf")}
 	if d, ok := t.Deadline(); ok {
 		c.deadline = d.Add(-5 * time.Minute)
 	}
@@ -581,7 +585,7 @@ func startControlPlane(t *testing.T, dir, kbin string) *cluster {
 		"--kubeconfig", filepath.Join(dir, "controller-manager.conf"),
 		"--authentication-kubeconfig", filepath.Join(dir, "controller-manager.conf"),
 		"--authorization-kubeconfig", filepath.Join(dir, "controller-manager.conf"),
-		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(freePort(t)),
+		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(controllerPort),
 		"--leader-elect=false", "--use-service-account-credentials",
 		"--service-account-private-key-file", p.path("sa.key"),
 		"--root-ca-file", p.path("ca.crt"),
@@ -590,7 +594,7 @@ func startControlPlane(t *testing.T, dir, kbin string) *cluster {
 		"--kubeconfig", filepath.Join(dir, "scheduler.conf"),
 		"--authentication-kubeconfig", filepath.Join(dir, "scheduler.conf"),
 		"--authorization-kubeconfig", filepath.Join(dir, "scheduler.conf"),
-		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(freePort(t)),
+		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(schedulerPort),
 		"--leader-elect=false")
 	return c
 }
@@ -820,17 +824,6 @@ func (g *guest) stop(t *testing.T, share string) {
 		<-g.exited
 	}
 	t.Logf("guest console log: %s", g.console)
-}
-
-// freePort returns a TCP port free on the loopback now.
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func copyFile(t *testing.T, src, dst string) {
