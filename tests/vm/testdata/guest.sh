@@ -393,6 +393,39 @@ fi
 crictl rm "$C2" >/dev/null
 rm -f /var/lib/vmtest/mem/*
 
+# --- CPU tiers on cgroup v2: best-effort is cpu.idle, latency weighs 1000 ---
+# A latency-tier environment times a fixed shell loop alone, then while a
+# best-effort one, started first (the order that used to hurt on v1),
+# spins on both vCPUs. The slowdown is logged, not asserted: the guest's
+# vCPUs share the host with whatever else runs there.
+CL=$(run_ctr "$POD" latency "exec sleep 100000" '{"io.envsnap.envlet.tier": "latency"}')
+CB=$(run_ctr "$POD" besteffort "exec sleep 100000" '{"io.envsnap.envlet.tier": "besteffort"}')
+if [ -n "$CL" ] && [ -n "$CB" ]; then
+	DL=$(cgdir "$CL")
+	DB=$(cgdir "$CB")
+	log "tiers: latency cpu.weight=$(cat "$DL"/cpu.weight) cpu.idle=$(cat "$DL"/cpu.idle); best-effort cpu.weight=$(cat "$DB"/cpu.weight) cpu.idle=$(cat "$DB"/cpu.idle)"
+	check tier-v2 "latency's cpu.weight is not 1000 or best-effort's cpu.idle is not 1: $(cat "$DL"/cpu.weight) $(cat "$DB"/cpu.idle)" \
+		sh -c "[ \"\$(cat $DL/cpu.weight)\" = 1000 ] && [ \"\$(cat $DB/cpu.idle)\" = 1 ] && [ \"\$(cat $DL/cpu.idle)\" = 0 ]"
+	# tier_loop: seconds the latency environment takes for its loop, by
+	# its own /proc/uptime.
+	tier_loop() {
+		crictl exec "$CL" sh -c 'read s _ </proc/uptime; i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; read e _ </proc/uptime; echo "$s $e"' |
+			awk '{printf "%.2f", $2 - $1}'
+	}
+	ALONE=$(tier_loop)
+	crictl exec "$CB" sh -c 'for n in 1 2; do (while [ ! -e /mem/stop-spin ]; do :; done) & done; wait' >/dev/null 2>&1 &
+	X=$!
+	sleep 3
+	BUSY=$(tier_loop)
+	touch /var/lib/vmtest/mem/stop-spin
+	wait $X
+	log "tiers: latency loop alone ${ALONE} s, beside 2 best-effort spinners started first ${BUSY} s ($(awk -v a="$ALONE" -v b="$BUSY" 'BEGIN {if (a > 0) printf "%+.1f%%", (b / a - 1) * 100}'))"
+	crictl rm -f "$CL" "$CB" >/dev/null 2>&1
+	rm -f /var/lib/vmtest/mem/*
+else
+	fail tier-v2 "the latency or best-effort container did not start: $(cat /tmp/run_ctr.err)"
+fi
+
 
 # --- the envsnap daemon restarts under a container reading a lazy layer ---
 WANT=$(cat "$S"/big.sha256)
