@@ -83,12 +83,24 @@ func (s *Snapshotter) writableCap(ctx context.Context, opts []snapshots.Opt) (di
 	return l, append(opts, snapshots.WithLabels(map[string]string{diskcap.LabelBytes: fmt.Sprint(l.Bytes)})), nil
 }
 
+// defaultCapFits reports whether a container snapshot prepared now
+// would get the whole default cap (writableCap does not shrink it to the
+// node's free space): the images diskcap.Pool makes ahead are of it.
+func (s *Snapshotter) defaultCapFits() bool {
+	size, avail, err := diskcap.Space(filepath.Join(s.root, "snapshots"))
+	if err != nil {
+		return false
+	}
+	share, err := diskcap.Share(s.writableDefault.Bytes, size, avail, s.writableReserve)
+	return err == nil && share == s.writableDefault.Bytes
+}
+
 // capWritable puts the writable directories of the new active snapshot
 // key on a file system of l; on error the snapshot is removed.
 func (s *Snapshotter) capWritable(ctx context.Context, key string, mounts []mount.Mount, l diskcap.Limits) error {
 	upper, err := upperDir(mounts)
 	if err == nil {
-		err = diskcap.Setup(ctx, filepath.Dir(upper), l)
+		err = diskcap.Setup(ctx, filepath.Dir(upper), l, s.capPool)
 	}
 	if err != nil {
 		if rerr := s.Snapshotter.Remove(ctx, key); rerr != nil {
@@ -130,6 +142,15 @@ func (s *Snapshotter) uncapWritable(ctx context.Context, key string) error {
 	}
 	return nil
 }
+
+// capPoolDir holds, under the snapshotter's root, the images of the
+// default cap made ahead (diskcap.Pool); capPoolSize is how many. Four
+// cover the first half of a crowded start of eight; the rest format
+// their own while the pool refills at idle priority.
+const (
+	capPoolDir  = "diskcap-pool"
+	capPoolSize = 4
+)
 
 // uncapDir holds, under the snapshotter's root, the copies Commit makes
 // of capped upper directories (uncapWritable).

@@ -204,6 +204,8 @@ type Snapshotter struct {
 	// writableDefault is the disk cap of container snapshots whose labels
 	// name none (WithWritableCap).
 	writableDefault diskcap.Limits
+	// capPool holds images of writableDefault made ahead (nil: none).
+	capPool *diskcap.Pool
 	// writableReserve is the percentage of the file system no capped
 	// layer takes (WithWritableReserve).
 	writableReserve int
@@ -310,6 +312,14 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 	if err := s.restoreEnvironments(ctx); err != nil {
 		ov.Close()
 		return nil, err
+	}
+	if s.writableDefault.Bytes > 0 {
+		pool, err := diskcap.NewPool(ctx, filepath.Join(root, capPoolDir), s.writableDefault, capPoolSize, s.defaultCapFits)
+		if err != nil {
+			// Only slower: every Prepare makes its own image.
+			log.G(ctx).WithError(err).Warn("no pool of disk cap images; each container start formats its own")
+		}
+		s.capPool = pool
 	}
 	s.kick = make(chan struct{}, 1)
 	if c.healInterval > 0 {
@@ -1423,6 +1433,11 @@ func (s *Snapshotter) Close() error {
 		l.mu.Lock()
 		s.unmountLocked(ctx, l)
 		l.mu.Unlock()
+	}
+	if s.capPool != nil {
+		if err := s.capPool.Close(); err != nil {
+			log.G(ctx).WithError(err).Warn("close the pool of disk cap images")
+		}
 	}
 	return s.Snapshotter.Close()
 }

@@ -18,6 +18,7 @@
 package diskcap
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -78,9 +79,10 @@ func FromLabels(labels map[string]string, def Limits) (Limits, error) {
 }
 
 // Setup puts the "fs" and "work" directories of dir, a new snapshot's
-// directory whose two are still empty, on a new file system of l. On
-// error nothing is left mounted.
-func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
+// directory whose two are still empty, on a new file system of l: an
+// image of l taken from pool (nil for none) when it has one, otherwise
+// one made now. On error nothing is left mounted.
+func Setup(ctx context.Context, dir string, l Limits, pool *Pool) (retErr error) {
 	var sts [2]unix.Stat_t
 	names := [2]string{"fs", "work"}
 	for i, n := range names {
@@ -89,37 +91,16 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 		}
 	}
 	img := filepath.Join(dir, imageName)
-	f, err := os.OpenFile(img, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err != nil {
-		return fmt.Errorf("disk cap: create image: %w", err)
-	}
-	err = f.Truncate(l.Bytes)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		os.Remove(img)
-		return fmt.Errorf("disk cap: size image: %w", err)
+	if !pool.take(l, img) {
+		if err := format(ctx, img, l, (*exec.Cmd).Run); err != nil {
+			return err
+		}
 	}
 	defer func() {
 		if retErr != nil {
 			os.Remove(img)
 		}
 	}()
-	// No journal: the layer dies with its container, and a journal
-	// costs mkfs time and a kernel thread per environment. No blocks
-	// reserved for root: the agent is root.
-	args := []string{"-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1"}
-	if l.Inodes > 0 {
-		args = append(args, "-N", strconv.FormatInt(l.Inodes, 10))
-	} else {
-		// mke2fs.conf's ratio depends on the size (one inode per 4 KiB
-		// below 512 MiB): one per 16 KiB whatever the share.
-		args = append(args, "-i", "16384")
-	}
-	if out, err := exec.CommandContext(ctx, "mkfs.ext4", append(args, img)...).CombinedOutput(); err != nil {
-		return fmt.Errorf("disk cap: mkfs.ext4: %v: %s", err, out)
-	}
 	if err := Mount(dir); err != nil {
 		return err
 	}
@@ -149,6 +130,46 @@ func Setup(ctx context.Context, dir string, l Limits) (retErr error) {
 	}
 	if err := os.WriteFile(filepath.Join(dir, recordName), b, 0o600); err != nil {
 		return fmt.Errorf("disk cap: write record: %w", err)
+	}
+	return nil
+}
+
+// format makes img, a new sparse file, an ext4 file system of l; run
+// runs the mkfs.ext4 command (Cmd.Run, or a lowered run). On error img
+// is gone.
+func format(ctx context.Context, img string, l Limits, run func(*exec.Cmd) error) (retErr error) {
+	f, err := os.OpenFile(img, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("disk cap: create image: %w", err)
+	}
+	err = f.Truncate(l.Bytes)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	defer func() {
+		if retErr != nil {
+			os.Remove(img)
+		}
+	}()
+	if err != nil {
+		return fmt.Errorf("disk cap: size image: %w", err)
+	}
+	// No journal: the layer dies with its container, and a journal
+	// costs mkfs time and a kernel thread per environment. No blocks
+	// reserved for root: the agent is root.
+	args := []string{"-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1"}
+	if l.Inodes > 0 {
+		args = append(args, "-N", strconv.FormatInt(l.Inodes, 10))
+	} else {
+		// mke2fs.conf's ratio depends on the size (one inode per 4 KiB
+		// below 512 MiB): one per 16 KiB whatever the share.
+		args = append(args, "-i", "16384")
+	}
+	var out bytes.Buffer
+	cmd := exec.CommandContext(ctx, "mkfs.ext4", append(args, img)...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := run(cmd); err != nil {
+		return fmt.Errorf("disk cap: mkfs.ext4: %v: %s", err, out.Bytes())
 	}
 	return nil
 }
