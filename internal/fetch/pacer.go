@@ -80,6 +80,15 @@ func (f *Flights) noteMount() { f.lastMount.Store(time.Now().UnixNano()) }
 func (f *Flights) noteOp()    { f.lastOp.Store(time.Now().UnixNano()) }
 func (f *Flights) noteRead()  { f.lastRead.Store(time.Now().UnixNano()) }
 
+// LastActivity is when a Layer sharing f last served a file-system
+// operation (Layer.NoteActivity); zero if none has.
+func (f *Flights) LastActivity() time.Time {
+	if n := f.lastOp.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
 // foreground returns what the fill policy decides on.
 func (f *Flights) foreground() Foreground {
 	at := func(v *atomic.Int64) time.Time {

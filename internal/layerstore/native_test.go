@@ -205,6 +205,72 @@ func TestNativeCopyOnBusyNode(t *testing.T) {
 	t.Logf("native copy ready %v after the mount on a busy node (%.1fx)", busy, float64(busy)/float64(idle))
 }
 
+// TestNativeCopyWaitsForQuiet: a layer whose chunks are all cached gets
+// no native copy while the node's lazy layers serve file-system requests
+// (its state says why), and gets it once they have been quiet.
+func TestNativeCopyWaitsForQuiet(t *testing.T) {
+	prereq.RequireFUSE(t)
+	r := newFakeRegistry(t)
+	lazy, _, _ := testImage(t, r)
+	s, _, copies := newNativeStore(t, Config{})
+	mp := t.TempDir()
+	if err := s.Mount(t.Context(), mp, lazy); err != nil {
+		t.Fatal(err)
+	}
+	unmountAtCleanup(t, s, mp)
+	s.mu.Lock()
+	m := s.mounts[mp]
+	s.mu.Unlock()
+	d := digest.Digest(lazy[snapshotter.LabelLayerDigest])
+	// Requests keep coming (as lazyfs notes them) until the layer has
+	// been whole for a few of the store's looks.
+	deadline := time.Now().Add(time.Minute)
+	var whole time.Time
+	waited := false
+	for whole.IsZero() || time.Since(whole) < 3*nativePoll {
+		if time.Now().After(deadline) {
+			t.Fatalf("the layer's fill did not complete within a minute: %+v", s.Status()[mp])
+		}
+		m.layer.NoteActivity()
+		if cached, total := m.layer.Progress(); cached >= total && whole.IsZero() {
+			whole = time.Now()
+		}
+		if _, ok := s.NativeDir(d); ok {
+			t.Fatalf("native copy built while the layers served requests (%v after the layer was whole)", time.Since(whole))
+		}
+		if m.native.Load() == NativeWaitQuiet {
+			waited = true
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !waited {
+		t.Errorf("the layer's native state never said %q while requests came", NativeWaitQuiet)
+	}
+	waitNativeDir(t, s, copies, lazy)
+}
+
+// TestNativeHeld: a whole layer's copy waits while requests came less
+// than nativeQuiet ago, never beyond nativeMaxHold after the layer was
+// whole, and not at all on a node whose layers served nothing.
+func TestNativeHeld(t *testing.T) {
+	now := time.Now()
+	for _, c := range []struct {
+		name          string
+		lastOp, whole time.Time
+		held          bool
+	}{
+		{"requests just now", now.Add(-time.Millisecond), now.Add(-time.Second), true},
+		{"quiet long enough", now.Add(-nativeQuiet), now.Add(-time.Second), false},
+		{"never a request", time.Time{}, now, false},
+		{"busy, hold used up", now, now.Add(-nativeMaxHold), false},
+		{"busy, hold nearly used up", now, now.Add(-nativeMaxHold + time.Millisecond), true},
+	} {
+		if got := nativeHeld(now, c.lastOp, c.whole); got != c.held {
+			t.Errorf("%s: held %v, want %v", c.name, got, c.held)
+		}
+	}
+}
+
 // waitNativeDir waits for the native copy of the layer labels name and
 // returns its directory.
 func waitNativeDir(t *testing.T, s *Store, copies *native.Store, labels map[string]string) string {
