@@ -343,22 +343,31 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 			return nil, fmt.Errorf("checkpoint after the iteration: %w", err)
 		}
 	}
-	for _, sys := range systems {
-		if err := b.useSystem(sys); err != nil {
-			rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))
-			cfg.logf("%s skipped: %v", sys, err)
-			continue
-		}
-		n := len(envs)
-		if sys == EnvsnapNoFill || sys == EnvsnapEager {
-			n = min(n, max(1, cfg.AuxEnvs))
-		}
+	// The environments one at a time, cold then warm: the systems take
+	// turns environment by environment, so that a drift of the machine
+	// over the run (other work, the page cache, the disk) lands on all of
+	// them instead of on whichever ran last.
+	skipped := map[string]bool{}
+	for i, e := range envs {
 		if cfg.NoSingle {
-			n = 0
+			break
 		}
-		for i, e := range envs[:n] {
+		for _, sys := range systems {
+			n := len(envs)
+			if sys == EnvsnapNoFill || sys == EnvsnapEager {
+				n = min(n, max(1, cfg.AuxEnvs))
+			}
+			if i >= n || skipped[sys] {
+				continue
+			}
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
+			}
+			if err := b.useSystem(sys); err != nil {
+				rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))
+				cfg.logf("%s skipped: %v", sys, err)
+				skipped[sys] = true
+				continue
 			}
 			for _, phase := range []string{"cold", "warm"} {
 				if phase == "cold" {
@@ -383,6 +392,16 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 				cfg.logf("%-15s %-5s %2d/%d %-28s ready %6.2fs episode %6.2fs reward %d registry %s read %s %s",
 					sys, phase, i+1, n, e.name, r.Ready.Seconds(), r.Episode.Seconds(), r.Reward, mib(r.RegistryBytes), mib(r.ReadBytes), r.Error)
 			}
+		}
+	}
+	for _, sys := range systems {
+		if skipped[sys] {
+			continue
+		}
+		if err := b.useSystem(sys); err != nil {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("%s skipped: %v", sys, err))
+			cfg.logf("%s skipped: %v", sys, err)
+			continue
 		}
 		if (sys == Envsnap || sys == Overlayfs || sys == EnvsnapNice0) && cfg.SecondAfter > 0 {
 			for i := 0; i+1 < len(envs); i += 2 {

@@ -215,7 +215,7 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 	}
 	fmt.Fprintf(&b, "\n")
 	fmt.Fprintf(&b, "- Episode: `agent --version` (the environment is **ready** when it answers), then the scripted agent steps (git status, grep, read files, `go test` failing, apply the fix, `go test` passing, git diff) and the evaluator. Times run from the start of the pull: the whole cost of starting an environment from an image reference.\n")
-	fmt.Fprintf(&b, "- **cold**: before each environment every image, snapshot and cached chunk is removed and the page cache dropped. **warm**: the same environment again right after, with whatever the node kept")
+	fmt.Fprintf(&b, "- **cold**: before each environment every image, snapshot and cached chunk is removed and the page cache dropped. **warm**: the same environment again right after, with whatever the node kept. The systems take turns environment by environment (each runs the first environment cold and warm, then each the second, ...), so a drift of the machine over the run lands on all of them")
 	if rep.SettleWarm {
 		fmt.Fprintf(&b, "; an envsnap warm run starts once the node holds its layers fully (every chunk cached, native copies built), the steady state of the later environments of an iteration, as overlayfs's warm node holds the unpacked image (waited: median %.1f s, max %.1f s after the cold run)", rep.Settle.Median, rep.Settle.Max)
 	}
