@@ -91,7 +91,7 @@ func Setup(ctx context.Context, dir string, l Limits, pool *Pool) (retErr error)
 		}
 	}
 	img := filepath.Join(dir, imageName)
-	if !pool.take(l, img) {
+	if !pool.take(ctx, l, img) {
 		if err := format(ctx, img, l, (*exec.Cmd).Run); err != nil {
 			return err
 		}

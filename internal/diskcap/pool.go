@@ -65,7 +65,7 @@ func (p *Pool) Ready() int {
 
 // take moves an image of l to img, if the pool has one; false leaves
 // img to the caller. A nil pool has none.
-func (p *Pool) take(l Limits, img string) bool {
+func (p *Pool) take(ctx context.Context, l Limits, img string) bool {
 	if p == nil || l != p.limits {
 		return false
 	}
@@ -88,7 +88,7 @@ func (p *Pool) take(l Limits, img string) bool {
 	if err := os.Rename(src, img); err != nil {
 		// Another file system under the snapshots (EXDEV), or the
 		// image is gone: the caller makes its own.
-		log.L.WithError(err).WithField("image", src).Warn("disk cap pool: cannot move a made image into its snapshot; making one there")
+		log.G(ctx).WithError(err).WithField("image", src).Warn("disk cap pool: cannot move a made image into its snapshot; making one there")
 		os.Remove(src)
 		return false
 	}
