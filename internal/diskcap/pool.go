@@ -27,7 +27,6 @@ type Pool struct {
 
 	mu     sync.Mutex
 	ready  []string // images made, oldest first
-	next   int      // the number of the next image's name
 	closed bool
 
 	kick   chan struct{}
@@ -99,12 +98,11 @@ func (p *Pool) take(ctx context.Context, l Limits, img string) bool {
 // then waits for a take.
 func (p *Pool) fill(ctx context.Context, size int, wanted func() bool) {
 	defer close(p.done)
+	made := 0 // names the next image
 	for {
 		for p.Ready() < size && (wanted == nil || wanted()) {
-			p.mu.Lock()
-			img := filepath.Join(p.dir, strconv.Itoa(p.next)+".ext4")
-			p.next++
-			p.mu.Unlock()
+			img := filepath.Join(p.dir, strconv.Itoa(made)+".ext4")
+			made++
 			tmp := img + ".tmp"
 			if err := format(ctx, tmp, p.limits, idleprio.RunProcess); err != nil {
 				if ctx.Err() == nil {
