@@ -167,6 +167,7 @@ type config struct {
 	writableCap     diskcap.Limits
 	writableReserve *int
 	healInterval    time.Duration
+	volatile        bool
 }
 
 // Opt configures a Snapshotter.
@@ -209,6 +210,9 @@ type Snapshotter struct {
 	// writableReserve is the percentage of the file system no capped
 	// layer takes (WithWritableReserve).
 	writableReserve int
+	// volatile: container snapshots' uppers are mounted volatile
+	// (WithVolatileWritable).
+	volatile bool
 
 	mu     sync.Mutex
 	layers map[digest.Digest]*layer
@@ -289,6 +293,7 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 
 		writableDefault: c.writableCap,
 		writableReserve: DefaultWritableReserve,
+		volatile:        c.volatile,
 	}
 	if c.writableReserve != nil {
 		s.writableReserve = *c.writableReserve
@@ -299,6 +304,12 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 			// node's disk before the shim's measurement sees it.
 			log.G(ctx).WithError(err).Warn("writable layers get no disk cap on this node; the envlet shim only measures them, and one environment can fill the node's disk")
 			s.writableDefault = diskcap.Limits{}
+		}
+	}
+	if s.volatile {
+		if err := volatileSupported(root); err != nil {
+			log.G(ctx).WithError(err).Warn("writable layers are mounted without overlayfs' volatile option on this node: every copy-up and fsync of a container reaches the disk")
+			s.volatile = false
 		}
 	}
 	if err := s.restore(ctx); err != nil {
@@ -738,14 +749,17 @@ func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...s
 	}
 	s.noteEnvironment(mounts)
 	mounts = s.nativeMounts(ctx, mounts)
-	held, err := s.holdBackEvaluator(ctx, parent, mounts)
+	mounts, err = s.volatileMounts(ctx, key, mounts)
+	if err == nil {
+		mounts, err = s.holdBackEvaluator(ctx, parent, mounts)
+	}
 	if err != nil {
 		if rerr := s.remove(ctx, key); rerr != nil {
-			log.G(ctx).WithError(rerr).WithField("key", key).Warn("remove snapshot whose evaluator layers could not be held back")
+			log.G(ctx).WithError(rerr).WithField("key", key).Warn("remove snapshot whose mounts could not be made")
 		}
 		return nil, fmt.Errorf("prepare %s: %w", key, err)
 	}
-	return held, nil
+	return mounts, nil
 }
 
 // View is overlay's View with native lowers (see Prepare).
@@ -789,6 +803,9 @@ func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 		if mounted, err := diskcap.Mounted(filepath.Dir(upper)); err != nil || !mounted {
 			return nil, fmt.Errorf("snapshot %s: its disk cap's file system is not mounted (%v): %w", key, err, errdefs.ErrFailedPrecondition)
 		}
+	}
+	if mounts, err = s.volatileMounts(ctx, key, mounts); err != nil {
+		return nil, err
 	}
 	return s.holdBackEvaluator(ctx, info.Parent, mounts)
 }

@@ -34,6 +34,7 @@ var serveCommand = &cli.Command{
 		&cli.BoolFlag{Name: "native-lowers", Value: true, Usage: "give new containers a plain directory copy of layers whose chunks are all cached, instead of the FUSE mount"},
 		&cli.BoolFlag{Name: "fill", Value: true, Usage: "fetch whole layers in the background once mounted"},
 		&cli.IntFlag{Name: "serve-nice", Value: daemon.DefaultServeNice, Usage: "nice value of the daemon's threads serving file-system requests (0 leaves them as started)"},
+		&cli.BoolFlag{Name: "writable-volatile", Value: true, Usage: "mount containers' writable layers with overlayfs' volatile option (no sync reaches the disk; a layer mounted across a host restart is refused)"},
 		&cli.BoolFlag{Name: "eager", Usage: "fetch each layer completely before serving it (on-demand fetching off)"},
 		&cli.StringFlag{Name: "lazy-min-size", Value: daemon.DefaultLazyMinSize.String(), Usage: "layers smaller than this are unpacked by containerd instead of served lazily (0: every layer in the envsnap format is lazy)"},
 		&cli.DurationFlag{Name: "fill-delay", Value: time.Duration(daemon.DefaultFillDelay), Usage: "start the background fill this long after a layer is mounted"},
@@ -103,6 +104,7 @@ func runServe(ctx context.Context, c *cli.Command) error {
 	set("fill", func() { cfg.Fill = c.Bool("fill") })
 	set("fill-delay", func() { cfg.FillDelay = daemon.Duration(c.Duration("fill-delay")) })
 	set("eager", func() { cfg.Eager = c.Bool("eager") })
+	set("writable-volatile", func() { cfg.WritableVolatile = c.Bool("writable-volatile") })
 	set("serve-nice", func() { cfg.ServeNice = int(c.Int("serve-nice")) })
 	set("read-timeout", func() { cfg.ReadTimeout = daemon.Duration(c.Duration("read-timeout")) })
 	set("log-level", func() { cfg.LogLevel = c.String("log-level") })

@@ -171,6 +171,11 @@ type Config struct {
 	WritableDiskLimit   Size  `toml:"writable_disk_limit"`
 	WritableInodeLimit  int64 `toml:"writable_inode_limit"`
 	WritableDiskReserve int   `toml:"writable_disk_reserve"`
+	// WritableVolatile mounts every container's writable layer with
+	// overlayfs' volatile option (snapshotter.WithVolatileWritable): no
+	// sync of the container's writes reaches the disk, and a layer that
+	// was mounted when the host went down is refused afterwards.
+	WritableVolatile bool `toml:"writable_volatile"`
 	// LogLevel is one of trace, debug, info, warn, error.
 	LogLevel string `toml:"log_level"`
 	// Peers is the cluster tier: nodes fetch frames from each other
@@ -421,6 +426,7 @@ func DefaultConfig() Config {
 		LazyMinSize:          DefaultLazyMinSize,
 		WritableDiskLimit:    DefaultWritableDiskLimit,
 		WritableDiskReserve:  snapshotter.DefaultWritableReserve,
+		WritableVolatile:     true,
 		LogLevel:             DefaultLogLevel,
 	}
 }

@@ -206,6 +206,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	sn, err := snapshotter.New(ctx, cfg.Root, store, snapshotter.WithWritableCap(cfg.WritableCap()),
 		snapshotter.WithWritableReserve(cfg.WritableDiskReserve),
+		snapshotter.WithVolatileWritable(cfg.WritableVolatile),
 		snapshotter.WithHealInterval(time.Duration(cfg.ReadTimeout)))
 	if err != nil {
 		return fmt.Errorf("open snapshotter: %w", err)
