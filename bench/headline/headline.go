@@ -88,7 +88,11 @@ const (
 	// the default priority (--serve-nice=0), the ablation of
 	// serve_nice. Not in AllSystems: asked for by name.
 	EnvsnapNice0 = "envsnap-nice0"
-	Overlayfs    = "overlayfs" // containerd's default: full pull and unpack
+	// EnvsnapDurable: envsnap with containers' writable layers mounted
+	// without overlayfs' volatile option (--writable-volatile=false),
+	// the ablation of writable_volatile. Not in AllSystems either.
+	EnvsnapDurable = "envsnap-durable"
+	Overlayfs      = "overlayfs" // containerd's default: full pull and unpack
 )
 
 // AllSystems in the order they run.
@@ -96,10 +100,11 @@ var AllSystems = []string{Envsnap, Overlayfs, EnvsnapNoFill, EnvsnapEager}
 
 // daemonArgs are the envsnap daemon flags for each envsnap system.
 var daemonArgs = map[string][]string{
-	Envsnap:       {"--fill=true"},
-	EnvsnapNoFill: {"--fill=false"},
-	EnvsnapEager:  {"--eager"},
-	EnvsnapNice0:  {"--fill=true", "--serve-nice=0"},
+	Envsnap:        {"--fill=true"},
+	EnvsnapNoFill:  {"--fill=false"},
+	EnvsnapEager:   {"--eager"},
+	EnvsnapNice0:   {"--fill=true", "--serve-nice=0"},
+	EnvsnapDurable: {"--fill=true", "--writable-volatile=false"},
 }
 
 // Run is one measured environment.
@@ -377,7 +382,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 				}
 				// Without fill a layer is never fully present: nothing
 				// to wait for.
-				if phase == "warm" && cfg.SettleWarm && (sys == Envsnap || sys == EnvsnapEager) {
+				if phase == "warm" && cfg.SettleWarm && (sys == Envsnap || sys == EnvsnapEager || sys == EnvsnapDurable) {
 					if took, err := b.settle(ctx, 3*time.Minute); err != nil {
 						cfg.logf("%-15s settle %s: %v; measuring anyway", sys, e.name, err)
 					} else {
@@ -403,7 +408,7 @@ func Measure(ctx context.Context, cfg Config) (*Report, error) {
 			cfg.logf("%s skipped: %v", sys, err)
 			continue
 		}
-		if (sys == Envsnap || sys == Overlayfs || sys == EnvsnapNice0) && cfg.SecondAfter > 0 {
+		if (sys == Envsnap || sys == Overlayfs || sys == EnvsnapNice0 || sys == EnvsnapDurable) && cfg.SecondAfter > 0 {
 			for i := 0; i+1 < len(envs); i += 2 {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()

@@ -32,11 +32,12 @@ func writeJSON(path string, rep any) error {
 }
 
 var systemColors = map[string]color.RGBA{
-	Envsnap:       {R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
-	EnvsnapNoFill: {R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
-	EnvsnapEager:  {R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
-	EnvsnapNice0:  {R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
-	Overlayfs:     {R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
+	Envsnap:        {R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
+	EnvsnapNoFill:  {R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
+	EnvsnapEager:   {R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
+	EnvsnapNice0:   {R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+	EnvsnapDurable: {R: 0x8c, G: 0x56, B: 0x4b, A: 0xff},
+	Overlayfs:      {R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
 }
 
 // WritePlots writes the init-time CDF and bytes-per-group charts as PNG.
@@ -223,7 +224,7 @@ func (rep *Report) WriteMarkdown(path, jsonRel string, plots []string) error {
 		fmt.Fprintf(&b, ". **first**, **second**: on a cold node, one environment starts and another of the same groups %.0f s later, while the first runs, as the second environment of an RL iteration arrives", rep.SecondAfter)
 	}
 	fmt.Fprintf(&b, ".\n")
-	fmt.Fprintf(&b, "- Systems: `overlayfs` is containerd's default snapshotter pulling and unpacking the composed image in full (the usual way); `envsnap` serves layers lazily with background fill; `envsnap-nofill` fetches only what is read; `envsnap-eager` downloads every layer before the mount is used (on-demand off); `/concurrent` rows start %d environments at once; `/iteration` rows are the environments of the iteration scenario. Every container runs under the envlet shim (`io.containerd.envlet.v2`).\n", max(1, countConcurrent(rep)))
+	fmt.Fprintf(&b, "- Systems: `overlayfs` is containerd's default snapshotter pulling and unpacking the composed image in full (the usual way); `envsnap` serves layers lazily with background fill; `envsnap-nofill` fetches only what is read; `envsnap-eager` downloads every layer before the mount is used (on-demand off); `envsnap-durable`, when run, is envsnap with containers' writable layers mounted without overlayfs' volatile option (envsnap's default mounts them volatile; containerd's overlayfs does not); `/concurrent` rows start %d environments at once; `/iteration` rows are the environments of the iteration scenario. Every container runs under the envlet shim (`io.containerd.envlet.v2`).\n", max(1, countConcurrent(rep)))
 	fmt.Fprintf(&b, "- Percentiles are nearest-rank over the environments that finished (P95 of 16 values is the worst).\n\n")
 
 	fmt.Fprintf(&b, "## Results\n\n| system / phase | n | ready median | ready P95 | ready max | episode median | episode P95 | episode max | registry MiB median | read MiB median |\n|---|---|---|---|---|---|---|---|---|---|\n")
