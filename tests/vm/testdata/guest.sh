@@ -269,6 +269,10 @@ UPPER=$(sed -n 's/.* - overlay .*upperdir=\([^,]*\).*/\1/p' "/proc/$(crictl insp
 log "writable layer of $C1: $UPPER on $(findmnt -n -o SOURCE,FSTYPE,SIZE --target "$UPPER")"
 check disk-cap-mounted "the writable layer '$UPPER' of $C1 is not on a loop-mounted ext4" \
 	sh -c "findmnt -n -o SOURCE,FSTYPE --target '$UPPER' | grep -q '^/dev/loop[0-9]* *ext4'"
+# --- the writable layer is mounted volatile (writable_volatile, on by
+# default): overlayfs skips the sync after each copy-up ---
+check volatile-upper "the root of $C1 is not an overlay mounted volatile" \
+	sh -c "grep ' - overlay .*upperdir=' '/proc/$(crictl inspect "$C1" | jq -r .info.pid)/mountinfo' | head -n 1 | grep -q ',volatile'"
 CF=$(run_ctr "$POD" filler "dd if=/dev/zero of=/fill bs=1M count=32; exec sleep 100000" '{"io.envsnap.shim.disk-limit": "8388608"}')
 check disk-cap-failure "the filler did not end with DISK_CAP_EXCEEDED: $(cat /var/lib/vmtest/term-filler 2>/dev/null)" \
 	wait_for 120 grep -q DISK_CAP_EXCEEDED /var/lib/vmtest/term-filler
