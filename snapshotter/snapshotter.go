@@ -211,8 +211,9 @@ type Snapshotter struct {
 	// layer takes (WithWritableReserve).
 	writableReserve int
 	// volatile: container snapshots' uppers are mounted volatile
-	// (WithVolatileWritable).
+	// (WithVolatileWritable); bootID is this boot's id, which they record.
 	volatile bool
+	bootID   []byte
 
 	mu     sync.Mutex
 	layers map[digest.Digest]*layer
@@ -307,7 +308,7 @@ func New(ctx context.Context, root string, fsys FileSystem, opts ...Opt) (*Snaps
 		}
 	}
 	if s.volatile {
-		if err := volatileSupported(root); err != nil {
+		if s.bootID, err = volatileSupported(root); err != nil {
 			log.G(ctx).WithError(err).Warn("writable layers are mounted without overlayfs' volatile option on this node: every copy-up and fsync of a container reaches the disk")
 			s.volatile = false
 		}

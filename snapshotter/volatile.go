@@ -61,14 +61,10 @@ func (s *Snapshotter) volatileMounts(ctx context.Context, key string, mounts []m
 	if err != nil {
 		return nil, err
 	}
-	if err := clearVolatileMark(ctx, key, mounts[0].Options, upper); err != nil {
+	if err := clearVolatileMark(ctx, key, mounts[0].Options, upper, s.bootID); err != nil {
 		return nil, err
 	}
-	boot, err := os.ReadFile(bootIDPath)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: read the boot id: %w", key, err)
-	}
-	if err := os.WriteFile(filepath.Join(filepath.Dir(upper), volatileBootFile), boot, 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(filepath.Dir(upper), volatileBootFile), s.bootID, 0o600); err != nil {
 		return nil, fmt.Errorf("snapshot %s: record the boot that mounts it volatile: %w", key, err)
 	}
 	m := mounts[0]
@@ -83,8 +79,9 @@ func (s *Snapshotter) volatileMounts(ctx context.Context, key string, mounts []m
 // when that is safe: the mount was made in this boot (every write is
 // still in the page cache) and has ended. While the upper is mounted the
 // mark stays (it is what tells a later boot the upper is not to be
-// trusted); from an earlier boot the snapshot is refused.
-func clearVolatileMark(ctx context.Context, key string, opts []string, upper string) error {
+// trusted); from an earlier boot the snapshot is refused. boot is this
+// boot's id.
+func clearVolatileMark(ctx context.Context, key string, opts []string, upper string, boot []byte) error {
 	var work string
 	for _, o := range opts {
 		if v, ok := strings.CutPrefix(o, "workdir="); ok {
@@ -104,11 +101,7 @@ func clearVolatileMark(ctx context.Context, key string, opts []string, upper str
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("snapshot %s: read the boot that mounted it volatile: %w", key, err)
 	}
-	boot, err := os.ReadFile(bootIDPath)
-	if err != nil {
-		return fmt.Errorf("snapshot %s: read the boot id: %w", key, err)
-	}
-	if !bytes.Equal(bytes.TrimSpace(recorded), bytes.TrimSpace(boot)) {
+	if !bytes.Equal(bytes.TrimSpace(recorded), boot) {
 		return fmt.Errorf("snapshot %s: its writable layer was mounted volatile (nothing synced to disk) before the host restarted, so its contents may be incomplete; remove the container and start a new one (writable_volatile = false keeps writable layers across host restarts): %w", key, errdefs.ErrFailedPrecondition)
 	}
 	inUse, err := upperMounted(upper)
@@ -141,16 +134,21 @@ func upperMounted(upper string) (bool, error) {
 }
 
 // volatileSupported mounts an empty overlay with the volatile option in a
-// temporary directory under root (Linux 5.10 and later have it).
-func volatileSupported(root string) error {
+// temporary directory under root (Linux 5.10 and later have it), and
+// returns this boot's id, which the snapshots mounted volatile record.
+func volatileSupported(root string) ([]byte, error) {
+	boot, err := os.ReadFile(bootIDPath)
+	if err != nil {
+		return nil, fmt.Errorf("read the boot id: %w", err)
+	}
 	dir, err := os.MkdirTemp(root, "volatile-probe-")
 	if err != nil {
-		return fmt.Errorf("probe overlayfs volatile: %w", err)
+		return nil, fmt.Errorf("probe overlayfs volatile: %w", err)
 	}
 	defer os.RemoveAll(dir)
 	for _, d := range []string{"lower", "upper", "work", "merged"} {
 		if err := os.Mkdir(filepath.Join(dir, d), 0o700); err != nil {
-			return fmt.Errorf("probe overlayfs volatile: %w", err)
+			return nil, fmt.Errorf("probe overlayfs volatile: %w", err)
 		}
 	}
 	m := mount.Mount{Type: "overlay", Source: "overlay", Options: []string{
@@ -161,10 +159,10 @@ func volatileSupported(root string) error {
 	}}
 	merged := filepath.Join(dir, "merged")
 	if err := m.Mount(merged); err != nil {
-		return fmt.Errorf("probe overlayfs volatile: %w", err)
+		return nil, fmt.Errorf("probe overlayfs volatile: %w", err)
 	}
 	if err := mount.UnmountAll(merged, 0); err != nil {
-		return fmt.Errorf("probe overlayfs volatile: %w", err)
+		return nil, fmt.Errorf("probe overlayfs volatile: %w", err)
 	}
-	return nil
+	return bytes.TrimSpace(boot), nil
 }
