@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the guest image of the VM test bed (tests/vm): a Debian bookworm
 # standard node (systemd, cgroup v2 unified) booted by qemu with Debian's
-# linux-image-amd64 kernel. Idempotent and cached: the image lands in
-# .cache/vm/<key>/ where <key> hashes this script and the kernel version,
-# so editing the recipe rebuilds it and an unchanged recipe costs nothing.
+# linux-image-amd64 kernel from bookworm-backports. Idempotent and cached:
+# the image lands in .cache/vm/<key>/ where <key> hashes this script and
+# the kernel version, so editing the recipe rebuilds it and an unchanged
+# recipe costs nothing.
 # Prints the image directory on its last line.
 #
 # Output: vmlinuz, initrd.img, root.img (ext4, sparse), kernel-version.
@@ -12,20 +13,47 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache="${VM_CACHE:-$root/.cache/vm}"
 
-apt_pkgs=(qemu-system-x86 linux-image-amd64 mmdebstrap e2fsprogs)
+need_root() {
+	if [ "$(id -u)" -ne 0 ]; then
+		echo "vm-image: need root to install Debian packages" >&2
+		exit 1
+	fi
+}
+
+apt_pkgs=(qemu-system-x86 mmdebstrap e2fsprogs)
 missing=()
 for p in "${apt_pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
 	echo "vm-image: apt-get install ${missing[*]}" >&2
-	if [ "$(id -u)" -ne 0 ]; then
-		echo "vm-image: need root to install Debian packages" >&2
-		exit 1
-	fi
+	need_root
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# The guest's kernel: Debian's linux-image-amd64 from bookworm-backports
+# (6.12 when this was written), not bookworm's 6.1, because the node's
+# memory checks need Linux >= 6.4 (PR_SET_MEMORY_MERGE, whole-process KSM
+# merging). The backports suite is named on apt's command line only, so
+# the host's apt sources stay as they are.
+backports=(-o "Dir::Etc::SourceList=$root/hack/apt/bookworm-backports.list")
+case "$(dpkg-query -W -f='${Version}' linux-image-amd64 2>/dev/null)" in
+*bpo*) ;;
+*)
+	echo "vm-image: apt-get install -t bookworm-backports linux-image-amd64" >&2
+	need_root
+	# apt hands its signature check a file in TMPDIR as its unprivileged
+	# sandbox user: a /tmp without the sticky, world-writable mode (seen
+	# on this machine kind) fails it as "not signed".
+	apt_tmp=$(mktemp -d)
+	chmod 1777 "$apt_tmp"
+	TMPDIR=$apt_tmp apt-get "${backports[@]}" update -qq
+	TMPDIR=$apt_tmp DEBIAN_FRONTEND=noninteractive apt-get "${backports[@]}" install -y -qq \
+		--no-install-recommends -t bookworm-backports linux-image-amd64 >/dev/null
+	rm -rf "$apt_tmp"
+	;;
+esac
 
 # The newest kernel the linux-image-amd64 package pulled in.
 kver=$(cd /lib/modules && ls -d [0-9]*-amd64 2>/dev/null | sort -V | tail -1)
