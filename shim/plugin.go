@@ -36,6 +36,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/ksm"
 	"github.com/envsnap/envsnap/internal/lsm"
 	"github.com/envsnap/envsnap/shim/config"
 )
@@ -89,6 +90,9 @@ func init() {
 				log.G(ic.Context).WithError(err).Error("envlet: config")
 				return New(ic.Context, inner, publisher, Options{ConfigErr: err}), nil
 			}
+			if cfg.Shim.MemoryMerge && !cfg.Disabled {
+				mergeMemory(ic.Context)
+			}
 			policy, err := cfg.Envlet()
 			if err != nil {
 				return nil, fmt.Errorf("envlet policy: %w", err)
@@ -141,4 +145,18 @@ func init() {
 			return svc, nil
 		},
 	})
+}
+
+// mergeMemory marks the shim's memory, and so every container process it
+// starts, mergeable ([shim] memory-merge). Merging saves memory, it is
+// not needed to run anything: a kernel without it or a node without ksmd
+// running starts containers unmerged, with the reason in the log.
+func mergeMemory(ctx context.Context) {
+	if err := ksm.MergeSelf(); err != nil {
+		log.G(ctx).WithError(err).Warn("envlet: [shim] memory-merge: containers start unmerged")
+		return
+	}
+	if n, err := ksm.ReadNode(); err != nil || n.Run != 1 {
+		log.G(ctx).WithError(err).WithField("run", n.Run).Warn("envlet: [shim] memory-merge: containers are marked mergeable, but the node's ksmd is not merging (/sys/kernel/mm/ksm/run is not 1)")
+	}
 }

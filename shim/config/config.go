@@ -47,7 +47,8 @@ type Config struct {
 	// Guard holds the rules for hostile workloads: seccomp, pids and
 	// output caps.
 	Guard Guard `toml:"guard"`
-	// Shim is how the shim's processes are shared.
+	// Shim is how shim processes are shared and how they mark the
+	// containers they start.
 	Shim Shim `toml:"shim"`
 }
 
@@ -57,6 +58,13 @@ type Shim struct {
 	// process serves at most (default DefaultGroupSize); 1 gives every
 	// container its own shim, as runc's does outside a pod.
 	GroupSize *int `toml:"group-size"`
+	// MemoryMerge marks the shim's memory mergeable by the kernel's
+	// same-page merging before it starts any container, so every
+	// process it starts is too (package ksm; Linux >= 6.4). Identical
+	// pages of the node's environments (agent runtimes of one harness)
+	// are then merged while the node runs ksmd
+	// (/sys/kernel/mm/ksm/run = 1, the operator's setting). Default off.
+	MemoryMerge bool `toml:"memory-merge"`
 }
 
 // DefaultGroupSize bounds what one shim's crash takes down with it (every

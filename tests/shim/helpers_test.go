@@ -73,6 +73,8 @@ type node struct {
 	// groupSize, when set, is [shim] group-size (containers per shim
 	// process).
 	groupSize string
+	// memoryMerge sets [shim] memory-merge.
+	memoryMerge bool
 }
 
 // suite is one containerd with the envlet runtime, a node arbiter daemon
@@ -112,8 +114,14 @@ func newSuite(t testing.TB, n node, opts ...testenv.Option) *suite {
 	if n.hostNetwork {
 		cfg += "[guard]\nallow-host-network = true\n"
 	}
+	if n.groupSize != "" || n.memoryMerge {
+		cfg += "[shim]\n"
+	}
 	if n.groupSize != "" {
-		cfg += fmt.Sprintf("[shim]\ngroup-size = %s\n", n.groupSize)
+		cfg += fmt.Sprintf("group-size = %s\n", n.groupSize)
+	}
+	if n.memoryMerge {
+		cfg += "memory-merge = true\n"
 	}
 	if err := os.WriteFile(s.cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)

@@ -60,14 +60,22 @@ func TestGuestSuite(t *testing.T) {
 	start := time.Now()
 	img := buildImage(t, root)
 	t.Logf("guest image %s ready in %s", img, time.Since(start).Round(time.Second))
-	qemu, err := exec.LookPath("qemu-system-x86_64")
-	require(t, err == nil, "qemu-system-x86_64 not installed (hack/vm-image.sh installs it)")
-	require(t, freeMemMiB() > guestMemMiB+1024, "less than %d MiB available for the guest", guestMemMiB+1024)
-
 	share := stage(t, root)
 	t.Logf("staged the share in %s", time.Since(start).Round(time.Second))
 
-	ctx, cancel := context.WithTimeout(context.Background(), suiteBound)
+	runGuest(t, img, share, suiteBound)
+}
+
+// runGuest boots the guest on img with share as its "host" 9p tag (and
+// extra qemu arguments), reports each "VMTEST:" line of the script the
+// share carries as guest.sh, and fails t for every FAIL and for a script
+// that did not reach DONE within bound.
+func runGuest(t *testing.T, img, share string, bound time.Duration, extra ...string) {
+	t.Helper()
+	qemu, err := exec.LookPath("qemu-system-x86_64")
+	require(t, err == nil, "qemu-system-x86_64 not installed (hack/vm-image.sh installs it)")
+	require(t, freeMemMiB() > guestMemMiB+1024, "less than %d MiB available for the guest", guestMemMiB+1024)
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	// -snapshot: the guest writes to a throw-away overlay, the cached image
 	// stays clean for the next run.
@@ -78,6 +86,7 @@ func TestGuestSuite(t *testing.T) {
 		"-drive", "file="+filepath.Join(img, "root.img")+",format=raw,if=virtio",
 		"-virtfs", "local,path="+share+",mount_tag=host,security_model=none,id=host",
 		"-append", "console=ttyS0 root=/dev/vda rw quiet panic=-1 systemd.show_status=false")
+	cmd.Args = append(cmd.Args, extra...)
 	cmd.Stdin = nil
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -233,6 +242,9 @@ timeout = "5s"
 # The guest has no CNI: its CRI pods are on the host network.
 [guard]
 allow-host-network = true
+# Every container's memory mergeable by KSM (guest.sh's ksm-merge check).
+[shim]
+memory-merge = true
 `)
 
 	ctx := context.Background()
