@@ -91,7 +91,8 @@ demo: deps build
 # (its section of docs/benchmarks.md), the peer tier's cluster model
 # (docs/scale.md's table; about a minute of CPU), the micro-benchmarks
 # (format, fetcher, FUSE, sampler) and the end-to-end benchmarks gated by
-# ENVSNAP_BENCH=1. Raw output in bench/out.
+# ENVSNAP_BENCH=1 (among them tests/vm's KSM run across identical agent
+# CLIs in the guest, about 10 minutes). Raw output in bench/out.
 MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/ ./internal/idleprio/
 BENCH_ARGS ?=
 
