@@ -160,6 +160,14 @@ type DensityLevel struct {
 	OK      bool    `json:"ok"`
 }
 
+// referenceCalls is how many tool calls the reference level collects,
+// in at most maxReferenceWindows windows: about what a level of 8
+// environments makes in one.
+const (
+	referenceCalls      = 40
+	maxReferenceWindows = 6
+)
+
 // MeasureDensity runs the density scenario on every system of cfg.
 func MeasureDensity(ctx context.Context, cfg DensityConfig) (_ *DensityReport, retErr error) {
 	if cfg.Max < 2 || cfg.Max > netshape.MaxBridgeNodes-1 {
@@ -389,10 +397,20 @@ func (db *densityBench) ramp(ctx context.Context, sys string) (*DensityRun, erro
 			return nil, ctx.Err()
 		}
 		from, cpu0, shim0, env0 := time.Now(), db.sampleCPU(), db.shims(), containerStats(db.env)
-		select {
-		case <-time.After(db.cfg.Window):
-		case <-ctx.Done():
-			return nil, ctx.Err()
+		// The reference, one environment alone, is measured until it has
+		// as many tool calls as a loaded level has in one window: a p95
+		// of the ten calls one agent makes in a minute is the slowest
+		// call, and the ramp's stop would follow that one call.
+		for w := 0; ; w++ {
+			select {
+			case <-time.After(db.cfg.Window):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			if len(run.Levels) > 0 || w+1 >= maxReferenceWindows ||
+				len(db.rec.latencies(sys, from, time.Now())) >= referenceCalls {
+				break
+			}
 		}
 		now, cpu1, shim1 := time.Now(), db.sampleCPU(), db.shims()
 		secs := now.Sub(from).Seconds()
