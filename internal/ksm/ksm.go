@@ -3,7 +3,7 @@
 //
 // Linux >= 6.4 lets a process mark all of its anonymous memory mergeable
 // with one prctl (PR_SET_MEMORY_MERGE); the mark is kept by the processes
-// it forks and across execve (Linux >= 6.7 and the 6.6 stable series).
+// it forks and across execve (shown here on 6.12 and 6.18).
 // A shim that marks itself before it starts runc therefore marks every
 // container process it starts, without touching the container's image
 // or command. Whether anything is merged is the node's choice:
@@ -68,7 +68,7 @@ type Node struct {
 	// FullScans counts ksmd's passes over all mergeable memory.
 	FullScans int64
 	// Profit is the kernel's estimate of the bytes merging saves,
-	// net of its own bookkeeping (general_profit, Linux >= 6.1).
+	// net of its own bookkeeping (general_profit).
 	Profit int64
 }
 
