@@ -1195,9 +1195,9 @@ func (s *Snapshotter) NativeInUse(ctx context.Context) (map[digest.Digest]bool, 
 			byDir[dir] = d
 		}
 	}
-	infosM, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("overlay"))
+	infosM, err := containerMounts(mountinfo.FSTypeFilter("overlay"))
 	if err != nil {
-		return nil, fmt.Errorf("read mountinfo: %w", err)
+		return nil, err
 	}
 	for _, m := range infosM {
 		for _, opt := range strings.Split(m.VFSOptions, ",") {
@@ -1463,7 +1463,8 @@ func (s *Snapshotter) Close() error {
 // layersInUse returns the lazy layers some other mount uses: an overlay
 // (a container's rootfs) with the layer's snapshot directory, which is a
 // symlink to the layer mount, among its lower directories, or a bind mount
-// of the layer (a single-layer view). Mounts are what count, not snapshot
+// of the layer (a single-layer view), in this mount namespace or the
+// host's (containerMounts). Mounts are what count, not snapshot
 // metadata: containerd removes deleted snapshots from the backend only at
 // its next garbage collection. If mountinfo cannot be read, every layer
 // counts as used: leaving a mount behind is recoverable, breaking a
@@ -1476,7 +1477,7 @@ func (s *Snapshotter) layersInUse(ctx context.Context) map[digest.Digest]bool {
 		byMountpoint[l.mountpoint] = d
 	}
 	s.mu.Unlock()
-	infos, err := mountinfo.GetMounts(nil)
+	infos, err := containerMounts(nil)
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("read mountinfo to find layers in use; leaving every layer mounted")
 		for _, d := range byMountpoint {

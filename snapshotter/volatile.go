@@ -118,10 +118,10 @@ func clearVolatileMark(ctx context.Context, key string, opts []string, upper str
 	return nil
 }
 
-// upperMounted reports whether an overlay mount of this mount namespace
-// has upper as its upper directory.
+// upperMounted reports whether a container's overlay mount (see
+// containerMounts) has upper as its upper directory.
 func upperMounted(upper string) (bool, error) {
-	ms, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("overlay"))
+	ms, err := containerMounts(mountinfo.FSTypeFilter("overlay"))
 	if err != nil {
 		return false, fmt.Errorf("list overlay mounts: %w", err)
 	}
