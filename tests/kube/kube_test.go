@@ -73,40 +73,9 @@ type cluster struct {
 }
 
 func TestKubernetesNode(t *testing.T) {
-	require(t, os.Geteuid() == 0, "needs root (builds the guest image, runs qemu)")
 	root := testenv.RepoRoot(t)
-	qemu, err := exec.LookPath("qemu-system-x86_64")
-	require(t, err == nil, "qemu-system-x86_64 not installed (hack/vm-image.sh installs it)")
-	require(t, freeMemMiB() > guestMemMiB+2048, "less than %d MiB available for the guest and the control plane", guestMemMiB+2048)
-
-	start := time.Now()
-	img := runScript(t, root, "vm-image.sh")
-	kbin := runScript(t, root, "kube.sh")
-	t.Logf("guest image %s, Kubernetes binaries %s ready in %s", img, kbin, time.Since(start).Round(time.Second))
-
-	dir := t.TempDir()
-	c := startControlPlane(t, dir, kbin)
-	t.Logf("control plane up in %s", time.Since(start).Round(time.Second))
-
-	share, reg, images := stage(t, root, dir, kbin, c)
-	writeFile(t, filepath.Join(share, "node.env"), fmt.Sprintf("API_SERVER=%s:%d\nREGISTRY=%s\n",
-		gateway, c.apiPort, guestRegistry(reg)))
-
-	g := bootGuest(t, qemu, img, share)
-	t.Cleanup(func() { g.stop(t, share) })
-	select {
-	case <-g.ready:
-		t.Logf("guest started kubelet %s after boot", time.Since(g.booted).Round(time.Second))
-	case <-g.exited:
-		t.Fatalf("the guest stopped before kubelet started; console %s", g.console)
-	case <-time.After(bootBound):
-		t.Fatalf("the guest did not start kubelet within %s; console %s", bootBound, g.console)
-	}
-
-	// --- the node registers and becomes Ready ---
-	readyAt := time.Now()
-	c.waitNodeReady(t)
-	t.Logf("node %s Ready %s after kubelet started", nodeName, time.Since(readyAt).Round(time.Second))
+	n := bringUp(t, root, "systemd", nil)
+	c, g, share, reg, images := n.c, n.g, n.share, n.reg, n.images
 
 	// --- RuntimeClass as shipped; the node carries the label it selects
 	// (the DaemonSet's installer's promise: containerd knows the handler) ---
@@ -343,6 +312,66 @@ func TestKubernetesNode(t *testing.T) {
 
 }
 
+// node is the one-node cluster a test brings up: the control plane on this
+// host, the guest, its share, and the registry with the lazy images.
+type node struct {
+	c      *cluster
+	g      *guest
+	share  string
+	reg    *devenv.Registry
+	images []string
+}
+
+// bringUp builds (cached) the guest image and the Kubernetes binaries,
+// starts the control plane and the registry, boots the guest with envsnap
+// installed the way install names (testdata/node.sh: "systemd" or
+// "daemonset") and waits for the node to be Ready. extra files are put in
+// the share (name to path on this host) before the guest boots.
+func bringUp(t *testing.T, root, install string, extra map[string]string) *node {
+	t.Helper()
+	require(t, os.Geteuid() == 0, "needs root (builds the guest image, runs qemu)")
+	qemu, err := exec.LookPath("qemu-system-x86_64")
+	require(t, err == nil, "qemu-system-x86_64 not installed (hack/vm-image.sh installs it)")
+	require(t, freeMemMiB() > guestMemMiB+2048, "less than %d MiB available for the guest and the control plane", guestMemMiB+2048)
+
+	start := time.Now()
+	img := runScript(t, root, "vm-image.sh")
+	kbin := runScript(t, root, "kube.sh")
+	t.Logf("guest image %s, Kubernetes binaries %s ready in %s", img, kbin, time.Since(start).Round(time.Second))
+
+	dir := t.TempDir()
+	c := startControlPlane(t, dir, kbin)
+	t.Logf("control plane up in %s", time.Since(start).Round(time.Second))
+
+	share, reg, images := stage(t, root, dir, kbin, c)
+	writeFile(t, filepath.Join(share, "node.env"), fmt.Sprintf("API_SERVER=%s:%d\nREGISTRY=%s\nINSTALL=%s\n",
+		gateway, c.apiPort, guestRegistry(reg), install))
+	for name, src := range extra {
+		// A hard link where the share and the source are on one file
+		// system (the image is tens of MiB), a copy otherwise.
+		if err := os.Link(src, filepath.Join(share, name)); err != nil {
+			copyFile(t, src, filepath.Join(share, name))
+		}
+	}
+
+	g := bootGuest(t, qemu, img, share)
+	t.Cleanup(func() { g.stop(t, share) })
+	select {
+	case <-g.ready:
+		t.Logf("guest started kubelet %s after boot", time.Since(g.booted).Round(time.Second))
+	case <-g.exited:
+		t.Fatalf("the guest stopped before kubelet started; console %s", g.console)
+	case <-time.After(bootBound):
+		t.Fatalf("the guest did not start kubelet within %s; console %s", bootBound, g.console)
+	}
+
+	// --- the node registers and becomes Ready ---
+	readyAt := time.Now()
+	c.waitNodeReady(t)
+	t.Logf("node %s Ready %s after kubelet started", nodeName, time.Since(readyAt).Round(time.Second))
+	return &node{c: c, g: g, share: share, reg: reg, images: images}
+}
+
 // ask has the guest do what the event name stands for (testdata/node.sh
 // acts on a file of that name in the share) and waits for it to say so.
 func (g *guest) ask(t *testing.T, share, name string) {
@@ -427,13 +456,7 @@ func (c *cluster) resizeWaiting(t *testing.T, share, name, image, command, from,
 // resize` does) and waits for kubelet to report the new limit actuated.
 func (c *cluster) resizeMemory(t *testing.T, name, request, limit string) {
 	t.Helper()
-	if err := c.waitFor(podBound, func() bool {
-		out, err := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.containerStatuses[0].state.running}")
-		return err == nil && out != ""
-	}); err != nil {
-		out, _ := c.kubectl("describe", "pod", name)
-		t.Fatalf("pod %s not running within %s:\n%s", name, podBound, out)
-	}
+	c.waitPodRunning(t, name)
 	c.mustKubectl(t, "patch", "pod", name, "--subresource", "resize", "--type", "merge", "-p",
 		fmt.Sprintf(`{"spec":{"containers":[{"name":"env","resources":{"requests":{"memory":%q},"limits":{"memory":%q}}}]}}`, request, limit))
 	if err := c.waitFor(2*time.Minute, func() bool {

@@ -3,9 +3,13 @@
 # in the qemu guest: systemd, cgroup v2 unified. It brings up the guest's
 # side of qemu's user-mode network (the host's loopback is 10.0.2.2), installs
 # containerd, runc, the CNI plugins and kubelet from the share (/mnt/host),
-# envsnap as the shipped systemd units (deploy/systemd) with the shipped
-# containerd drop-ins, and starts kubelet joined to the API server on the
-# host. It then waits until the host writes $S/stop, and powers off (the
+# and starts kubelet joined to the API server on the host. envsnap comes
+# one of two ways (INSTALL in node.env): "systemd", the shipped units
+# (deploy/systemd) and containerd drop-ins installed here; "daemonset",
+# nothing of envsnap on the node but the systemd-cgroup drop-in (the
+# operator's step for the systemd driver) and the DaemonSet's image
+# imported into containerd, as a node whose image registry holds it: the
+# host applies the DaemonSet, whose installer puts the rest on the node. It then waits until the host writes $S/stop, and powers off (the
 # unit's ExecStopPost). Lines "KUBETEST: ..." on the serial console are for
 # the host; nothing here is timed.
 set -u
@@ -26,7 +30,8 @@ wait_for() {
 		sleep 0.5
 	done
 }
-. "$S"/node.env # API_SERVER, REGISTRY
+INSTALL=systemd
+. "$S"/node.env # API_SERVER, REGISTRY, INSTALL
 
 echo "KUBETEST: START kernel=$(uname -r) cgroupfs=$(stat -fc %T /sys/fs/cgroup)"
 
@@ -44,7 +49,12 @@ log "network: $dev $(ip -4 -o addr show dev "$dev" | awk '{print $4}')"
 wait_for 30 bash -c "exec 3<>/dev/tcp/${API_SERVER%:*}/${API_SERVER#*:}" 2>/dev/null || die "API server $API_SERVER not reachable from the guest"
 
 # --- binaries and configs ---
-install -m 0755 "$S"/bin/* /usr/local/bin/
+for f in "$S"/bin/*; do
+	case "$INSTALL:${f##*/}" in
+	daemonset:containerd-envsnap | daemonset:containerd-shim-envlet-v2) ;; # the installer's
+	*) install -m 0755 "$f" /usr/local/bin/ ;;
+	esac
+done
 mkdir -p /opt/cni/bin /etc/cni/net.d
 install -m 0755 "$S"/cni/* /opt/cni/bin/
 # One bridge for the pods, inside the guest only; no masquerading (the
@@ -55,13 +65,19 @@ cat >/etc/cni/net.d/10-pods.conflist <<'EOF'
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/16"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
   {"type": "loopback"}]}
 EOF
-cp "$S"/deploy/systemd/containerd-envsnap.service "$S"/deploy/systemd/envsnap-arbiter.service /etc/systemd/system/
-mkdir -p /etc/envsnap /etc/containerd/conf.d "/etc/containerd/certs.d/$REGISTRY"
-# The shipped daemon config, with background fill off: the host counts
-# the bytes the registry served to tell a lazy pull from a full one.
-sed 's/^fill = true/fill = false/' "$S"/deploy/envsnap/config.toml >/etc/envsnap/config.toml
-cp "$S"/envlet.toml /etc/envsnap/envlet.toml
-cp "$S"/deploy/containerd/envsnap.toml "$S"/deploy/containerd/systemd-cgroup.toml /etc/containerd/conf.d/
+mkdir -p /etc/containerd/conf.d "/etc/containerd/certs.d/$REGISTRY"
+units="containerd kubelet"
+if [ "$INSTALL" = systemd ]; then
+	cp "$S"/deploy/systemd/containerd-envsnap.service "$S"/deploy/systemd/envsnap-arbiter.service /etc/systemd/system/
+	mkdir -p /etc/envsnap
+	# The shipped daemon config, with background fill off: the host counts
+	# the bytes the registry served to tell a lazy pull from a full one.
+	sed 's/^fill = true/fill = false/' "$S"/deploy/envsnap/config.toml >/etc/envsnap/config.toml
+	cp "$S"/envlet.toml /etc/envsnap/envlet.toml
+	cp "$S"/deploy/containerd/envsnap.toml /etc/containerd/conf.d/
+	units="envsnap-arbiter containerd-envsnap $units"
+fi
+cp "$S"/deploy/containerd/systemd-cgroup.toml /etc/containerd/conf.d/
 cat >"/etc/containerd/certs.d/$REGISTRY/hosts.toml" <<EOF
 server = "http://$REGISTRY"
 [host."http://$REGISTRY"]
@@ -121,9 +137,14 @@ WantedBy=multi-user.target
 EOF
 
 systemctl daemon-reload
-systemctl enable --quiet envsnap-arbiter containerd-envsnap containerd kubelet
-systemctl start envsnap-arbiter containerd-envsnap containerd || die "systemctl start envsnap-arbiter containerd-envsnap containerd"
-wait_for 120 sh -c '/usr/local/bin/crictl --runtime-endpoint unix:///run/containerd/containerd.sock info >/dev/null 2>&1' || die "containerd's CRI did not answer"
+cri_up() { wait_for 120 sh -c '/usr/local/bin/crictl --runtime-endpoint unix:///run/containerd/containerd.sock info >/dev/null 2>&1'; }
+systemctl enable --quiet $units
+systemctl start ${units% kubelet} || die "systemctl start ${units% kubelet}"
+cri_up || die "containerd's CRI did not answer"
+if [ "$INSTALL" = daemonset ]; then
+	ctr -n k8s.io images import "$S"/envsnap-image.tar >/dev/null || die "ctr images import the DaemonSet's image"
+	log "imported $(ctr -n k8s.io images ls -q | grep envsnap)"
+fi
 systemctl start kubelet || die "systemctl start kubelet"
 log "containerd $(containerd --version | cut -d' ' -f3), kubelet $(kubelet --version | cut -d' ' -f2) started"
 echo "KUBETEST: READY"
@@ -154,12 +175,45 @@ while ! [ -e "$S"/stop ]; do
 		log "envlet config: $(tr '\n' ' ' </etc/envsnap/envlet.toml); MemTotal $(awk '/^MemTotal/ {print $2 " " $3}' /proc/meminfo)"
 		echo "KUBETEST: EVENT envlet-node-default"
 	fi
+	# The DaemonSet's installer has written the drop-in: containerd loads
+	# it when restarted (the operator's step, docs/kubernetes.md).
+	if [ -e "$S"/restart-containerd ] && ! [ -e /run/restart-containerd ]; then
+		touch /run/restart-containerd
+		log "installed by the DaemonSet: $(ls /etc/containerd/conf.d /usr/local/bin | tr '\n' ' ')"
+		systemctl restart containerd
+		cri_up || log "containerd's CRI did not answer after its restart"
+		echo "KUBETEST: EVENT restart-containerd"
+	fi
+	# What the snapshotter serves, for the host (each ask writes a new file).
+	for f in "$S"/status-*; do
+		[ -e "$f" ] && [ "${f%.out}" = "$f" ] && ! [ -e "/run/${f##*/}" ] || continue
+		touch "/run/${f##*/}"
+		/usr/local/bin/containerd-envsnap status >"$f.out" 2>&1
+		echo "KUBETEST: EVENT ${f##*/}"
+	done
+	# The snapshotter pod's log and the descriptor keeper's unit, for the
+	# host (kubelet's log endpoint is not reachable from it).
+	for f in "$S"/logs-*; do
+		[ -e "$f" ] && [ "${f%.out}" = "$f" ] && ! [ -e "/run/${f##*/}" ] || continue
+		touch "/run/${f##*/}"
+		{
+			for l in /var/log/pods/envsnap-system_*/*/*.log; do
+				[ -e "$l" ] && echo "== $l" && tail -n 40 "$l"
+			done
+			echo "== kubelet and containerd on the DaemonSet's containers"
+			journalctl --no-pager -u kubelet -u containerd | grep -e containerd-envsnap -e 'Killing' -e 'probe' -e 'level=error' | grep -v 'level=debug' | tail -n 40
+			echo "== envsnap-fdstore"
+			systemctl status --no-pager envsnap-fdstore 2>&1 | head -n 5
+			journalctl --no-pager -u envsnap-fdstore | tail -n 30
+		} >"$f.out" 2>&1
+		echo "KUBETEST: EVENT ${f##*/}"
+	done
 	# The last two minutes of the node's daemons, when a step failed and the
 	# host wants to know why (each ask writes a new file).
 	for f in "$S"/journal-*; do
 		[ -e "$f" ] && ! [ -e "/run/${f##*/}" ] || continue
 		touch "/run/${f##*/}"
-		journalctl --no-pager --since=-120s -u containerd -u kubelet -u envsnap-arbiter |
+		journalctl --no-pager --since=-120s -u containerd -u kubelet -u envsnap-arbiter -u envsnap-fdstore |
 			grep -v 'level=debug' | tail -n 300 | sed 's/^/KUBETEST: JOURNAL /'
 		journalctl --no-pager --since=-120s -k | grep -i -e oom -e 'killed process' | tail -n 40 | sed 's/^/KUBETEST: JOURNAL /'
 		echo "KUBETEST: EVENT ${f##*/}"
@@ -172,6 +226,9 @@ done
 if [ -e "$S"/dump ]; then
 	journalctl --no-pager -u kubelet | tail -n 60 | sed 's/^/KUBETEST: JOURNAL /'
 	journalctl --no-pager -u containerd -u containerd-envsnap -u envsnap-arbiter | tail -n 60 | sed 's/^/KUBETEST: JOURNAL /'
+	for f in /var/log/pods/envsnap-system_*/*/*.log; do
+		[ -e "$f" ] && tail -n 40 "$f" | sed "s|^|KUBETEST: JOURNAL ${f#/var/log/pods/}: |"
+	done
 fi
 systemctl stop kubelet
 echo "KUBETEST: DONE"
