@@ -75,15 +75,16 @@ cleanup() {
 		kill "$bk_pid" 2>/dev/null || true
 		wait "$bk_pid" 2>/dev/null || true
 	fi
+	# Whatever buildkitd left mounted in its state, deepest first.
+	findmnt -rn -o TARGET | grep "^$work/" | sort -r | xargs -r umount -l || true
 	rm -rf "$work"
 }
 trap cleanup EXIT
 
-# buildkitd keeps its state under the cache, so an unchanged go.mod reuses
-# the module download layer of the last build; its socket is in the
-# short-lived work directory.
-state="$cache/buildkit"
-mkdir -p "$state" "$cache"
+# buildkitd's state lives as long as this build: kept, it would hold a few
+# GiB of layers to save the half minute of the module download.
+state="$work/buildkit"
+mkdir -p "$cache"
 addr="unix://$work/buildkitd.sock"
 PATH="$tools:$PATH" "$tools/buildkitd" --root "$state" --addr "$addr" \
 	--oci-worker=true --containerd-worker=false --oci-worker-net=host \
@@ -144,10 +145,8 @@ buildctl --frontend dockerfile.v0 --local context="$root" --local dockerfile="$r
 	--opt "context:debian:bookworm-slim=oci-layout://debian@$(digest "$base/debian")" \
 	--output "type=oci,dest=$work/out/envsnap.tar,name=$image"
 echo "envsnap-image: built $image in $(($(date +%s) - start)) s" >&2
-# Older builds go: only the newest image and the base are kept, and
-# buildkitd's cache is bounded.
-find "$cache" -mindepth 1 -maxdepth 1 -type d ! -name buildkit ! -name "base-$base_key" ! -name "$key" -exec rm -rf {} +
-"$tools/buildctl" --addr "$addr" prune --keep-storage 3072 >/dev/null 2>&1 || true
+# Older builds go: only the newest image and the base are kept.
+find "$cache" -mindepth 1 -maxdepth 1 -type d ! -name "base-$base_key" ! -name "$key" -exec rm -rf {} +
 mkdir -p "$out"
 install -m 0644 "$work/out/envsnap.tar" "$out/envsnap.tar"
 echo "$image" >"$out/image"
