@@ -3,9 +3,9 @@
 // Package kube_test runs envsnap on a one-node Kubernetes cluster: the
 // control plane (etcd, kube-apiserver, kube-controller-manager,
 // kube-scheduler) on this host, built from the Go module proxy by
-// hack/kube.sh, and the node (containerd, envsnap's shipped systemd units
-// and containerd drop-ins, kubelet) in the qemu guest of tests/vm (systemd,
-// cgroup v2). The guest reaches the API server and the registry through
+// hack/kube.sh, and the node (containerd, kubelet, and envsnap either from
+// its shipped systemd units and containerd drop-ins or from the DaemonSet,
+// daemonset_test.go) in the qemu guest of tests/vm (systemd, cgroup v2). The guest reaches the API server and the registry through
 // qemu's user-mode network, where the host's loopback is 10.0.2.2: no
 // address is added to the host, all traffic stays on its loopback.
 //
