@@ -37,8 +37,13 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 if ! command -v mmdebstrap >/dev/null; then
 	echo "envsnap-image: apt-get install mmdebstrap" >&2
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
+	# A private sticky TMPDIR for apt's sandbox user (hack/vm-image.sh
+	# says why).
+	apt_tmp=$(mktemp -d)
+	chmod 1777 "$apt_tmp"
+	TMPDIR=$apt_tmp apt-get update -qq
+	TMPDIR=$apt_tmp DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
+	rm -rf "$apt_tmp"
 fi
 
 # The golang stand-in must be the Go the Dockerfile asks for.
