@@ -54,9 +54,9 @@ daemonset-image: deps
 
 # tests/kube, behind the build tag "kube" (it needs hack/kube.sh's
 # binaries and the DaemonSet's image): part of `make test`. hack/kube.sh's
-# build took 14.5 minutes on a fresh 2-core machine (empty module and build
-# caches), the DaemonSet's image 2; its two tests, each on a guest of its
-# own, about 6 minutes each.
+# build took 8.4 to 14.5 minutes on a fresh 2-core machine (empty module
+# and build caches), the DaemonSet's image 2; its two tests, each on a
+# guest of its own, about 9 minutes together.
 kube-e2e: deps vm-image kube daemonset-image build $(TESTSUMMARY)
 	@mkdir -p $(RESULTS)
 	$(GO) test -json -tags kube -count=1 -timeout 40m ./tests/kube/ | $(TESTSUMMARY) -record $(RESULTS)/kube.json
