@@ -62,6 +62,7 @@ type Env struct {
 
 	opts      options
 	mu        sync.Mutex
+	closing   sync.Mutex // held by Close: a second Close waits for the first
 	cleanups  []func()
 	processes []*Process
 	leaked    []string
@@ -238,6 +239,7 @@ func Start(ctx context.Context, opts ...Option) (_ *Env, retErr error) {
 	e.Dir = dir
 	e.Namespace = fmt.Sprintf("envsnap-test-%d-%d", os.Getpid(), envCounter.Add(1))
 	e.onClose(e.teardownDir)
+	track(e)
 	defer func() {
 		if retErr != nil {
 			e.Close()
@@ -370,6 +372,9 @@ func (e *Env) onClose(f func()) {
 // mounts that were still present below Dir once the daemons had stopped
 // (Close unmounts them; a non-empty result is a leak to report).
 func (e *Env) Close() (leaked []string) {
+	e.closing.Lock()
+	defer e.closing.Unlock()
+	defer untrack(e)
 	e.mu.Lock()
 	cleanups := e.cleanups
 	e.cleanups = nil
@@ -736,17 +741,14 @@ func (e *Env) CollectGarbage(ctx context.Context) error {
 	return nil
 }
 
-// teardownDir runs last: it kills leftover shims of this containerd,
-// unmounts whatever is still mounted below Dir, removes cgroups named after
-// the namespace, and deletes Dir.
+// teardownDir runs last: it kills leftover processes naming Dir (shims of
+// this containerd, the daemon's descriptor keeper), unmounts whatever is
+// still mounted below Dir, removes cgroups named after the namespace, and
+// deletes Dir.
 func (e *Env) teardownDir() {
-	killShims(e.Logf, e.Dir)
-	e.leaked = unmountBelow(e.Dir)
+	e.leaked = RemoveLeftovers(e.Logf, e.Dir)
 	removeCgroups(e.Logf, e.Namespace)
 	// CRI puts pod cgroups under the k8s.io namespace; only empty
 	// directories go, so another env's live pods are safe.
 	removeEmptyCgroups("k8s.io")
-	if err := os.RemoveAll(e.Dir); err != nil {
-		e.Logf("teardown: remove %s: %v", e.Dir, err)
-	}
 }

@@ -94,10 +94,24 @@ func Binary(name string) (string, error) {
 	return p, nil
 }
 
-// killShims kills shim processes that serve the containerd below dir: they
-// outlive containerd by design, so a test that failed mid-way would leak
-// them. Matched by their -address argument, killed by PID.
-func killShims(logf func(string, ...any), dir string) {
+// RemoveLeftovers stops the processes that name dir on their command line,
+// detaches every mount below it and removes it, returning the mounts it
+// found: what an Env's Close does once its daemons are stopped, for a
+// stack whose Env is gone (a test binary that was killed).
+func RemoveLeftovers(logf func(string, ...any), dir string) (leaked []string) {
+	killNaming(logf, dir)
+	leaked = unmountBelow(dir)
+	if err := os.RemoveAll(dir); err != nil {
+		logf("teardown: remove %s: %v", dir, err)
+	}
+	return leaked
+}
+
+// killNaming kills the processes whose command line names dir: the shims
+// that serve the containerd below it outlive containerd by design, and the
+// daemon's descriptor keeper outlives the daemon, so a test that failed
+// mid-way would leak them. Killed by PID.
+func killNaming(logf func(string, ...any), dir string) {
 	entries, _ := os.ReadDir("/proc")
 	for _, ent := range entries {
 		pid, err := strconv.Atoi(ent.Name())
@@ -108,12 +122,9 @@ func killShims(logf func(string, ...any), dir string) {
 		if err != nil {
 			continue
 		}
-		args := strings.Split(string(cmdline), "\x00")
-		if len(args) == 0 || !strings.HasPrefix(filepath.Base(args[0]), "containerd-shim") {
-			continue
-		}
-		if strings.Contains(string(cmdline), dir) {
-			logf("teardown: killing leftover shim pid %d", pid)
+		// dir+"/": a sibling whose name starts with dir's is another stack.
+		if args := "\x00" + string(cmdline); strings.Contains(args, dir+"/") || strings.Contains(args, "\x00"+dir+"\x00") {
+			logf("teardown: killing leftover pid %d (%s)", pid, strings.ReplaceAll(strings.TrimRight(string(cmdline), "\x00"), "\x00", " "))
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
