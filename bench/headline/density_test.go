@@ -116,12 +116,13 @@ func TestToolRecorder(t *testing.T) {
 }
 
 func TestDensityComparisonCeiling(t *testing.T) {
-	rep := &DensityReport{Cores: 2, Order: []string{Envsnap, StatusQuo}, Systems: map[string]*DensityRun{
-		Envsnap:   {Held: 16, CPUCeiling: 20, Levels: []DensityLevel{{Envs: 1, EnvCPU: 0.1}}},
-		StatusQuo: {Held: 4},
+	rep := &DensityReport{Cores: 2, Order: []string{Envsnap, OverlayfsAll, StatusQuo}, Systems: map[string]*DensityRun{
+		Envsnap:      {Held: 16, CPUCeiling: 20, Levels: []DensityLevel{{Envs: 1, EnvCPU: 0.1}}},
+		StatusQuo:    {Held: 4},
+		OverlayfsAll: {Held: 20},
 	}}
 	got := rep.Comparison()
-	for _, want := range []string{"envsnap held 16, status-quo held 4 (4.0x)", "2 cores run about 20 environments", "(0.100 cores each"} {
+	for _, want := range []string{"envsnap held 16, overlayfs-all held 20, status-quo held 4 (envsnap 4.0x the status quo)", "the node held 20, the bound", "(envsnap 0.80x of it)", "2 cores run about 20 environments", "(0.100 cores each"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("comparison %q lacks %q", got, want)
 		}

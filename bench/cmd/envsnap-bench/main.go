@@ -65,7 +65,7 @@ func main() {
 	flag.IntVar(&de.Max, "density", 0, "run only the density scenario: start agent environments one after another up to this many, until the node refuses one, one fails or tool calls slow past -density-limit; replace its section of the markdown report")
 	flag.IntVar(&de.Step, "density-step", 8, "density scenario: environments added between two measured levels")
 	flag.DurationVar(&de.Settle, "density-settle", 20*time.Second, "density scenario: how long each level runs before it is measured")
-	flag.DurationVar(&de.Window, "density-window", 60*time.Second, "density scenario: how long each level is measured")
+	flag.DurationVar(&de.Window, "density-window", 60*time.Second, "density scenario: the measuring window; each level is measured over as many as it takes to collect 40 tool calls (at most 6)")
 	flag.Float64Var(&de.Limit, "density-limit", 1.3, "density scenario: the p95 tool-call latency bound, over one environment alone (measured, as every level, past its first episode)")
 	flag.StringVar(&deSystems, "density-systems", strings.Join(headline.DensitySystems, ","), "systems of the density scenario, in order")
 	var pc headline.PageCacheConfig
