@@ -92,8 +92,9 @@ demo: deps build
 # overlayfs everything at once, envsnap and the ablations side by side: its
 # section of docs/benchmarks.md and docs/img/rollout-*.png), the density
 # ramp (real agent environments started one after another until the node
-# refuses, one fails or tool calls slow past 1.3x alone; envsnap and the
-# status quo, its section of docs/benchmarks.md), then the
+# refuses, one fails or tool calls slow past 1.3x alone; envsnap, the
+# status quo and overlayfs + runc with no limit, its section of
+# docs/benchmarks.md), then the
 # iteration headline, which regenerates docs/benchmarks.md and its plots
 # (keeping the rollout's section), the peer tier's 4-node run
 # (its section of docs/benchmarks.md), the peer tier's cluster model
@@ -107,7 +108,7 @@ BENCH_ARGS ?=
 bench: deps build
 	@mkdir -p bench/out
 	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -rollouts 48 -rollout-tasks 8 2>&1 | tee bench/out/rollout.txt
-	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -density 96 -density-step 8 -rollout-tasks 8 -no-prefetch 2>&1 | tee bench/out/density.txt
+	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -density 96 -density-step 4 -rollout-tasks 8 -no-prefetch 2>&1 | tee bench/out/density.txt
 	$(GO) run ./bench/cmd/envsnap-bench -publish $(BENCH_ARGS) 2>&1 | tee bench/out/headline.txt
 	$(GO) run ./bench/cmd/envsnap-bench -publish -variant small -peers 4 -peer-envs 4 -peer-slow-hedge-after 2s -peer-slow-timeout 30s 2>&1 | tee bench/out/peers.txt
 	$(GO) run ./bench/cmd/envsnap-peersim 2>&1 | tee bench/out/peersim.txt

@@ -107,7 +107,11 @@ func (rep *DensityReport) markdown(jsonRel string) string {
 	if len(failures) > 0 {
 		fmt.Fprintf(&b, "\nFailed episodes (every one, with the model stand-in's reason):\n\n%s\n", strings.Join(failures, "\n"))
 	}
-	fmt.Fprintf(&b, "\nSystems: `%s` is the envsnap snapshotter + the envlet shim with their defaults (the arbiter admits by measured use); `%s` is overlayfs + runc with a fixed %.2g cores / %s per environment (requests = limits), as many as the node holds at that request. Registry: %s. Machine: %s.", Envsnap, StatusQuo, rep.FixedCPU, mib(rep.FixedMem), rep.Link, rep.Machine)
+	fmt.Fprintf(&b, "\nSystems: `%s` is the envsnap snapshotter + the envlet shim with their defaults (the arbiter admits by measured use); `%s` is overlayfs + runc with a fixed %.2g cores / %s per environment (requests = limits), as many as the node holds at that request", Envsnap, StatusQuo, rep.FixedCPU, mib(rep.FixedMem))
+	if rep.Systems[OverlayfsAll] != nil {
+		fmt.Fprintf(&b, "; `%s` is overlayfs + runc with no limit (the knee of the node and the workload themselves)", OverlayfsAll)
+	}
+	fmt.Fprintf(&b, ". Registry: %s. Machine: %s.", rep.Link, rep.Machine)
 	if rep.Agent != "" {
 		fmt.Fprintf(&b, " The agent CLI sent the model the User-Agent `%s`.", rep.Agent)
 	}
