@@ -101,7 +101,9 @@ demo: deps build
 # (docs/scale.md's table; about a minute of CPU), the micro-benchmarks
 # (format, fetcher, FUSE, sampler) and the end-to-end benchmarks gated by
 # ENVSNAP_BENCH=1 (among them tests/vm's KSM run across identical agent
-# CLIs in the guest, about 10 minutes). Raw output in bench/out.
+# CLIs in the guest, about 10 minutes), and how soon the workload's base
+# layer gets its native copy on an idle, a busy and a saturated node
+# (about 2 minutes). Raw output in bench/out.
 MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/ ./internal/idleprio/
 BENCH_ARGS ?=
 
@@ -114,6 +116,7 @@ bench: deps build
 	$(GO) run ./bench/cmd/envsnap-peersim 2>&1 | tee bench/out/peersim.txt
 	$(GO) test -count=1 -run '^$$' -bench . -benchmem $(MICRO_BENCH_PKGS) 2>&1 | tee bench/out/micro.txt
 	ENVSNAP_BENCH=1 $(GO) test -count=1 -p 1 -timeout 90m -v -run '^TestBench' -bench . -benchtime 1x ./tests/... 2>&1 | tee bench/out/e2e.txt
+	ENVSNAP_BENCH=1 $(GO) test -count=1 -timeout 60m -v -run '^TestBenchNativeCopyBusyNode$$' ./internal/layerstore/ 2>&1 | tee bench/out/native-busy.txt
 
 clean:
 	rm -rf $(BIN)

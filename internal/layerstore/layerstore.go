@@ -814,8 +814,8 @@ type LayerStatus struct {
 	CachedBytes, TotalBytes int64
 	// Environments prepared over the layer since it was mounted
 	// (NoteEnvironment; after a restart, those whose snapshots still
-	// exist): from the second on, neither its fill nor its
-	// native copy waits for idle CPU.
+	// exist). Shown in status; the fill and the native copy do not
+	// depend on it.
 	Environments int
 	// Fill is what the layer's background fill is doing.
 	Fill fetch.FillStatus
