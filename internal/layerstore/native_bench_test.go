@@ -16,11 +16,8 @@ import (
 
 	"github.com/opencontainers/go-digest"
 
-	"github.com/envsnap/envsnap/internal/chunkcache"
 	"github.com/envsnap/envsnap/internal/devenv"
-	"github.com/envsnap/envsnap/internal/native"
 	"github.com/envsnap/envsnap/internal/prereq"
-	"github.com/envsnap/envsnap/internal/registry"
 	"github.com/envsnap/envsnap/snapshotter"
 )
 
@@ -64,22 +61,8 @@ func TestBenchNativeCopyBusyNode(t *testing.T) {
 	// returns when its fill and its native copy were done.
 	measure := func(load string, limit time.Duration) result {
 		t.Helper()
-		c, err := chunkcache.Open(t.TempDir(), 4<<30)
-		if err != nil {
-			t.Fatal(err)
-		}
-		copies, err := native.Open(context.Background(), t.TempDir(), c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer copies.Close()
-		c.SetTenant(copies)
+		s, _, copies := newNativeStoreSized(t, Config{}, 4<<30)
 		copies.SetBuildCommand([]string{builder})
-		s, err := New(Config{Hosts: registry.ConfigureHosts(context.Background(), registry.Options{PlainHTTP: true}),
-			Cache: c, Fill: true, Native: copies})
-		if err != nil {
-			t.Fatal(err)
-		}
 		mp := t.TempDir()
 		before := cpuSeconds(syscall.RUSAGE_SELF) + cpuSeconds(syscall.RUSAGE_CHILDREN)
 		start := time.Now()

@@ -291,7 +291,12 @@ func waitNativeDir(t *testing.T, s *Store, copies *native.Store, labels map[stri
 // newNativeStore returns a store with cfg, background fill, a node cache
 // and native copies sharing its budget, as the daemon sets them up.
 func newNativeStore(t *testing.T, cfg Config) (*Store, *chunkcache.Cache, *native.Store) {
-	cache, err := chunkcache.Open(t.TempDir(), 256<<20)
+	return newNativeStoreSized(t, cfg, 256<<20)
+}
+
+// newNativeStoreSized is newNativeStore with a node cache of cacheBytes.
+func newNativeStoreSized(t *testing.T, cfg Config, cacheBytes int64) (*Store, *chunkcache.Cache, *native.Store) {
+	cache, err := chunkcache.Open(t.TempDir(), cacheBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
