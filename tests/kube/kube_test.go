@@ -784,8 +784,14 @@ func bootGuest(t *testing.T, qemu, img, share string) *guest {
 	t.Helper()
 	g := &guest{console: filepath.Join(t.TempDir(), "console.log"), ready: make(chan struct{}), exited: make(chan struct{}), events: make(chan string, 8)}
 	nic := "user,id=n0"
+	// thread=single: both vCPUs on one host thread. With one each, the
+	// guest kernel can panic while it patches the BPF LSM hook envlet's
+	// guard attaches to (tests/vm's runGuest says more). Here once, a pod
+	// stood at ContainerCreating for 10 minutes after "Container created",
+	// and the guest printed neither its journals nor DONE when the test
+	// asked for them: it was gone.
 	g.cmd = exec.Command(qemu,
-		"-accel", "tcg", "-smp", "2", "-m", fmt.Sprint(guestMemMiB),
+		"-accel", "tcg,thread=single", "-smp", "2", "-m", fmt.Sprint(guestMemMiB),
 		"-nographic", "-no-reboot", "-snapshot",
 		"-netdev", nic, "-device", "virtio-net-pci,netdev=n0",
 		"-kernel", filepath.Join(img, "vmlinuz"), "-initrd", filepath.Join(img, "initrd.img"),
@@ -847,6 +853,13 @@ func (g *guest) stop(t *testing.T, share string) {
 		<-g.exited
 	}
 	t.Logf("guest console log: %s", g.console)
+	if t.Failed() {
+		// The console goes with the test's temporary directory: keep the
+		// part that says why a guest ended early (a kernel panic).
+		if tail, err := exec.Command("tail", "-n", "60", g.console).Output(); err == nil {
+			t.Logf("guest console tail:\n%s", tail)
+		}
+	}
 }
 
 func copyFile(t *testing.T, src, dst string) {
