@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -53,9 +54,9 @@ func TestBenchNativeCopyBusyNode(t *testing.T) {
 	t.Logf("base layer: %d MiB blob", len(blob)>>20)
 
 	type result struct {
-		load             string
-		filled, native   time.Duration // from the mount
-		daemonCPU, spare float64       // CPU-seconds over the run
+		load               string
+		filled, native     time.Duration // from the mount
+		daemonCPU, loadCPU float64       // CPU-seconds over the run
 	}
 	// measure mounts the layer on a node of its own (cache, copies) and
 	// returns when its fill and its native copy were done.
@@ -98,20 +99,13 @@ func TestBenchNativeCopyBusyNode(t *testing.T) {
 		}
 		return res
 	}
-	// burn starts n processes that spin for busy and sleep for idle, in
-	// turn, until the returned stop is called; it returns their CPU use.
-	burn := func(n int, spin string) (stop func() float64) {
+	// burn starts n shells that run body over and over until the
+	// returned stop is called (or the test ends, should it fail first);
+	// stop returns their CPU use.
+	burn := func(n int, body string) (stop func() float64) {
 		ctx, cancel := context.WithCancel(context.Background())
 		var cmds []*exec.Cmd
-		for range n {
-			cmd := exec.CommandContext(ctx, "sh", "-c", "while :; do "+spin+"; done")
-			if err := cmd.Start(); err != nil {
-				cancel()
-				t.Fatalf("start a busy process: %v", err)
-			}
-			cmds = append(cmds, cmd)
-		}
-		return func() float64 {
+		stop = sync.OnceValue(func() float64 {
 			cancel()
 			var cpu float64
 			for _, c := range cmds {
@@ -121,18 +115,27 @@ func TestBenchNativeCopyBusyNode(t *testing.T) {
 				}
 			}
 			return cpu
+		})
+		t.Cleanup(func() { stop() })
+		for range n {
+			cmd := exec.CommandContext(ctx, "sh", "-c", "while :; do "+body+"; done")
+			if err := cmd.Start(); err != nil {
+				t.Fatalf("start a busy process: %v", err)
+			}
+			cmds = append(cmds, cmd)
 		}
+		return stop
 	}
 	cores := runtime.NumCPU()
 	results := []result{measure("idle", 10*time.Minute)}
 	// 20 ms of shell arithmetic then 5 ms asleep: 80% of each core.
 	stop := burn(cores, `i=0; while [ $i -lt 6000 ]; do i=$((i+1)); done; sleep 0.005`)
 	res := measure(fmt.Sprintf("%d cores 80%% busy", cores), 15*time.Minute)
-	res.spare = stop()
+	res.loadCPU = stop()
 	results = append(results, res)
 	stop = burn(cores+1, `:`)
 	res = measure(fmt.Sprintf("%d spinning processes on %d cores", cores+1, cores), 15*time.Minute)
-	res.spare = stop()
+	res.loadCPU = stop()
 	results = append(results, res)
 
 	var b strings.Builder
@@ -141,8 +144,8 @@ func TestBenchNativeCopyBusyNode(t *testing.T) {
 		after := r.native - r.filled
 		fmt.Fprintf(&b, "\n  %-32s fill done %6.1f s, native copy %6.1f s after the mount, %6.1f s after the fill (%.1fx idle's); the store, registry and builder %.1f CPU-s",
 			r.load, r.filled.Seconds(), r.native.Seconds(), after.Seconds(), after.Seconds()/max((idle.native-idle.filled).Seconds(), 0.001), r.daemonCPU)
-		if r.spare > 0 {
-			fmt.Fprintf(&b, ", the load %.1f CPU-s", r.spare)
+		if r.loadCPU > 0 {
+			fmt.Fprintf(&b, ", the load %.1f CPU-s", r.loadCPU)
 		}
 	}
 	t.Logf("native copy of the base layer (%d MiB blob):%s", len(blob)>>20, b.String())
