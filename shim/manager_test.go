@@ -38,6 +38,7 @@ func TestPickGroup(t *testing.T) {
 	const size = 3
 	// Seven containers starting at once: 3 + 3 + 1.
 	got := map[string]int{}
+	groupOf := map[string]string{} // bundle dir -> group
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for i := range 7 {
@@ -50,6 +51,7 @@ func TestPickGroup(t *testing.T) {
 			}
 			mu.Lock()
 			got[g]++
+			groupOf[dir] = g
 			mu.Unlock()
 		})
 	}
@@ -58,11 +60,20 @@ func TestPickGroup(t *testing.T) {
 		t.Errorf("groups %v, want envlet-0 and -1 full (3), envlet-2 with 1", got)
 	}
 	// A deleted container's bundle is gone: its place is free again.
-	if err := os.RemoveAll(filepath.Join(ns, "c0")); err != nil {
+	// Which container landed in a full group depends on the goroutines'
+	// order: delete one that did.
+	var freed string
+	for dir, g := range groupOf {
+		if g == "envlet-0" {
+			freed = dir
+			break
+		}
+	}
+	if err := os.RemoveAll(freed); err != nil {
 		t.Fatal(err)
 	}
-	if g, err := pickGroup(bundle("late", nil), "late", size); err != nil || g != "envlet-0" && g != "envlet-1" {
-		t.Errorf("after a delete: %q, %v; want the freed place in a full group", g, err)
+	if g, err := pickGroup(bundle("late", nil), "late", size); err != nil || g != "envlet-0" {
+		t.Errorf("after a delete in envlet-0: %q, %v; want the freed place there", g, err)
 	}
 	// A pod's container joins its sandbox's group, full or not.
 	sb := bundle("sandbox", nil)
