@@ -1,6 +1,7 @@
 package headline
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,6 +33,54 @@ func TestRequestSlots(t *testing.T) {
 		if got := RequestSlots(c.cpu, c.mem, c.reqCPU, c.reqMem); got != c.want {
 			t.Errorf("RequestSlots(%v, %v, %v, %v) = %d, want %d", c.cpu, c.mem, c.reqCPU, c.reqMem, got, c.want)
 		}
+	}
+}
+
+// TestAdmitInOrder: waiters that reach the queue in reverse order are
+// still admitted oldest first, one at a time with one slot.
+func TestAdmitInOrder(t *testing.T) {
+	const n = 5
+	slots := make(chan struct{}, 1)
+	admitted := admitInOrder(context.Background(), n, slots)
+	got := make(chan int)
+	release := make([]chan struct{}, n)
+	var wg sync.WaitGroup
+	for i := n - 1; i >= 0; i-- {
+		release[i] = make(chan struct{})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-admitted[i]
+			got <- i
+			<-release[i]
+			<-slots
+		}()
+	}
+	for want := range n {
+		if i := <-got; i != want {
+			t.Fatalf("admitted waiter %d, want %d (the oldest waiting)", i, want)
+		}
+		select {
+		case i := <-got:
+			t.Fatalf("admitted waiter %d while %d held the only slot", i, want)
+		case <-time.After(10 * time.Millisecond):
+		}
+		close(release[want])
+	}
+	wg.Wait()
+}
+
+// TestAdmitInOrderCancelled: a cancelled batch admits no one else.
+func TestAdmitInOrderCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	slots := make(chan struct{}, 1)
+	admitted := admitInOrder(ctx, 3, slots)
+	<-admitted[0]
+	cancel()
+	select {
+	case <-admitted[1]:
+		t.Fatal("admitted a waiter after the batch was cancelled, with its slot held")
+	case <-time.After(50 * time.Millisecond):
 	}
 }
 
