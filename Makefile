@@ -101,7 +101,7 @@ demo: deps build
 # (docs/scale.md's table; about a minute of CPU), the micro-benchmarks
 # (format, fetcher, FUSE, sampler) and the end-to-end benchmarks gated by
 # ENVSNAP_BENCH=1 (among them tests/vm's KSM run across identical agent
-# CLIs in the guest, about 10 minutes), and how soon the workload's base
+# CLIs in the guest, about 11 minutes), and how soon the workload's base
 # layer gets its native copy on an idle, a busy and a saturated node
 # (about 2 minutes). Raw output in bench/out.
 MICRO_BENCH_PKGS := ./layerfmt/ ./internal/fetch/ ./internal/lazyfs/ ./internal/layerstore/ ./internal/envlet/cgroupfs/ ./internal/idleprio/
