@@ -62,6 +62,8 @@ type V1 struct {
 	statUsage  int64 // usage at lastStat
 	underOOM   bool  // the last read of oom_control saw tasks paused
 	closed     bool
+
+	demand *demandMeter // read only while the environment starts
 }
 
 // OpenV1 opens the cgroup at path (relative to each hierarchy's mount, as

@@ -362,3 +362,53 @@ func TestV1Restore(t *testing.T) {
 		t.Fatalf("second restore: %v, %v; want false", restored, err)
 	}
 }
+
+// Demand counts what the group's threads want, not what they get: a
+// spinning thread held to a tenth of a core by its quota still shows
+// most of a core of demand, and the same process with nothing to run
+// shows none.
+func TestV1Demand(t *testing.T) {
+	cg, c := openV1(t)
+	if err := c.Apply(cgroupfs.Limits{CPU: 0.1, Memory: 256 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	p := envlettest.Start(t)
+	cg.Add(t, p.Pid())
+	if _, err := p.Do("threads 1 100"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	var before, after cgroupfs.Sample
+	if _, err := c.Demand(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Sample(&before); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	time.Sleep(time.Second)
+	demand, err := c.Demand()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Sample(&after); err != nil {
+		t.Fatal(err)
+	}
+	wall := time.Since(start)
+	used := time.Duration(after.CPUUsageNs - before.CPUUsageNs)
+	t.Logf("spinning at a 0.1-core quota: demand %v, used %v in %v", time.Duration(demand), used, wall)
+	if time.Duration(demand) < wall*6/10 || time.Duration(demand) < 3*used {
+		t.Fatalf("a spinning thread at a 0.1-core quota: demand %v, used %v in %v; want most of the wall time and over 3x the use", time.Duration(demand), used, wall)
+	}
+	if _, err := p.Do("threads 0 0"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if _, err := c.Demand(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if idle, err := c.Demand(); err != nil || time.Duration(idle) > 25*time.Millisecond {
+		t.Fatalf("the same process idle: demand %v (%v), want under 25ms in 500ms", time.Duration(idle), err)
+	}
+}

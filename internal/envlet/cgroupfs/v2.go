@@ -41,6 +41,8 @@ type V2 struct {
 	pending   atomic.Bool
 	lastStat  time.Time
 	statUsage int64 // usage at lastStat
+
+	demand *demandMeter // read only while the environment starts
 }
 
 // PSI triggers armed on cpu.pressure and memory.pressure: wake the
