@@ -216,6 +216,9 @@ type Lease struct {
 	// and says nothing of what the new grant is for. A ramping lease's
 	// burst is not reclaimed.
 	Ramping bool
+	// Starting: the environment's start is under way and waits its turn
+	// in the node's start order (StartQueue); StartDone: it ended.
+	Starting, StartDone bool
 }
 
 // NewNodeArbiter returns an arbiter for a node of the given capacity
@@ -631,6 +634,45 @@ func (a *NodeArbiter) chooseVictims() {
 		a.evict[id] = fmt.Sprintf("node memory %s in use of %s (%.0f%% reserve half gone); the victim policy (%s) chose this environment",
 			FormatBytes(used), FormatBytes(a.capacity.Memory), a.reserve*100, a.victims)
 	}
+}
+
+// StartQueue orders the starts of environments that land on a node
+// together. A crowd of starts sharing the CPU equally finishes together,
+// each as late as the last; served oldest first, the same work readies
+// most of them far sooner and the last no later. The controllers turn a
+// rank into a CPU weight (StartWeight).
+type StartQueue interface {
+	// StartRank returns how many environments admitted before env are
+	// still starting (0: env's start goes first). done says env's start
+	// has ended: it leaves the queue for good and the rank is 0.
+	StartRank(ctx context.Context, env string, done bool) (int, error)
+}
+
+// StartRank implements StartQueue. An environment joins the queue with
+// its first call, at its admission time, so a re-admission after an
+// arbiter restart queues it again behind those still starting.
+func (a *NodeArbiter) StartRank(ctx context.Context, env string, done bool) (int, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	l, ok := a.leases[env]
+	if !ok {
+		return 0, fmt.Errorf("start rank %s: not admitted: %w", env, errdefs.ErrNotFound)
+	}
+	if done {
+		l.Starting, l.StartDone = false, true
+		return 0, nil
+	}
+	if l.StartDone {
+		return 0, nil
+	}
+	l.Starting = true
+	rank := 0
+	for id, o := range a.leases {
+		if o.Starting && id != env && (o.Admitted.Before(l.Admitted) || o.Admitted.Equal(l.Admitted) && id < env) {
+			rank++
+		}
+	}
+	return rank, nil
 }
 
 // Restore installs a lease as recorded by an earlier arbiter (its ledger)

@@ -124,6 +124,31 @@ func (c *v2Cgroup) SetTier(w CPUWeights) error {
 	return nil
 }
 
+// startWeighter is implemented by cgroups whose CPU weight the controller
+// moves while the environment starts (StartQueue): the weight in native
+// units (v1 cpu.shares, v2 cpu.weight) with the least the kernel takes,
+// and the group's CPU demand (run + run-queue wait, ns) since the last
+// read.
+type startWeighter interface {
+	CPUWeight() (cur, least uint64, err error)
+	SetCPUWeight(uint64) error
+	Demand() (uint64, error)
+}
+
+func (c *v1Cgroup) CPUWeight() (uint64, uint64, error) {
+	w, err := c.V1.Shares()
+	return w, cgroupfs.LeastShares, err
+}
+
+func (c *v1Cgroup) SetCPUWeight(w uint64) error { return c.V1.SetShares(w) }
+
+func (c *v2Cgroup) CPUWeight() (uint64, uint64, error) {
+	w, err := c.V2.Weight()
+	return w, cgroupfs.LeastWeight, err
+}
+
+func (c *v2Cgroup) SetCPUWeight(w uint64) error { return c.V2.SetWeight(w) }
+
 // reclaimer is implemented by cgroups that reclaim on request (v2
 // memory.reclaim).
 type reclaimer interface {

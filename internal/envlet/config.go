@@ -99,6 +99,17 @@ type Config struct {
 	// scheduler weight under contention (Tier.Weights).
 	Tier Tier
 
+	// StartOrder runs the environment's start in the node's start queue
+	// (StartQueue, standard tier only): its CPU weight is StartWeight of
+	// its rank, so a crowd of starts is served oldest first instead of all
+	// finishing late together. The start ends at the head of the queue,
+	// when the CPU demand (run + run-queue wait) of two samples falls
+	// under IdleUtil of the limit, or after StartMax there without going
+	// idle: a busy job, not a start, which must not hold the ones behind
+	// it back.
+	StartOrder bool
+	StartMax   time.Duration
+
 	// Priority orders environments for the node's victim policy: when
 	// promised memory is really needed and the node cannot supply it, lower
 	// priorities fail first (NodeArbiter). Default 0.
@@ -136,6 +147,8 @@ func DefaultConfig() Config {
 		FailWindow:        5 * time.Second,
 		FailPaused:        2 * time.Second,
 		Tier:              TierStandard,
+		StartOrder:        true,
+		StartMax:          30 * time.Second,
 	}
 }
 
@@ -162,6 +175,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("envlet: memory floors %.2f/%.2f invalid", c.MemMinHeadroom, c.MemShrinkFloor)
 	case c.FailOOMs < 1 || c.FailWindow <= 0 || c.FailPaused <= 0:
 		return fmt.Errorf("envlet: failure knobs invalid")
+	case c.StartOrder && c.StartMax <= 0:
+		return fmt.Errorf("envlet: start max %v must be positive", c.StartMax)
 	case c.ArbiterTimeout <= 0 || c.ReportPeriod <= 0 || c.ArbiterWait <= 0:
 		return fmt.Errorf("envlet: arbiter timeout / report period / arbiter wait must be positive")
 	}
@@ -253,6 +268,8 @@ var knobs = []knob{
 	{"fail-paused", durKnob(func(c *Config) *time.Duration { return &c.FailPaused })},
 	{"priority", func(c *Config, v string) (err error) { c.Priority, err = strconv.Atoi(v); return err }},
 	{"tier", func(c *Config, v string) (err error) { c.Tier, err = ParseTier(v); return err }},
+	{"start-order", func(c *Config, v string) (err error) { c.StartOrder, err = strconv.ParseBool(v); return err }},
+	{"start-max", durKnob(func(c *Config) *time.Duration { return &c.StartMax })},
 }
 
 // AnnotationKeys lists every accepted annotation key.

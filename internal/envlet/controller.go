@@ -61,6 +61,10 @@ type Status struct {
 	// kernel does not run BPF LSM programs). The shim fills both in.
 	LSMDenied      int  `json:",omitempty"`
 	LSMUnavailable bool `json:",omitempty"`
+	// Starting: the environment's start is in the node's start queue,
+	// StartRank places behind its head (Config.StartOrder).
+	Starting  bool `json:",omitempty"`
+	StartRank int  `json:",omitempty"`
 }
 
 // Option configures a Controller.
@@ -104,6 +108,8 @@ type Controller struct {
 	arbDownLogged time.Time
 	arbDownCalls  int
 	frozen        bool
+
+	start *startOrder // while the environment starts (Config.StartOrder)
 
 	// Limits written by others are put back (checkLimits): at least
 	// every LimitCheckPeriod, and at every tick until checkUntil.
@@ -255,6 +261,12 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 		}
 	}
 	c.lastReport = c.clock.Now()
+	c.beginStart(ctx, c.lastReport)
+	defer func() {
+		if c.start != nil {
+			c.endStart(context.WithoutCancel(ctx), c.clock.Now(), "controller stopped")
+		}
+	}()
 	defer func() {
 		// A failed environment stays frozen: the caller kills it (a
 		// fatal signal reaches frozen v2 tasks), and thawing first would
@@ -605,6 +617,9 @@ func (c *Controller) step(ctx context.Context, wake string) error {
 		}
 	}
 
+	if c.start != nil {
+		c.startTick(ctx, now)
+	}
 	if c.reportDue(now, o, c.st.Limit == before) {
 		c.lastReport, c.reported, c.reportedWS = now, c.st.Limit, o.WS
 		var err error

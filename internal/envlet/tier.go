@@ -52,3 +52,20 @@ func (t Tier) Weights() CPUWeights {
 	}
 	return CPUWeights{}
 }
+
+// StartWeight is the CPU weight of an environment whose start has rank
+// environments ahead of it in the node's start queue (StartQueue): its
+// own weight base at the head, a quarter of it for each place behind,
+// never below least. A quarter per place keeps the order close to first
+// come, first served (the head gets four fifths of a CPU it shares with
+// the next) while a start that waits on I/O leaves its CPU to the ones
+// behind it.
+func StartWeight(base, least uint64, rank int) uint64 {
+	if rank <= 0 {
+		return base
+	}
+	if rank >= 32 {
+		return least
+	}
+	return max(base>>(2*rank), least)
+}
