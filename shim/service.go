@@ -183,6 +183,15 @@ func (a envArbiter) Capacity() (envlet.Resources, float64) {
 	return envlet.Resources{}, 0
 }
 
+// StartRank passes the node's start queue through (envlet.StartQueue),
+// which the controller also finds by a type assertion.
+func (a envArbiter) StartRank(ctx context.Context, env string, done bool) (int, error) {
+	if q, ok := a.Arbiter.(envlet.StartQueue); ok {
+		return q.StartRank(ctx, env, done)
+	}
+	return 0, fmt.Errorf("start rank %s: %w", env, errdefs.ErrNotImplemented)
+}
+
 func (a envArbiter) Release(ctx context.Context, env string) error {
 	a.e.mu.Lock()
 	// A guard kill can end the cgroup, and with it the controller,

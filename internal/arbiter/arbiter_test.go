@@ -690,3 +690,75 @@ func TestReleaseWhileArbiterAway(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// The start queue over the wire: ranks in admission order, a start that
+// ends moves the next one up, and a restarted arbiter queues a start
+// again once its shim has re-registered.
+func TestStartRank(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	stop := startArbiter(t, sock, envlet.Resources{CPU: 4, Memory: 4 * gib})
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	for _, id := range []string{"a", "b"} {
+		if err := c.Admit(ctx, id, base); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Millisecond) // distinct admission times
+	}
+	rank := func(id string, done bool) int {
+		t.Helper()
+		r, err := c.StartRank(ctx, id, done)
+		if err != nil {
+			t.Fatalf("start rank %s: %v", id, err)
+		}
+		return r
+	}
+	if a, b := rank("a", false), rank("b", false); a != 0 || b != 1 {
+		t.Fatalf("ranks a %d, b %d; want 0, 1", a, b)
+	}
+	rank("a", true)
+	if b := rank("b", false); b != 0 {
+		t.Fatalf("rank of b after a's start ended: %d, want 0", b)
+	}
+	stop()
+	startArbiter(t, sock, envlet.Resources{CPU: 4, Memory: 4 * gib})
+	if b := rank("b", false); b != 0 {
+		t.Fatalf("rank of b from a restarted arbiter: %d, want 0", b)
+	}
+	if _, err := c.StartRank(ctx, "nobody", false); !errdefs.IsNotFound(err) {
+		t.Fatalf("rank of an environment the client does not know: %v, want NotFound", err)
+	}
+}
+
+// An arbiter older than the start queue answers Unimplemented: an answer,
+// not an outage, so the client keeps its connection and the node's view.
+func TestStartRankOldArbiter(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := ttrpc.NewServer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := NewServer(byRequest(envlet.Resources{CPU: 4, Memory: 4 * gib}))
+	methods := map[string]ttrpc.Method{methodAdmit: handler(old.admit), methodReport: handler(old.report), methodRelease: handler(old.release)}
+	srv.RegisterService(ServiceName, &ttrpc.ServiceDesc{Methods: methods})
+	go srv.Serve(ctx, l)
+	t.Cleanup(func() { srv.Close() })
+	c := NewClient(ClientConfig{Socket: sock, Timeout: time.Second})
+	t.Cleanup(func() { c.Close() })
+	if err := c.Admit(ctx, "a", envlet.Resources{CPU: 1, Memory: gib}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartRank(ctx, "a", false); !errdefs.IsNotImplemented(err) {
+		t.Fatalf("start rank from an arbiter without a start queue: %v, want NotImplemented", err)
+	}
+	if !c.Connected() {
+		t.Fatal("an Unimplemented answer dropped the connection")
+	}
+}

@@ -170,7 +170,7 @@ var errUnreachable = fmt.Errorf("node arbiter unreachable: %w", errdefs.ErrUnava
 func isAnswer(err error) bool {
 	return errdefs.IsResourceExhausted(err) || errdefs.IsNotFound(err) ||
 		errdefs.IsInvalidArgument(err) || errdefs.IsAlreadyExists(err) ||
-		errdefs.IsFailedPrecondition(err)
+		errdefs.IsFailedPrecondition(err) || errdefs.IsNotImplemented(err)
 }
 
 func (c *Client) dropLocked() {
@@ -553,6 +553,31 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 	// Nobody else can be admitted through us while the arbiter is away,
 	// so there is nothing to reclaim for.
 	return current, nil
+}
+
+// StartRank implements envlet.StartQueue against the node arbiter. While
+// the arbiter is away every start goes first: the local fallback sees
+// only this shim's environments, not the node's crowd. An arbiter older
+// than the start queue answers ErrNotImplemented.
+func (c *Client) StartRank(ctx context.Context, env string, done bool) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, ok := c.envs[env]
+	if !ok {
+		return 0, fmt.Errorf("start rank %s: not admitted: %w", env, errdefs.ErrNotFound)
+	}
+	req := &StartRequest{Env: env, Done: done}
+	var resp StartResponse
+	err := c.callLocked(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
+	if errdefs.IsNotFound(err) {
+		if err = c.registerLocked(ctx, env, st); err == nil {
+			err = c.callLocked(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
+		}
+	}
+	if err != nil {
+		return 0, fmt.Errorf("start rank %s: %w", env, err)
+	}
+	return resp.Rank, nil
 }
 
 // encodePoints encodes timeline points as the protocol carries them.

@@ -39,6 +39,7 @@ const (
 	methodRelease  = "Release"
 	methodList     = "List"
 	methodTimeline = "Timeline"
+	methodStart    = "Start"
 )
 
 // Resources is envlet.Resources on the wire.
@@ -106,6 +107,20 @@ type ReleaseRequest struct {
 	Base     *Resources `json:"base,omitempty"`
 	Admitted time.Time  `json:"admitted,omitzero"`
 	Ended    time.Time  `json:"ended,omitzero"`
+}
+
+// StartRequest asks for the environment's place in the node's start
+// queue (envlet.StartQueue); Done says its start has ended.
+type StartRequest struct {
+	Env  string `json:"env"`
+	Done bool   `json:"done,omitempty"`
+}
+
+// StartResponse answers Start: how many environments admitted before this
+// one are still starting.
+type StartResponse struct {
+	Boot string `json:"boot"`
+	Rank int    `json:"rank"`
 }
 
 // ResourcesResponse answers Grow (the grant) and Report (the limit the

@@ -96,6 +96,7 @@ func (s *Server) Register(srv *ttrpc.Server) {
 		methodRelease:  handler(s.release),
 		methodList:     handler(s.list),
 		methodTimeline: handler(s.timelineOf),
+		methodStart:    handler(s.startRank),
 	}})
 }
 
@@ -211,6 +212,20 @@ func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, 
 	rec.info.Current = toWire(got)
 	rec.info.Updated = time.Now()
 	return &ResourcesResponse{Boot: s.boot, Resources: toWire(got)}, nil
+}
+
+func (s *Server) startRank(ctx context.Context, r *StartRequest) (*StartResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.envs[r.Env]; !ok {
+		return nil, fmt.Errorf("start rank %s: %w", r.Env, errdefs.ErrNotFound)
+	}
+	s.confirmLocked(r.Env)
+	rank, err := s.arb.StartRank(ctx, r.Env, r.Done)
+	if err != nil {
+		return nil, fmt.Errorf("start rank %s: %w", r.Env, err)
+	}
+	return &StartResponse{Boot: s.boot, Rank: rank}, nil
 }
 
 func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesResponse, error) {
