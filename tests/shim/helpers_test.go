@@ -480,3 +480,32 @@ func (c *ctr) prioritize(t testing.TB) {
 		}
 	}
 }
+
+// cpuWeight reads the container's CPU weight: v1 cpu.shares or v2
+// cpu.weight, with the default the runtime leaves there.
+func (c *ctr) cpuWeight() (w, dflt uint64, err error) {
+	rel := filepath.Join(c.ns, c.id)
+	p, dflt := filepath.Join("/sys/fs/cgroup/cpu", rel, "cpu.shares"), uint64(1024)
+	if _, err := os.Stat(p); err != nil {
+		p, dflt = filepath.Join("/sys/fs/cgroup", rel, "cpu.weight"), 100
+	}
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return 0, dflt, err
+	}
+	w, err = strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+	return w, dflt, err
+}
+
+// waitWeight waits up to timeout for the container's CPU weight to be want.
+func (c *ctr) waitWeight(t testing.TB, want uint64, timeout time.Duration) {
+	t.Helper()
+	var w uint64
+	var err error
+	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if w, _, err = c.cpuWeight(); err == nil && w == want {
+			return
+		}
+	}
+	t.Fatalf("%s: CPU weight %d (%v) after %v, want %d", c.id, w, err, timeout, want)
+}

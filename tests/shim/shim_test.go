@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -421,5 +422,62 @@ func TestNoArbiter(t *testing.T) {
 	}
 	if peakCPU <= 0.25 {
 		t.Logf("host saturated (load %s): the CPU never grew, fail-open not observed", loadavg())
+	}
+}
+
+// TestStartOrder: a start behind a busy one runs at a quarter of its CPU
+// weight, and gets it back once the one ahead has gone; a start that goes
+// idle at the head of the queue leaves it, so it holds no later start
+// back.
+func TestStartOrder(t *testing.T) {
+	s := newSuite(t, node{memory: "4Gi"})
+	ann := map[string]string{"initial-cpu": "0.5", "initial-memory": "256Mi"}
+	busy := []string{"-mode", "cpu", "-threads", "1", "-threads2", "1", "-duration", "2m"}
+	a, err := s.run(t, ann, busy...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := s.run(t, ann, busy...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, dflt, err := b.cpuWeight()
+	if err != nil {
+		t.Fatal(err)
+	}
+	behind := envlet.StartWeight(dflt, 2, 1)
+	if dflt == 100 {
+		behind = envlet.StartWeight(dflt, 1, 1)
+	}
+	b.waitWeight(t, behind, 5*time.Second)
+	a.waitWeight(t, dflt, time.Second)
+	if err := a.task.Kill(s.env.Context(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	a.wait(t, 30*time.Second)
+	b.waitWeight(t, dflt, 5*time.Second)
+	if err := b.task.Kill(s.env.Context(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	b.wait(t, 30*time.Second)
+
+	c, err := s.run(t, ann, "-mode", "idle", "-hold", "1m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second) // idle at the head: its start is over
+	d, err := s.run(t, ann, busy...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	if w, _, err := d.cpuWeight(); err != nil || w != dflt {
+		t.Fatalf("a start after an idle one: CPU weight %d (%v), want %d: the idle start still holds the queue", w, err, dflt)
+	}
+	for _, x := range []*ctr{c, d} {
+		if err := x.task.Kill(s.env.Context(), syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		x.wait(t, 30*time.Second)
 	}
 }

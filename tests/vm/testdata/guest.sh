@@ -430,6 +430,26 @@ else
 	fail tier-v2 "the latency or best-effort container did not start: $(cat /tmp/run_ctr.err)"
 fi
 
+# --- start order on cgroup v2: a start behind a busy one runs at a
+# quarter of its cpu.weight, and gets it back once the one ahead is gone.
+# The one ahead may stay at the head for 10 minutes (start-max): creating
+# the second container can take half a minute in the TCG guest. ---
+CA=$(run_ctr "$POD" start-a "while :; do :; done" '{"io.envsnap.envlet.start-max": "10m"}')
+CB=$(run_ctr "$POD" start-b "while :; do :; done")
+if [ -n "$CA" ] && [ -n "$CB" ]; then
+	DA=$(cgdir "$CA")
+	DB=$(cgdir "$CB")
+	check start-order "the start behind a busy one did not run at a quarter of the default cpu.weight (100): a=$(cat "$DA"/cpu.weight) b=$(cat "$DB"/cpu.weight)" \
+		wait_for 10 sh -c "[ \"\$(cat $DB/cpu.weight)\" = 25 ] && [ \"\$(cat $DA/cpu.weight)\" = 100 ]"
+	log "start order: a (ahead, busy) cpu.weight=$(cat "$DA"/cpu.weight), b (behind) cpu.weight=$(cat "$DB"/cpu.weight)"
+	crictl rm -f "$CA" >/dev/null 2>&1
+	check start-order-head "the start left at the head of the queue did not get its cpu.weight back: $(cat "$DB"/cpu.weight)" \
+		wait_for 10 sh -c "[ \"\$(cat $DB/cpu.weight)\" = 100 ]"
+	crictl rm -f "$CB" >/dev/null 2>&1
+else
+	fail start-order "the two busy containers did not start: $(cat /tmp/run_ctr.err)"
+fi
+
 
 # --- KSM: [shim] memory-merge (tests/vm's envlet.toml) marks every
 # container the envlet shim starts mergeable (Linux >= 6.4); with ksmd
