@@ -45,15 +45,19 @@ const (
 	// The ablations swap one part each.
 	EnvsnapRuncFixed = "envsnap-runc-fixed"
 	OverlayfsEnvlet  = "overlayfs-envlet"
+	// EnvsnapUnordered is envsnap with the envlet shim's start order off
+	// (start-order=false): every start shares the CPU equally.
+	EnvsnapUnordered = "envsnap-unordered"
 )
 
 // RolloutSystems in the order they run by default.
-var RolloutSystems = []string{StatusQuo, OverlayfsAll, Envsnap, EnvsnapRuncFixed, OverlayfsEnvlet}
+var RolloutSystems = []string{StatusQuo, OverlayfsAll, Envsnap, EnvsnapRuncFixed, OverlayfsEnvlet, EnvsnapUnordered}
 
 type rolloutSystem struct {
 	snapshotter string
 	envlet      bool // the envlet shim (its quotas, admission and egress); else runc
 	fixed       bool // a fixed quota per environment, admitted by request
+	unordered   bool // the envlet shim's start order off
 }
 
 var rolloutSystems = map[string]rolloutSystem{
@@ -62,6 +66,7 @@ var rolloutSystems = map[string]rolloutSystem{
 	Envsnap:          {snapshotter: "envsnap", envlet: true},
 	EnvsnapRuncFixed: {snapshotter: "envsnap", fixed: true},
 	OverlayfsEnvlet:  {snapshotter: "overlayfs", envlet: true},
+	EnvsnapUnordered: {snapshotter: "envsnap", envlet: true, unordered: true},
 }
 
 // RolloutConfig is the rollout scenario: a batch of agent episodes
@@ -699,6 +704,9 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 	if spec.envlet {
 		opts.Runtime = "io.containerd.envlet.v2"
 		opts.Annotations = map[string]string{egress.Annotation: rb.allow}
+		if spec.unordered {
+			opts.Annotations[envlet.AnnotationPrefix+"start-order"] = "false"
+		}
 	}
 	if spec.fixed {
 		opts.SpecOpts = append(opts.SpecOpts, oci.WithCPUCFS(int64(rb.cfg.FixedCPU*100000), 100000), oci.WithMemoryLimit(uint64(rb.cfg.FixedMemory)))

@@ -26,6 +26,7 @@ var rolloutColors = map[string]color.RGBA{
 	Envsnap:          {R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
 	EnvsnapRuncFixed: {R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
 	OverlayfsEnvlet:  {R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+	EnvsnapUnordered: {R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
 }
 
 // WritePlots draws the concurrent environments and the node's memory
@@ -137,8 +138,8 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 				it.Pull.Median, it.Pull.P95, it.Start.Median, it.Start.P95, it.Agent.Median, it.Agent.P95)
 		}
 	}
-	fmt.Fprintf(&b, "\nSystems: `%s` is overlayfs + runc with a fixed quota of %.2g cores / %s per environment (requests = limits), admitted by request, oldest first, as a Kubernetes scheduler places them; `%s` is overlayfs + runc with no quota, everything at once; `%s` is the envsnap snapshotter (background fill) + the envlet shim with their defaults, everything submitted at once (an environment the envlet arbiter refuses is submitted again a second later); `%s` and `%s` swap one part each. Environments reach the model from their own network namespaces through the egress allow-list (the shim's for envlet, the same nftables policy installed by the bench for runc). Node memory is MemTotal - MemAvailable above its value before the batch; env memory is a container's working set (usage less inactive file) while it ran, the median of its samples. CPU seconds (node busy time, then each daemon):\n\n",
-		StatusQuo, rep.FixedCPU, mib(rep.FixedMem), OverlayfsAll, Envsnap, EnvsnapRuncFixed, OverlayfsEnvlet)
+	fmt.Fprintf(&b, "\nSystems: `%s` is overlayfs + runc with a fixed quota of %.2g cores / %s per environment (requests = limits), admitted by request, oldest first, as a Kubernetes scheduler places them; `%s` is overlayfs + runc with no quota, everything at once; `%s` is the envsnap snapshotter (background fill) + the envlet shim with their defaults, everything submitted at once (an environment the envlet arbiter refuses is submitted again a second later); `%s` and `%s` swap one part each; `%s` is envsnap with the envlet shim's start order off (`start-order=false`: every start shares the CPU equally). Environments reach the model from their own network namespaces through the egress allow-list (the shim's for envlet, the same nftables policy installed by the bench for runc). Node memory is MemTotal - MemAvailable above its value before the batch; env memory is a container's working set (usage less inactive file) while it ran, the median of its samples. CPU seconds (node busy time, then each daemon):\n\n",
+		StatusQuo, rep.FixedCPU, mib(rep.FixedMem), OverlayfsAll, Envsnap, EnvsnapRuncFixed, OverlayfsEnvlet, EnvsnapUnordered)
 	for _, sys := range rep.Order {
 		if it := rep.Systems[sys]; it != nil && len(it.CPU) > 0 {
 			fmt.Fprintf(&b, "- %s: %s.\n", sys, cpuLine(it.CPU))
