@@ -9,9 +9,9 @@ import (
 )
 
 // startOrder is an environment's place in the node's start queue while it
-// starts: the controller asks the arbiter for its rank every ReportPeriod
-// and sets its CPU weight to StartWeight of it, until its demand says the
-// start is over (Config.StartOrder).
+// starts: the controller asks the arbiter for its rank every other sample
+// and sets its CPU weight to StartWeight of it, until the start ends at
+// the head of the queue (Config.StartOrder).
 type startOrder struct {
 	q           StartQueue
 	cg          startWeighter
