@@ -21,6 +21,7 @@ func FuzzServer(f *testing.F) {
 		`{"env":"a","current":{"cpu":2},"used":{"cpu":1},"status":{"CPUGrows":1},"timeline":[{"T":"2026-01-01T00:00:00Z"}]}`,
 		`{"env":"a","reason":"exited"}`,
 		`{"ended":true}`,
+		`{"env":"a","done":true}`,
 		`{"env":"a","base":{"cpu":-1,"memory":-5}}`,
 		`{"env":"","base":{"cpu":1e308}}`,
 		`not json`,
@@ -38,8 +39,9 @@ func FuzzServer(f *testing.F) {
 		desc := map[string]ttrpc.Method{
 			methodAdmit: handler(s.admit), methodGrow: handler(s.grow), methodReport: handler(s.report),
 			methodRelease: handler(s.release), methodList: handler(s.list), methodTimeline: handler(s.timelineOf),
+			methodStart: handler(s.startRank),
 		}
-		names := []string{methodAdmit, methodGrow, methodReport, methodRelease, methodList, methodTimeline}
+		names := []string{methodAdmit, methodGrow, methodReport, methodStart, methodRelease, methodList, methodTimeline}
 		in, _ := proto.Marshal(wrapperspb.Bytes(payload))
 		for i := range names {
 			m := desc[names[(i+int(order))%len(names)]]
