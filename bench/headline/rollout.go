@@ -742,7 +742,7 @@ func (rb *rolloutBench) rollout(ctx context.Context, sys string, spec rolloutSys
 	case !ok:
 		r.Error = "the evaluator printed no reward: " + episode.LastLines(out.Stdout+out.Stderr, 5)
 	case reward != 1:
-		r.Error = fmt.Sprintf("reward %d after a completed episode", reward)
+		r.Error = fmt.Sprintf("reward %d after a completed episode; the evaluator's last lines: %s", reward, episode.LastLines(out.Stdout+out.Stderr, 8))
 	case r.Ready == 0:
 		r.Error = "never ready"
 	case r.Started == 0:
