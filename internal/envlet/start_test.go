@@ -239,3 +239,38 @@ func TestControllerStartOrderOff(t *testing.T) {
 		}
 	}
 }
+
+// plainArbiter hides NodeArbiter's start queue; notImplementedQueue is
+// an arbiter older than it (the shim's passthrough to such an arbiter).
+type plainArbiter struct{ Arbiter }
+
+type notImplementedQueue struct{ Arbiter }
+
+func (notImplementedQueue) StartRank(context.Context, string, bool) (int, error) {
+	return 0, errdefs.ErrNotImplemented
+}
+
+// An arbiter without a start queue leaves the weight alone.
+func TestControllerStartNoQueue(t *testing.T) {
+	for name, wrap := range map[string]func(Arbiter) Arbiter{
+		"no StartRank":  func(a Arbiter) Arbiter { return plainArbiter{a} },
+		"Unimplemented": func(a Arbiter) Arbiter { return notImplementedQueue{a} },
+	} {
+		ctx := context.Background()
+		clk := newFakeClock()
+		arb := wrap(NewNodeArbiter(Resources{CPU: 64, Memory: 64 * GiB}, DefaultReserve, WithNodeClock(clk.Now)))
+		cg := &startCgroup{fakeCgroup: newFakeCgroup(), weight: 1024, least: 2}
+		c, err := NewController("env", cg, testConfig(), arb, WithClock(clk))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Admit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		c.beginStart(ctx, clk.Now())
+		stepFor(t, c, cg, clk, 2*time.Second, 1)
+		if c.start != nil || len(cg.writes) != 0 || c.Status().Starting {
+			t.Errorf("%s: start ordered (weights written %v, status %+v)", name, cg.writes, c.Status())
+		}
+	}
+}
