@@ -1,9 +1,11 @@
 package headline
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/envsnap/envsnap/internal/nodecpu"
 )
@@ -60,4 +62,27 @@ func cpuLine(cpu map[string]float64) string {
 		parts = append(parts, fmt.Sprintf("%s %.1f", n, cpu[n]))
 	}
 	return strings.Join(parts, ", ")
+}
+
+// shareLine formats where the node's CPU went over a window: the node's
+// CPU seconds, then every other entry by size with its share of the
+// node's.
+func shareLine(cpu map[string]float64, window time.Duration) string {
+	node := cpu["node"]
+	names := make([]string, 0, len(cpu))
+	for n := range cpu {
+		if n != "node" {
+			names = append(names, n)
+		}
+	}
+	slices.SortFunc(names, func(a, b string) int { return cmp.Compare(cpu[b], cpu[a]) })
+	parts := make([]string, 0, len(names))
+	for _, n := range names {
+		share := 0.0
+		if node > 0 {
+			share = 100 * cpu[n] / node
+		}
+		parts = append(parts, fmt.Sprintf("%s %.1f (%.0f%%)", n, cpu[n], share))
+	}
+	return fmt.Sprintf("%.1f s, node %.1f CPU-s: %s", window.Seconds(), node, strings.Join(parts, ", "))
 }

@@ -558,7 +558,7 @@ type shimSample struct {
 
 // shims finds the shims serving this bench's containerd (their -address
 // is its socket; other containerds on the machine have their own).
-func (db *densityBench) shims() shimSample {
+func (b *bench) shims() shimSample {
 	s := shimSample{cpu: map[int]float64{}}
 	fs, err := procfs.NewDefaultFS()
 	if err != nil {
@@ -573,7 +573,7 @@ func (db *densityBench) shims() shimSample {
 		if err != nil || len(args) == 0 || !strings.Contains(args[0], "containerd-shim") {
 			continue
 		}
-		if i := slices.Index(args, "-address"); i < 0 || i+1 >= len(args) || args[i+1] != db.env.Address {
+		if i := slices.Index(args, "-address"); i < 0 || i+1 >= len(args) || args[i+1] != b.env.Address {
 			continue
 		}
 		st, err := p.Stat()

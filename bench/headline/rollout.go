@@ -164,8 +164,15 @@ type RolloutIteration struct {
 	EnvMemoryPeak Summary            `json:"env_memory_peak_mib"`
 	RegistryBytes int64              `json:"registry_bytes"`
 	CPU           map[string]float64 `json:"cpu_s,omitempty"`
-	Cores         int                `json:"cores"`
-	Failed        int                `json:"failed"`
+	// StartCPU is CPU seconds from the submit until the batch's last
+	// ready (StartWindow: the first 2-s sample after it), by who used
+	// them: "node" for the whole node, the containers' cgroups ("envs
+	// before ready": their starts, "envs after ready": the episodes of
+	// those already ready), "shims", the daemons by name, and "other".
+	StartCPU    map[string]float64 `json:"start_cpu_s,omitempty"`
+	StartWindow time.Duration      `json:"start_window_ns,omitempty"`
+	Cores       int                `json:"cores"`
+	Failed      int                `json:"failed"`
 	// ArbiterGaps counts the times an envlet shim lost the node arbiter
 	// during the batch and decided locally (its log line in containerd's
 	// log, arbiterGapLine); runc systems have none to lose.
@@ -381,6 +388,9 @@ func MeasureRollout(ctx context.Context, cfg RolloutConfig) (_ *RolloutReport, r
 		cfg.logf("%-18s makespan %.1fs, init share %.1f%%, ready p50 %.1fs p95 %.1fs, rollout p50 %.1fs p95 %.1fs max %.1fs, peak %d envs, node memory +%s, env memory p50 %.0f MiB, registry %s, %d failed",
 			sys, it.Makespan.Seconds(), 100*it.InitShare, it.Ready.Median, it.Ready.P95, it.Rollout.Median, it.Rollout.P95, it.Rollout.Max,
 			it.PeakConcurrent, mib(it.NodeMemoryPeak-it.NodeMemoryBase), it.EnvMemory.Median, mib(it.RegistryBytes), it.Failed)
+		if len(it.StartCPU) > 0 {
+			cfg.logf("%-18s until the last ready: %s", sys, shareLine(it.StartCPU, it.StartWindow))
+		}
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
@@ -508,7 +518,7 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 		}
 	}
 	var running gauge
-	smp := newSampler(rb.env, &running, it.NodeMemoryBase)
+	smp := newSampler(rb.bench, &running, it.NodeMemoryBase)
 	sctx, stopSampling := context.WithCancel(ctx)
 	sampled := make(chan struct{})
 	go func() { defer close(sampled); smp.run(sctx, 2*time.Second) }()
@@ -590,6 +600,20 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	}
 	it.InitCPU = summarize(initCPU)
 	it.InitShareFloor = initShareFloor(it.Runs, it.Cores)
+	if it.Ready.N > 0 {
+		it.StartCPU, it.StartWindow = smp.startCPU(start, time.Duration(it.Ready.Max*float64(time.Second)))
+		// Every environment was ready inside the window: what their
+		// cgroups had used at ready is their starts, the rest the work
+		// of the environments already running their episodes.
+		if env, ok := it.StartCPU["environments"]; ok {
+			var before float64
+			for _, r := range it.Runs {
+				before += r.InitCPU
+			}
+			delete(it.StartCPU, "environments")
+			it.StartCPU["envs before ready"], it.StartCPU["envs after ready"] = before, max(env-before, 0)
+		}
+	}
 	return it, nil
 }
 

@@ -317,3 +317,36 @@ go_goroutines 17
 		t.Error("no error from a daemon that does not answer")
 	}
 }
+
+// The start window ends at the first sample at or after the last ready,
+// and what the listed users did not use of the node's CPU is "other".
+func TestStartCPU(t *testing.T) {
+	start := time.Unix(1000, 0)
+	at := func(s float64, busy, daemon, env, shim float64) sample {
+		return sample{at: start.Add(time.Duration(s * float64(time.Second))),
+			cpu:    cpuSample{busy: busy, daemons: map[string]float64{"envsnap": daemon}},
+			envCPU: env, shimCPU: shim}
+	}
+	s := &sampler{points: []sample{
+		at(0, 100, 10, 0, 0),
+		at(2, 104, 11, 2, 0.5),
+		at(4, 108, 12, 5, 1),
+		at(6, 112, 12.5, 8, 1.2),
+	}}
+	cpu, window := s.startCPU(start, 3*time.Second)
+	if window != 4*time.Second {
+		t.Fatalf("window %v, want 4s (the first sample after the last ready at 3s)", window)
+	}
+	want := map[string]float64{"node": 8, "envsnap": 2, "environments": 5, "shims": 1, "other": 0}
+	for k, v := range want {
+		if math.Abs(cpu[k]-v) > 1e-9 {
+			t.Errorf("%s = %v, want %v (all: %v)", k, cpu[k], v, cpu)
+		}
+	}
+	if cpu, window = s.startCPU(start, time.Minute); window != 6*time.Second || cpu["node"] != 12 || math.Abs(cpu["other"]-0.3) > 1e-9 {
+		t.Errorf("last ready after the last sample: window %v, %v; want the last sample's 6s, node 12, other 0.3", window, cpu)
+	}
+	if got := shareLine(map[string]float64{"node": 8, "environments": 6, "shims": 2}, 4*time.Second); got != "4.0 s, node 8.0 CPU-s: environments 6.0 (75%), shims 2.0 (25%)" {
+		t.Errorf("shareLine: %q", got)
+	}
+}

@@ -145,6 +145,15 @@ func (rep *RolloutReport) markdown(path, jsonRel string, plots []string) string 
 			fmt.Fprintf(&b, "- %s: %s.\n", sys, cpuLine(it.CPU))
 		}
 	}
+	var starts []string
+	for _, sys := range rep.Order {
+		if it := rep.Systems[sys]; it != nil && len(it.StartCPU) > 0 {
+			starts = append(starts, fmt.Sprintf("- %s: %s.", sys, shareLine(it.StartCPU, it.StartWindow)))
+		}
+	}
+	if len(starts) > 0 {
+		fmt.Fprintf(&b, "\nWhere the node's CPU went while the batch started, from the submit to the first sample (every 2 s) after the last environment was ready: CPU seconds and share of the node's; envs are the containers' cgroups (every process in them) up to each one's ready, its start, and after it, the episodes of the environments already ready; shims every shim of the bench's containerd, other the rest of the node (runc, the kernel's threads):\n\n%s\n", strings.Join(starts, "\n"))
+	}
 	var gaps []string
 	for _, sys := range rep.Order {
 		if it := rep.Systems[sys]; it != nil && rolloutSystems[sys].envlet {

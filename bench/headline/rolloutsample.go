@@ -6,30 +6,38 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/envsnap/envsnap/internal/devenv"
 )
 
 // sampler records, while a batch runs, how many environments the node
-// holds, the node's used memory, and each container's working set.
+// holds, the node's used memory, each container's working set, and where
+// the node's CPU went.
 type sampler struct {
-	env     *devenv.Env
+	b       *bench
 	running *gauge
 	base    int64
 
-	mu     sync.Mutex
-	points []sample
-	ws     map[string][]int64 // container -> working set samples, bytes
+	mu       sync.Mutex
+	points   []sample
+	ws       map[string][]int64 // container -> working set samples, bytes
+	envCPU   map[string]float64 // container -> CPU seconds at its last sample
+	shimCPU  map[int]float64    // shim pid -> CPU seconds at its last sample
+	shimBase map[int]float64    // shims alive at the first sample: their CPU then
 }
 
 type sample struct {
 	at      time.Time
 	running int
 	used    int64
+	cpu     cpuSample
+	// envCPU and shimCPU are the CPU seconds the batch's containers and
+	// the shims used since the first sample (a container that ended
+	// counts what it had used at its last sample).
+	envCPU, shimCPU float64
 }
 
-func newSampler(env *devenv.Env, running *gauge, base int64) *sampler {
-	return &sampler{env: env, running: running, base: base, ws: map[string][]int64{}}
+func newSampler(b *bench, running *gauge, base int64) *sampler {
+	return &sampler{b: b, running: running, base: base, ws: map[string][]int64{},
+		envCPU: map[string]float64{}, shimCPU: map[int]float64{}}
 }
 
 func (s *sampler) run(ctx context.Context, period time.Duration) {
@@ -46,27 +54,63 @@ func (s *sampler) run(ctx context.Context, period time.Duration) {
 }
 
 func (s *sampler) once(ctx context.Context) {
-	p := sample{at: time.Now(), running: int(s.running.n.Load())}
+	p := sample{at: time.Now(), running: int(s.running.n.Load()), cpu: s.b.sampleCPU()}
 	if used, err := nodeMemoryUsed(); err == nil {
 		p.used = used
 	}
-	ws := containerWorkingSets(s.env)
+	shims := s.b.shims()
+	stats := containerStats(s.b.env)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.points = append(s.points, p)
-	for id, v := range ws {
-		s.ws[id] = append(s.ws[id], v)
+	if s.shimBase == nil {
+		s.shimBase = shims.cpu
 	}
+	for pid, t := range shims.cpu {
+		s.shimCPU[pid] = t
+	}
+	for id, m := range stats {
+		// The working set: usage less inactive file, what the kernel
+		// cannot drop without writing.
+		s.ws[id] = append(s.ws[id], m.workingSet)
+		s.envCPU[id] = m.cpu
+	}
+	for _, t := range s.envCPU {
+		p.envCPU += t
+	}
+	for pid, t := range s.shimCPU {
+		p.shimCPU += t - s.shimBase[pid]
+	}
+	s.points = append(s.points, p)
 }
 
-// containerWorkingSets is each running container's working set (usage
-// less inactive file: what the kernel cannot drop without writing).
-func containerWorkingSets(env *devenv.Env) map[string]int64 {
-	out := map[string]int64{}
-	for id, m := range containerStats(env) {
-		out[id] = m.workingSet
+// startCPU is where the node's CPU went from the first sample to the
+// first one at or after until (the batch's last ready): CPU seconds of
+// the node, the environments' cgroups, the shims, each daemon and
+// "other" (the rest of the node: the kernel's threads, other processes),
+// and the window's length.
+func (s *sampler) startCPU(start time.Time, until time.Duration) (map[string]float64, time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.points) < 2 {
+		return nil, 0
 	}
-	return out
+	first, last := s.points[0], s.points[len(s.points)-1]
+	for _, p := range s.points[1:] {
+		if p.at.Sub(start) >= until {
+			last = p
+			break
+		}
+	}
+	out := last.cpu.since(first.cpu)
+	out["environments"], out["shims"] = last.envCPU-first.envCPU, last.shimCPU
+	other := out["node"]
+	for name, v := range out {
+		if name != "node" {
+			other -= v
+		}
+	}
+	out["other"] = max(other, 0)
+	return out, last.at.Sub(start)
 }
 
 // timeline returns the samples relative to start (memory above the
