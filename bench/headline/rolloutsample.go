@@ -29,9 +29,9 @@ type sample struct {
 	running int
 	used    int64
 	cpu     cpuSample
-	// envCPU and shimCPU are the CPU seconds the batch's containers and
-	// the shims used since the first sample (a container that ended
-	// counts what it had used at its last sample).
+	// envCPU is the CPU seconds every container seen so far has used
+	// (one that ended counts what it had used at its last sample);
+	// shimCPU what the shims used since the first sample.
 	envCPU, shimCPU float64
 }
 
