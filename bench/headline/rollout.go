@@ -601,18 +601,11 @@ func (rb *rolloutBench) iteration(ctx context.Context, sys string) (*RolloutIter
 	it.InitCPU = summarize(initCPU)
 	it.InitShareFloor = initShareFloor(it.Runs, it.Cores)
 	if it.Ready.N > 0 {
-		it.StartCPU, it.StartWindow = smp.startCPU(start, time.Duration(it.Ready.Max*float64(time.Second)))
-		// Every environment was ready inside the window: what their
-		// cgroups had used at ready is their starts, the rest the work
-		// of the environments already running their episodes.
-		if env, ok := it.StartCPU["environments"]; ok {
-			var before float64
-			for _, r := range it.Runs {
-				before += r.InitCPU
-			}
-			delete(it.StartCPU, "environments")
-			it.StartCPU["envs before ready"], it.StartCPU["envs after ready"] = before, max(env-before, 0)
+		var starts float64
+		for _, r := range it.Runs {
+			starts += r.InitCPU
 		}
+		it.StartCPU, it.StartWindow = smp.startCPU(start, time.Duration(it.Ready.Max*float64(time.Second)), starts)
 	}
 	return it, nil
 }

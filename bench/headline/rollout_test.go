@@ -333,17 +333,17 @@ func TestStartCPU(t *testing.T) {
 		at(4, 108, 12, 5, 1),
 		at(6, 112, 12.5, 8, 1.2),
 	}}
-	cpu, window := s.startCPU(start, 3*time.Second)
+	cpu, window := s.startCPU(start, 3*time.Second, 3)
 	if window != 4*time.Second {
 		t.Fatalf("window %v, want 4s (the first sample after the last ready at 3s)", window)
 	}
-	want := map[string]float64{"node": 8, "envsnap": 2, "environments": 5, "shims": 1, "other": 0}
+	want := map[string]float64{"node": 8, "envsnap": 2, "envs before ready": 3, "envs after ready": 2, "shims": 1, "other": 0}
 	for k, v := range want {
 		if math.Abs(cpu[k]-v) > 1e-9 {
 			t.Errorf("%s = %v, want %v (all: %v)", k, cpu[k], v, cpu)
 		}
 	}
-	if cpu, window = s.startCPU(start, time.Minute); window != 6*time.Second || cpu["node"] != 12 || math.Abs(cpu["other"]-0.3) > 1e-9 {
+	if cpu, window = s.startCPU(start, time.Minute, 3); window != 6*time.Second || cpu["node"] != 12 || math.Abs(cpu["other"]-0.3) > 1e-9 {
 		t.Errorf("last ready after the last sample: window %v, %v; want the last sample's 6s, node 12, other 0.3", window, cpu)
 	}
 	if got := shareLine(map[string]float64{"node": 8, "environments": 6, "shims": 2}, 4*time.Second); got != "4.0 s, node 8.0 CPU-s: environments 6.0 (75%), shims 2.0 (25%)" {

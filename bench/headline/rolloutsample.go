@@ -85,10 +85,11 @@ func (s *sampler) once(ctx context.Context) {
 
 // startCPU is where the node's CPU went from the first sample to the
 // first one at or after until (the batch's last ready): CPU seconds of
-// the node, the environments' cgroups, the shims, each daemon and
-// "other" (the rest of the node: the kernel's threads, other processes),
-// and the window's length.
-func (s *sampler) startCPU(start time.Time, until time.Duration) (map[string]float64, time.Duration) {
+// the node, the environments' cgroups split at their ready (starts: what
+// they had used then, summed; every environment is ready inside the
+// window), the shims, each daemon and "other" (the rest of the node: the
+// kernel's threads, other processes), and the window's length.
+func (s *sampler) startCPU(start time.Time, until time.Duration, starts float64) (map[string]float64, time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.points) < 2 {
@@ -102,7 +103,9 @@ func (s *sampler) startCPU(start time.Time, until time.Duration) (map[string]flo
 		}
 	}
 	out := last.cpu.since(first.cpu)
-	out["environments"], out["shims"] = last.envCPU-first.envCPU, last.shimCPU
+	envs := last.envCPU - first.envCPU
+	out["envs before ready"], out["envs after ready"] = starts, max(envs-starts, 0)
+	out["shims"] = last.shimCPU
 	other := out["node"]
 	for name, v := range out {
 		if name != "node" {
