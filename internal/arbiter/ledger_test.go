@@ -2,6 +2,7 @@ package arbiter
 
 import (
 	"context"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"golang.org/x/sys/unix"
 
 	"github.com/envsnap/envsnap/internal/envlet"
 )
@@ -151,5 +153,84 @@ func TestStaleLeaseExpires(t *testing.T) {
 	}
 	if _, err := s.report(ctx, &ReportRequest{Env: "lost"}); !errdefs.IsNotFound(err) {
 		t.Fatalf("report of an expired env: %v, want NotFound", err)
+	}
+}
+
+// A ledger write that takes long (a busy disk) holds back the answer to
+// the call whose change it persists, not the calls of everyone else. The
+// temporary file is a fifo here: the write blocks until the test reads it.
+func TestLedgerWriteOutsideTheLock(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "ledger.json")
+	node := envlet.Resources{CPU: 4, Memory: 4 * gib}
+	s := NewServer(byRequest(node))
+	if err := s.UseLedger(ctx, path); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mkfifo(path+".tmp", 0o600); err != nil {
+		t.Fatal(err)
+	}
+	admitted := make(chan error, 1)
+	go func() {
+		_, err := s.admit(ctx, &AdmitRequest{Env: "a", Base: Resources{CPU: 1, Memory: gib}})
+		admitted <- err
+	}()
+	select {
+	case err := <-admitted:
+		t.Fatalf("admit answered (%v) before its ledger was written", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	calls := []func() error{
+		func() error { _, err := s.list(ctx, &ListRequest{}); return err },
+		// A report of usage alone is not held back by its own write
+		// either (past ledgerUseEvery, which the test skips).
+		func() error {
+			s.mu.Lock()
+			s.ledgerAt = time.Time{}
+			s.mu.Unlock()
+			_, err := s.report(ctx, &ReportRequest{Env: "a", Current: Resources{CPU: 1, Memory: gib}, Used: Resources{CPU: 0.5, Memory: gib / 2}})
+			return err
+		},
+	}
+	for i, call := range calls {
+		answered := make(chan error, 1)
+		go func() { answered <- call() }()
+		select {
+		case err := <-answered:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("call %d (a listing, a report of usage) waited for a ledger write", i)
+		}
+	}
+	f, err := os.Open(path + ".tmp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := io.ReadAll(f)
+	f.Close()
+	if err != nil || !strings.Contains(string(b), `"env":"a"`) {
+		t.Fatalf("ledger written %q (%v), want a's lease", b, err)
+	}
+	if err := <-admitted; err != nil {
+		t.Fatal(err)
+	}
+	// The report's usage reaches the file after the admit's write (the
+	// ledger is the fifo, renamed, until then).
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var b []byte
+		fi, err := os.Lstat(path)
+		if err == nil && fi.Mode().IsRegular() {
+			b, err = os.ReadFile(path)
+		}
+		if err == nil && strings.Contains(string(b), `"used":{"cpu":0.5`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ledger %q (%v), want the reported usage written", b, err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/errdefs"
@@ -48,16 +49,24 @@ type Server struct {
 	ended   []*record // oldest first, at most DefaultEndedEnvs
 	rejects map[string]float64
 
-	// Ledger (UseLedger): the file, the last written content without
-	// usage, and the environments restored from it that no shim has
-	// confirmed yet, with the time their grants lapse.
+	// Ledger (UseLedger): the file, the last content taken for it
+	// without usage and with, and the environments restored from it
+	// that no shim has confirmed yet, with the time their grants lapse.
 	ledger        string
 	lastLedger    []byte
 	lastLedgerUse []byte
 	ledgerAt      time.Time
-	restored      map[string]time.Time
-	grace         time.Duration
-	stale         time.Duration // DefaultStaleAfter
+	// The newest ledger content taken (persistLocked) and its number;
+	// ledgerDone is the number of the newest written (or whose write
+	// failed, logged), and ledgerWrite serialises the writes, which run
+	// outside mu.
+	ledgerNext  []byte
+	ledgerSeq   uint64
+	ledgerDone  atomic.Uint64
+	ledgerWrite sync.Mutex
+	restored    map[string]time.Time
+	grace       time.Duration
+	stale       time.Duration // DefaultStaleAfter
 }
 
 type record struct {
@@ -151,9 +160,7 @@ func (s *Server) admit(ctx context.Context, r *AdmitRequest) (*EmptyResponse, er
 			return nil, fmt.Errorf("admit %s: %w: %w", r.Env, err, errdefs.ErrInvalidArgument)
 		}
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer s.persistLocked(ctx)
+	defer s.lockForChange(ctx)()
 	s.expireLocked(ctx, time.Now())
 	s.confirmLocked(r.Env)
 	rec, known := s.envs[r.Env]
@@ -189,9 +196,7 @@ func (s *Server) grow(ctx context.Context, r *GrowRequest) (*ResourcesResponse, 
 	if err := valid(r.Want); err != nil {
 		return nil, fmt.Errorf("grow %s: %w", r.Env, err)
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer s.persistLocked(ctx)
+	defer s.lockForChange(ctx)()
 	s.expireLocked(ctx, time.Now())
 	rec, ok := s.envs[r.Env]
 	if !ok {
@@ -232,9 +237,7 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 	if err := valid(r.Current, r.Used); err != nil {
 		return nil, fmt.Errorf("report %s: %w", r.Env, err)
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer s.persistLocked(ctx)
+	defer s.lockForChange(ctx)()
 	s.expireLocked(ctx, time.Now())
 	rec, ok := s.envs[r.Env]
 	if !ok {
@@ -266,9 +269,7 @@ func (s *Server) report(ctx context.Context, r *ReportRequest) (*ResourcesRespon
 }
 
 func (s *Server) release(ctx context.Context, r *ReleaseRequest) (*EmptyResponse, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer s.persistLocked(ctx)
+	defer s.lockForChange(ctx)()
 	s.confirmLocked(r.Env)
 	reason := r.Reason
 	if reason == "" {
@@ -338,10 +339,8 @@ func (s *Server) endLocked(ctx context.Context, env, reason string) error {
 }
 
 func (s *Server) list(ctx context.Context, r *ListRequest) (*ListResponse, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	defer s.lockForChange(ctx)()
 	s.expireLocked(ctx, time.Now())
-	defer s.persistLocked(ctx)
 	resp := &ListResponse{Boot: s.boot, Envs: make([]EnvInfo, 0, len(s.envs))}
 	for _, rec := range s.envs {
 		resp.Envs = append(resp.Envs, rec.info)
