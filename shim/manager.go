@@ -358,12 +358,11 @@ func shimCommand(ctx context.Context, id, containerdAddress, dir string) (*exec.
 	}
 	cmd := exec.Command(self, "-namespace", ns, "-id", id, "-address", containerdAddress)
 	cmd.Dir = dir
-	// runc's manager sets 4 too. One was measured (48 rollouts, 3
+	// runc's manager sets 4 too. One was tried once (48 rollouts, 3
 	// shims): the shims' CPU until the last ready fell from 6.1 to 4.3
-	// CPU-s, but the episodes' tool calls took 2.6x as long (median work
-	// after ready 57.9 s against 20-23 s). Not traced; the likely cause
-	// is the controllers that grow a paused or throttled environment
-	// waiting for the one P behind the others' work.
+	// CPU-s; the episodes' work after ready took 57.9 s (median) against
+	// 20-23 s in the runs before, but later runs with 4 took 41-63 s
+	// too, so that run does not say whether one P costs the episodes.
 	cmd.Env = append(os.Environ(), "GOMAXPROCS=4")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	return cmd, nil
