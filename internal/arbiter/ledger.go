@@ -125,7 +125,8 @@ func (s *Server) ledgerLocked(withUse bool) ledgerFile {
 // is on file; a change of usage alone is written in the background, as
 // the next report restates it anyway. Under the lock, a write and rename
 // took up to 555 ms on a node busy with writes (48 environments starting
-// at once, the ledger on ext4), and every call waited behind it.
+// at once, the ledger on ext4; timed once, docs/shim.md), and every call
+// waited behind it.
 func (s *Server) lockForChange(ctx context.Context) (unlock func()) {
 	s.mu.Lock()
 	return func() {
