@@ -586,6 +586,78 @@ func TestClientWaitsForBusyArbiter(t *testing.T) {
 	}
 }
 
+// The calls of a shim's controllers are in flight together: one that the
+// arbiter is slow to answer does not hold another environment's report
+// behind it. The client used to make one call at a time under its lock,
+// so controllers sampling on the same instants queued, and the last ones
+// passed their deadline with the arbiter answering (arbiter gaps in the
+// 48-rollout batch).
+func TestCallsDoNotQueue(t *testing.T) {
+	ctx := context.Background()
+	sock := socketPath(t)
+	s := NewServer(byRequest(envlet.Resources{CPU: 4, Memory: 4 * gib}))
+	held, release := make(chan struct{}), make(chan struct{})
+	srv, err := ttrpc.NewServer(ttrpc.WithUnaryServerInterceptor(
+		func(ctx context.Context, u ttrpc.Unmarshaler, info *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
+			if strings.HasSuffix(info.FullMethod, "/"+methodGrow) {
+				close(held)
+				<-release
+			}
+			return m(ctx, u)
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Register(srv)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ctx, l)
+	t.Cleanup(func() { srv.Close() })
+
+	c := NewClient(ClientConfig{Socket: sock, Timeout: 10 * time.Second})
+	t.Cleanup(func() { c.Close() })
+	base := envlet.Resources{CPU: 1, Memory: gib}
+	for _, env := range []string{"slow", "a"} {
+		if err := c.Admit(ctx, env, base); err != nil {
+			t.Fatal(err)
+		}
+	}
+	grown := make(chan error, 1)
+	go func() {
+		_, err := c.Grow(ctx, "slow", envlet.Resources{CPU: 2, Memory: gib})
+		grown <- err
+	}()
+	<-held
+	reported := make(chan error, 1)
+	go func() {
+		_, err := c.Report(ctx, "a", base, envlet.Resources{CPU: 0.1, Memory: gib / 2})
+		reported <- err
+	}()
+	select {
+	case err := <-reported:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		close(release)
+		t.Fatal("a's report waited for slow's grow to be answered")
+	}
+	select {
+	case err := <-grown:
+		t.Fatalf("grow answered (%v) while the arbiter held it", err)
+	default:
+	}
+	close(release)
+	if err := <-grown; err != nil {
+		t.Fatal(err)
+	}
+	if gaps, failed := c.Gaps(); gaps != 0 || failed != 0 || !c.Connected() {
+		t.Fatalf("%d gaps, %d failed calls, connected %v; want none", gaps, failed, c.Connected())
+	}
+}
+
 // endedReason returns the reason env is listed as ended with, "" if it is
 // not listed as ended.
 func endedReason(t *testing.T, c *Client, env string) string {

@@ -314,10 +314,25 @@ func (c *Client) Capacity() (envlet.Resources, float64) {
 	return c.cfg.Node, c.cfg.Reserve
 }
 
-// callLocked makes one call. Transport failures and timeouts drop the
-// connection and return errUnreachable; the arbiter's decisions come back
-// as their errdefs kind.
+// call makes one call. c.mu is held on entry and on return but not while
+// the call is in flight: a shim's controllers sample on the same instants
+// and each call has its controller's deadline (arbiter-timeout), so
+// calls made one at a time would queue and the last ones fail with the
+// arbiter answering. What the caller read under c.mu may have changed
+// when call returns. Transport failures and timeouts drop the connection
+// and return errUnreachable; the arbiter's decisions come back as their
+// errdefs kind.
+func (c *Client) call(ctx context.Context, method string, timeout time.Duration, req, resp any, boot *string) error {
+	return c.roundTrip(ctx, method, timeout, req, resp, boot, true)
+}
+
+// callLocked makes one call without letting go of c.mu, for the calls
+// made while ranging over c.envs (re-registering on a new connection).
 func (c *Client) callLocked(ctx context.Context, method string, timeout time.Duration, req, resp any, boot *string) error {
+	return c.roundTrip(ctx, method, timeout, req, resp, boot, false)
+}
+
+func (c *Client) roundTrip(ctx context.Context, method string, timeout time.Duration, req, resp any, boot *string, unlock bool) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("%s: %w", method, err)
 	}
@@ -328,10 +343,18 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 	if err != nil {
 		return err
 	}
+	conn := c.conn
 	cctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var out wrapperspb.BytesValue
-	if err := c.conn.Call(cctx, ServiceName, method, in, &out); err != nil {
+	if unlock {
+		c.mu.Unlock()
+	}
+	err = conn.Call(cctx, ServiceName, method, in, &out)
+	if unlock {
+		c.mu.Lock()
+	}
+	if err != nil {
 		nerr := errgrpc.ToNative(err)
 		if isAnswer(nerr) {
 			c.inGap = false
@@ -345,8 +368,12 @@ func (c *Client) callLocked(ctx context.Context, method string, timeout time.Dur
 			// (the controller's arbiter-timeout) is the arbiter's.
 			return fmt.Errorf("%s: %w", method, ctx.Err())
 		}
-		c.dropLocked()
-		c.dialFail = time.Now()
+		if c.conn == conn {
+			// Not already dropped (or replaced) by a call that failed
+			// beside this one.
+			c.dropLocked()
+			c.dialFail = time.Now()
+		}
 		c.noteFailureLocked()
 		c.lostLocked()
 		return fmt.Errorf("%w: %s: %v", errUnreachable, method, err)
@@ -404,7 +431,7 @@ func (c *Client) Admit(ctx context.Context, env string, base envlet.Resources, o
 	st.base, st.priority, st.tier = base, ad.Priority, ad.Tier
 	cur := toWire(st.current)
 	var resp EmptyResponse
-	err := c.callLocked(ctx, methodAdmit, 10*c.cfg.Timeout,
+	err := c.call(ctx, methodAdmit, 10*c.cfg.Timeout,
 		&AdmitRequest{Env: env, Base: toWire(base), Current: &cur, Owner: c.cfg.Owner, Priority: ad.Priority, Tier: string(ad.Tier)}, &resp, &resp.Boot)
 	if err == nil {
 		if resp.Node != nil {
@@ -468,12 +495,12 @@ func (c *Client) Grow(ctx context.Context, env string, want envlet.Resources) (e
 	}
 	var resp ResourcesResponse
 	req := &GrowRequest{Env: env, Want: toWire(want)}
-	err := c.callLocked(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
+	err := c.call(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
 	if errdefs.IsNotFound(err) {
 		// The arbiter lost us (restart under the same connection is not
 		// possible, but an operator may have released us): re-register.
 		if err = c.registerLocked(ctx, env, st); err == nil {
-			err = c.callLocked(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
+			err = c.call(ctx, methodGrow, c.cfg.Timeout, req, &resp, &resp.Boot)
 		}
 	}
 	if err == nil {
@@ -523,10 +550,10 @@ func (c *Client) Report(ctx context.Context, env string, current, used envlet.Re
 		req.Timeline = encodePoints(pts)
 	}
 	var resp ResourcesResponse
-	err := c.callLocked(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
+	err := c.call(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
 	if errdefs.IsNotFound(err) {
 		if err = c.registerLocked(ctx, env, st); err == nil {
-			err = c.callLocked(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
+			err = c.call(ctx, methodReport, c.cfg.Timeout, req, &resp, &resp.Boot)
 		}
 	}
 	if err == nil {
@@ -568,10 +595,10 @@ func (c *Client) StartRank(ctx context.Context, env string, done bool) (int, err
 	}
 	req := &StartRequest{Env: env, Done: done}
 	var resp StartResponse
-	err := c.callLocked(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
+	err := c.call(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
 	if errdefs.IsNotFound(err) {
 		if err = c.registerLocked(ctx, env, st); err == nil {
-			err = c.callLocked(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
+			err = c.call(ctx, methodStart, c.cfg.Timeout, req, &resp, &resp.Boot)
 		}
 	}
 	if err != nil {
@@ -625,7 +652,7 @@ func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
 		pts, _ := st.src.TimelineSince(st.nextPoint)
 		req.Timeline = encodePoints(pts)
 		var resp ResourcesResponse
-		_ = c.callLocked(ctx, methodReport, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
+		_ = c.call(ctx, methodReport, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
 	}
 	delete(c.envs, env)
 	if c.local != nil && c.localEnvs[env] {
@@ -634,7 +661,7 @@ func (c *Client) ReleaseReason(ctx context.Context, env, reason string) error {
 	}
 	req := &ReleaseRequest{Env: env, Reason: reason}
 	var resp EmptyResponse
-	err := c.callLocked(ctx, methodRelease, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
+	err := c.call(ctx, methodRelease, 10*c.cfg.Timeout, req, &resp, &resp.Boot)
 	if errors.Is(err, errUnreachable) || ctx.Err() != nil {
 		// The arbiter may never have heard of env (admitted by the
 		// fallback): what it needs to list it as ended goes along.
@@ -656,7 +683,7 @@ func (c *Client) List(ctx context.Context, ended bool) ([]EnvInfo, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var resp ListResponse
-	if err := c.callLocked(ctx, methodList, 10*c.cfg.Timeout, &ListRequest{Ended: ended}, &resp, &resp.Boot); err != nil {
+	if err := c.call(ctx, methodList, 10*c.cfg.Timeout, &ListRequest{Ended: ended}, &resp, &resp.Boot); err != nil {
 		return nil, fmt.Errorf("list environments at %s: %w", c.cfg.Socket, err)
 	}
 	return resp.Envs, nil
@@ -667,7 +694,7 @@ func (c *Client) Timeline(ctx context.Context, env string) ([]json.RawMessage, e
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var resp TimelineResponse
-	if err := c.callLocked(ctx, methodTimeline, 10*c.cfg.Timeout, &TimelineRequest{Env: env}, &resp, &resp.Boot); err != nil {
+	if err := c.call(ctx, methodTimeline, 10*c.cfg.Timeout, &TimelineRequest{Env: env}, &resp, &resp.Boot); err != nil {
 		return nil, fmt.Errorf("timeline of %s at %s: %w", env, c.cfg.Socket, err)
 	}
 	return resp.Points, nil
