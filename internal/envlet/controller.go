@@ -298,10 +298,13 @@ func (c *Controller) Run(ctx context.Context) (retErr error) {
 		period := c.cfg.SamplePeriod
 		if c.st.Idle && !c.checking(c.clock.Now()) {
 			period = c.cfg.IdlePeriod
-			if _, real := c.clock.(realClock); real {
-				// Kernel events still wake it at once.
-				period = UntilTick(time.Now(), period)
-			}
+		}
+		if _, real := c.clock.(realClock); real {
+			// Every controller of a shim samples on the same instants:
+			// one wake-up of the process serves them all. Steady
+			// sampling stays a period apart; kernel events still wake
+			// it at once.
+			period = UntilTick(time.Now(), period)
 		}
 		select {
 		case <-ctx.Done():

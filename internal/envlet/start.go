@@ -61,7 +61,9 @@ func (c *Controller) beginStart(ctx context.Context, now time.Time) {
 func (c *Controller) startTick(ctx context.Context, now time.Time) {
 	s := c.start
 	dt := now.Sub(s.asked)
-	if dt < startAskEvery*c.cfg.SamplePeriod {
+	// Samples fall on a grid (UntilTick): the one two periods after the
+	// last ask can come a little sooner than two periods of real time.
+	if dt < startAskEvery*c.cfg.SamplePeriod-c.cfg.SamplePeriod/2 {
 		return
 	}
 	ns, err := s.cg.Demand()

@@ -184,6 +184,38 @@ func TestControllerStartOrder(t *testing.T) {
 	}
 }
 
+// Samples on the shim's grid (UntilTick) come a period apart give or
+// take the wake-up's lateness: two of them can be a little less than two
+// periods of real time apart, and a start still asks its rank every
+// other sample, not every third.
+func TestControllerStartAsksOnGrid(t *testing.T) {
+	cfg := testConfig()
+	c, cg, _, clk := startTrace(t, cfg)
+	late, early := cfg.SamplePeriod+10*time.Millisecond, cfg.SamplePeriod-15*time.Millisecond
+	asks, last := 0, c.start.asked
+	const samples = 20
+	for i := range samples {
+		d := late
+		if i%2 == 1 {
+			d = early
+		}
+		clk.Advance(d)
+		cg.demandNs += uint64(0.8 * float64(d))
+		if err := c.step(context.Background(), "tick"); err != nil {
+			t.Fatal(err)
+		}
+		if c.start == nil {
+			t.Fatal("the start ended behind the head")
+		}
+		if c.start.asked != last {
+			asks, last = asks+1, c.start.asked
+		}
+	}
+	if want := samples / startAskEvery; asks != want {
+		t.Errorf("%d samples %v and %v apart asked the rank %d times, want %d", samples, late, early, asks, want)
+	}
+}
+
 // A busy job at the head of the queue leaves it after StartMax: it is not
 // a start, and the ones behind it must not wait for it forever.
 func TestControllerStartMax(t *testing.T) {
