@@ -151,13 +151,24 @@ func TestControllerStartOrder(t *testing.T) {
 	if cg.weight != 256 || !c.Status().Starting || c.Status().StartRank != 1 {
 		t.Fatalf("behind one start: weight %d, status %+v; want 256, starting at rank 1", cg.weight, c.Status())
 	}
-	stepFor(t, c, cg, clk, 2*time.Second, 0.8)
+	// behind runs env's ticks while the start ahead of it keeps asking
+	// its rank, as a start under way does.
+	behind := func(d time.Duration, demand float64) {
+		t.Helper()
+		for range int(d / (startAskEvery * tick)) {
+			if _, err := a.StartRank(ctx, "first", false); err != nil {
+				t.Fatal(err)
+			}
+			stepFor(t, c, cg, clk, startAskEvery*tick, demand)
+		}
+	}
+	behind(2*time.Second, 0.8)
 	if cg.weight != 256 {
 		t.Fatalf("still behind: weight %d, want 256", cg.weight)
 	}
 	// No demand behind the head is a start waiting (for CPU, for lazily
 	// fetched files), not one that is over.
-	stepFor(t, c, cg, clk, 2*time.Second, 0)
+	behind(2*time.Second, 0)
 	if !c.Status().Starting || cg.weight != 256 {
 		t.Fatalf("idle behind the head: %+v, weight %d; want still starting at 256", c.Status(), cg.weight)
 	}
@@ -213,6 +224,47 @@ func TestControllerStartAsksOnGrid(t *testing.T) {
 	}
 	if want := samples / startAskEvery; asks != want {
 		t.Errorf("%d samples %v and %v apart asked the rank %d times, want %d", samples, late, early, asks, want)
+	}
+}
+
+// A start whose end the arbiter never heard (the call was lost while the
+// arbiter was away, or its shim died) stops holding the ones behind it
+// once it has not asked for StartStaleAfter; asking again puts it back.
+// Without the bound, every later start stayed behind it at a fraction of
+// its weight until it was released.
+func TestNodeArbiterStartRankStale(t *testing.T) {
+	ctx := context.Background()
+	clk := newFakeClock()
+	a := NewNodeArbiter(Resources{CPU: 64, Memory: 64 * GiB}, DefaultReserve, WithNodeClock(clk.Now))
+	for _, id := range []string{"lost", "next"} {
+		if err := a.Admit(ctx, id, Resources{CPU: 1, Memory: GiB}); err != nil {
+			t.Fatal(err)
+		}
+		clk.Advance(time.Second)
+	}
+	rank := func(id string) int {
+		t.Helper()
+		r, err := a.StartRank(ctx, id, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	rank("lost")
+	const ask = 400 * time.Millisecond
+	var r int
+	for waited := time.Duration(0); waited < StartStaleAfter; waited += ask {
+		if r = rank("next"); r != 1 {
+			t.Fatalf("%v after lost's last ask: rank of next %d, want 1", waited, r)
+		}
+		clk.Advance(ask)
+	}
+	if r = rank("next"); r != 0 {
+		t.Fatalf("lost silent for %v: rank of next %d, want 0", StartStaleAfter, r)
+	}
+	rank("lost")
+	if r = rank("next"); r != 1 {
+		t.Fatalf("lost asked again: rank of next %d, want 1", r)
 	}
 }
 
