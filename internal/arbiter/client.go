@@ -38,8 +38,8 @@ const (
 // Client defaults.
 const (
 	// DefaultTimeout is envlet's default arbiter-timeout: the deadline a
-	// loaded node can meet (envlet.Config.ArbiterTimeout).
-	DefaultTimeout = time.Second
+	// crowded node can meet (envlet.Config.ArbiterTimeout says why).
+	DefaultTimeout = 3 * time.Second
 	// redialInterval keeps a down arbiter from costing every controller
 	// tick a connect attempt; a lost connection is redialled this often
 	// until the arbiter answers again.

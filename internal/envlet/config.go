@@ -76,11 +76,12 @@ type Config struct {
 	PauseOnOOM bool
 
 	// ArbiterTimeout bounds each arbiter call; on timeout CPU fails open up
-	// to 2 x Initial and memory fails closed. 1 s: an answer is almost
-	// always worth waiting for, and on a loaded 2-core node (12 agent
-	// environments, 1.6-1.8 busy cores) 100 ms lost the arbiter 3-4 times
-	// per batch. A dead arbiter costs nothing extra: its socket refuses at
-	// once. ReportPeriod is how often
+	// to 2 x Initial and memory fails closed. 3 s: an answer is almost
+	// always worth waiting for. On a 2-core node starting 48 environments
+	// at once the shims and the arbiter woke up to 1.5 s late, and 1 s
+	// lost the arbiter 0-7 times per batch (100 ms did 3-4 times with 12
+	// environments). A dead arbiter costs nothing extra: its socket
+	// refuses at once. ReportPeriod is how often
 	// usage is reported (and admission reclaim picked up).
 	ArbiterTimeout, ReportPeriod time.Duration
 	// ArbiterWait bounds how long a task stuck at its memory limit waits,
@@ -140,7 +141,7 @@ func DefaultConfig() Config {
 		MemShrinkFloor:    1.5,
 		MemMinHeadroom:    1.25,
 		PauseOnOOM:        true,
-		ArbiterTimeout:    time.Second,
+		ArbiterTimeout:    3 * time.Second,
 		ReportPeriod:      time.Second,
 		ArbiterWait:       30 * time.Second,
 		FailOOMs:          2,
