@@ -199,6 +199,18 @@ func (s *Server) writeLedger(ctx context.Context, seq uint64) {
 	s.ledgerDone.Store(newest)
 }
 
+// flushLedger returns once the newest content is on file. A stopping
+// arbiter leaves its successor every change it answered, usage included:
+// a usage write still running in the background when a restarted arbiter
+// read the ledger gave it leases without their use, whose grants it then
+// lent to others (TestLedgerRestart, 3 runs in 30).
+func (s *Server) flushLedger(ctx context.Context) {
+	s.mu.Lock()
+	seq := s.ledgerSeq
+	s.mu.Unlock()
+	s.writeLedger(ctx, seq)
+}
+
 // ledgerUseEvery bounds how often usage alone rewrites the ledger: shims
 // report once a second each, and usage lost in a crash is re-reported
 // within a second anyway.

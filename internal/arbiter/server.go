@@ -501,5 +501,6 @@ func Serve(ctx context.Context, socketPath string, arb *envlet.NodeArbiter, opts
 	if err := srv.Shutdown(sctx); err != nil {
 		srv.Close()
 	}
+	s.flushLedger(sctx)
 	return nil
 }
