@@ -136,16 +136,20 @@ func TestHardDiskCap(t *testing.T) {
 	// snapshotter at its next garbage collection, soon after.
 	noLeftovers := func(t *testing.T) {
 		t.Helper()
-		var left []string
+		// The loop device and mount go before the snapshot's directory
+		// (and its image file) is removed: wait for both.
+		var left, imgs []string
 		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-			if left = capLeftovers(t, env.EnvsnapRoot); len(left) == 0 {
+			left = capLeftovers(t, env.EnvsnapRoot)
+			imgs, _ = filepath.Glob(filepath.Join(env.EnvsnapRoot, "snapshots", "*", "writable.ext4"))
+			if len(left) == 0 && len(imgs) == 0 {
 				break
 			}
 		}
 		if len(left) > 0 {
 			t.Errorf("left behind: %v", left)
 		}
-		if imgs, _ := filepath.Glob(filepath.Join(env.EnvsnapRoot, "snapshots", "*", "writable.ext4")); len(imgs) > 0 {
+		if len(imgs) > 0 {
 			t.Errorf("image files left: %v", imgs)
 		}
 	}
