@@ -63,6 +63,23 @@ func startArbiter(t *testing.T, socket string, node envlet.Resources, opts ...Se
 	return stop
 }
 
+// serveIntercepted serves s on sock with every call passing through
+// icpt (a slow or a held arbiter), until the test ends.
+func serveIntercepted(t *testing.T, sock string, s *Server, icpt ttrpc.UnaryServerInterceptor) {
+	t.Helper()
+	srv, err := ttrpc.NewServer(ttrpc.WithUnaryServerInterceptor(icpt))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Register(srv)
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(context.Background(), l)
+	t.Cleanup(func() { srv.Close() })
+}
+
 func socketPath(t *testing.T) string {
 	// Unix socket paths are short; t.TempDir() can exceed 108 bytes.
 	dir, err := os.MkdirTemp("", "arb")
@@ -548,21 +565,10 @@ func TestClientWaitsForBusyArbiter(t *testing.T) {
 	ctx := context.Background()
 	sock := socketPath(t)
 	s := NewServer(byRequest(envlet.Resources{CPU: 4, Memory: 4 * gib}))
-	srv, err := ttrpc.NewServer(ttrpc.WithUnaryServerInterceptor(
-		func(ctx context.Context, u ttrpc.Unmarshaler, _ *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
-			time.Sleep(300 * time.Millisecond)
-			return m(ctx, u)
-		}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Register(srv)
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ctx, l)
-	t.Cleanup(func() { srv.Close() })
+	serveIntercepted(t, sock, s, func(ctx context.Context, u ttrpc.Unmarshaler, _ *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
+		time.Sleep(300 * time.Millisecond)
+		return m(ctx, u)
+	})
 
 	c := NewClient(ClientConfig{Socket: sock})
 	t.Cleanup(func() { c.Close() })
@@ -597,24 +603,13 @@ func TestCallsDoNotQueue(t *testing.T) {
 	sock := socketPath(t)
 	s := NewServer(byRequest(envlet.Resources{CPU: 4, Memory: 4 * gib}))
 	held, release := make(chan struct{}), make(chan struct{})
-	srv, err := ttrpc.NewServer(ttrpc.WithUnaryServerInterceptor(
-		func(ctx context.Context, u ttrpc.Unmarshaler, info *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
-			if strings.HasSuffix(info.FullMethod, "/"+methodGrow) {
-				close(held)
-				<-release
-			}
-			return m(ctx, u)
-		}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Register(srv)
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ctx, l)
-	t.Cleanup(func() { srv.Close() })
+	serveIntercepted(t, sock, s, func(ctx context.Context, u ttrpc.Unmarshaler, info *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
+		if strings.HasSuffix(info.FullMethod, "/"+methodGrow) {
+			close(held)
+			<-release
+		}
+		return m(ctx, u)
+	})
 
 	c := NewClient(ClientConfig{Socket: sock, Timeout: 10 * time.Second})
 	t.Cleanup(func() { c.Close() })
