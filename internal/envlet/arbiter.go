@@ -685,7 +685,8 @@ func (a *NodeArbiter) StartRank(ctx context.Context, env string, done bool) (int
 // behind it. Its end may never come: the call saying so can be lost while
 // the arbiter is away, and its shim can die. Without a bound every start
 // admitted after it stayed behind it, at a fraction of its weight, until
-// it was released (the 48-rollout batch: ready p95 138 s against 41-45 s).
+// it was released (one 48-rollout batch: ready p95 138 s, about 40 s in
+// the others).
 const StartStaleAfter = 5 * time.Second
 
 // Restore installs a lease as recorded by an earlier arbiter (its ledger)
