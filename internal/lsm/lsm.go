@@ -248,16 +248,26 @@ func New(cg Cgroup, ps []Protected) (_ *Guard, err error) {
 			return nil, fmt.Errorf("protect %s: %w", p.Path, err)
 		}
 	}
-	for _, spec := range []*ebpf.ProgramSpec{
+	specs := []*ebpf.ProgramSpec{
 		connectProgram(cg, g.protected.FD(), off),
 		openProgram(cg, g.protected.FD(), off),
-	} {
-		prog, err := ebpf.NewProgram(spec)
-		if errors.Is(err, unix.EPERM) {
-			return nil, fmt.Errorf("%w: the kernel refuses to load LSM program %s (%w)", ErrUnavailable, spec.Name, unix.EPERM)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("load LSM program %s: %+v", spec.Name, err)
+	}
+	cs := &ebpf.CollectionSpec{Programs: map[string]*ebpf.ProgramSpec{}}
+	for _, spec := range specs {
+		cs.Programs[spec.Name] = spec
+	}
+	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{Cache: kernelBTF})
+	if errors.Is(err, unix.EPERM) {
+		return nil, fmt.Errorf("%w: the kernel refuses to load the LSM programs (%w)", ErrUnavailable, unix.EPERM)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("load LSM programs: %+v", err)
+	}
+	defer coll.Close()
+	for _, spec := range specs {
+		prog := coll.DetachProgram(spec.Name)
+		if prog == nil {
+			return nil, fmt.Errorf("load LSM program %s: not in its collection", spec.Name)
 		}
 		g.progs = append(g.progs, prog)
 		l, err := link.AttachLSM(link.LSMOptions{Program: prog})
