@@ -2,7 +2,9 @@
 // cgroup, pushes its memory out through memory.reclaim (to the node's
 // swap: compressed in RAM when that swap is zram, or zswap in front of a
 // swap device), and thaws it on demand; the pages come back as the tasks
-// touch them. cgroup v2 only (memory.reclaim, kernel >= 5.19).
+// touch them. Pause is cgroup v2 only (memory.reclaim, kernel >= 5.19);
+// PushOut, for a cgroup someone else froze (runc, for the envlet shim),
+// also takes a v1 memory cgroup (memory.force_empty).
 //
 // Without swap a pause frees only the page cache: anonymous memory, most
 // of an agent process, has nowhere to go. Pause reports what it freed
@@ -49,45 +51,67 @@ func (r Report) PushedOut() int64 { return r.Freed() + r.ZswapAfter }
 // stop moving after a few rounds.
 const reclaimRounds = 16
 
-// Pause freezes the cgroup at dir and reclaims all it can of its memory.
-// The cgroup stays frozen (its tasks use no CPU) until Resume. On an
-// error after the freeze, the cgroup is thawed: a failed pause leaves the
-// environment running.
+// Pause freezes the v2 cgroup at dir and pushes out all it can of its
+// memory (PushOut). The cgroup stays frozen (its tasks use no CPU) until
+// Resume. On an error after the freeze, the cgroup is thawed: a failed
+// pause leaves the environment running.
 func Pause(ctx context.Context, dir string) (_ Report, retErr error) {
-	var r Report
 	if _, err := os.Stat(filepath.Join(dir, "memory.reclaim")); err != nil {
-		return r, fmt.Errorf("pause %s: no memory.reclaim (cgroup v2, kernel >= 5.19): %w", dir, err)
+		return Report{}, fmt.Errorf("pause %s: no memory.reclaim (cgroup v2, kernel >= 5.19): %w", dir, err)
 	}
 	f, err := cgroupfs.OpenFreezer(dir)
 	if err != nil {
-		return r, fmt.Errorf("pause %s: %w", dir, err)
+		return Report{}, fmt.Errorf("pause %s: %w", dir, err)
 	}
 	start := time.Now()
 	if err := f.Freeze(); err != nil {
-		return r, fmt.Errorf("pause: %w", err)
+		return Report{}, fmt.Errorf("pause: %w", err)
 	}
-	r.Freeze = time.Since(start)
+	freeze := time.Since(start)
 	defer func() {
 		if retErr != nil {
 			_ = f.Thaw()
 		}
 	}()
-	if r.Before, err = readInt(dir, "memory.current"); err != nil {
-		return r, fmt.Errorf("pause: %w", err)
+	r, err := PushOut(ctx, dir)
+	r.Freeze = freeze
+	return r, err
+}
+
+// PushOut reclaims all it can of the memory of the cgroup at dir: a v2
+// cgroup through memory.reclaim, a v1 memory cgroup through
+// memory.force_empty. Anonymous memory goes to the node's swap; without
+// swap only page cache leaves. It is meant for a frozen cgroup: running
+// tasks fault their pages straight back. Report.Freeze is left zero.
+func PushOut(ctx context.Context, dir string) (Report, error) {
+	if _, err := os.Stat(filepath.Join(dir, "memory.reclaim")); err == nil {
+		return pushOutV2(ctx, dir)
 	}
-	start = time.Now()
+	if _, err := os.Stat(filepath.Join(dir, "memory.force_empty")); err == nil {
+		return pushOutV1(ctx, dir)
+	}
+	return Report{}, fmt.Errorf("push out the memory of %s: neither memory.reclaim (cgroup v2, kernel >= 5.19) nor memory.force_empty (cgroup v1) there", dir)
+}
+
+func pushOutV2(ctx context.Context, dir string) (Report, error) {
+	var r Report
+	var err error
+	if r.Before, err = readInt(dir, "memory.current"); err != nil {
+		return r, fmt.Errorf("push out: %w", err)
+	}
+	start := time.Now()
 	cur := r.Before
 	for range reclaimRounds {
 		if err := ctx.Err(); err != nil {
-			return r, fmt.Errorf("pause %s: %w", dir, err)
+			return r, fmt.Errorf("push out %s: %w", dir, err)
 		}
 		err := cgroupfs.ReclaimDir(dir, cur)
 		if err != nil && !errors.Is(err, unix.EAGAIN) {
-			return r, fmt.Errorf("pause: reclaim %d bytes from %s: %w", cur, dir, err)
+			return r, fmt.Errorf("push out: reclaim %d bytes from %s: %w", cur, dir, err)
 		}
 		next, rerr := readInt(dir, "memory.current")
 		if rerr != nil {
-			return r, fmt.Errorf("pause: %w", rerr)
+			return r, fmt.Errorf("push out: %w", rerr)
 		}
 		// Done when everything went (no EAGAIN) or a round moved less
 		// than a MiB: what stays is not reclaimable now (no swap room,
@@ -105,6 +129,34 @@ func Pause(ctx context.Context, dir string) (_ Report, retErr error) {
 	}
 	if z, err := readInt(dir, "memory.zswap.current"); err == nil {
 		r.ZswapAfter = z
+	}
+	return r, nil
+}
+
+// pushOutV1 is one force_empty write: the kernel loops until the group is
+// empty or its reclaim stops making progress. It cannot be cancelled once
+// written; ctx is checked before.
+func pushOutV1(ctx context.Context, dir string) (Report, error) {
+	var r Report
+	var err error
+	if err := ctx.Err(); err != nil {
+		return r, fmt.Errorf("push out %s: %w", dir, err)
+	}
+	if r.Before, err = readInt(dir, "memory.usage_in_bytes"); err != nil {
+		return r, fmt.Errorf("push out: %w", err)
+	}
+	start := time.Now()
+	if err := cgroupfs.ForceEmptyDir(dir); err != nil {
+		return r, fmt.Errorf("push out: %w", err)
+	}
+	r.Reclaim = time.Since(start)
+	if r.After, err = readInt(dir, "memory.usage_in_bytes"); err != nil {
+		return r, fmt.Errorf("push out: %w", err)
+	}
+	// memsw counts memory and swap together; it exists only where the
+	// kernel accounts swap (swapaccount).
+	if memsw, err := readInt(dir, "memory.memsw.usage_in_bytes"); err == nil && memsw > r.After {
+		r.SwapAfter = memsw - r.After
 	}
 	return r, nil
 }

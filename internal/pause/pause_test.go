@@ -296,3 +296,100 @@ func memAvailable(t *testing.T) int64 {
 	t.Fatal("no MemAvailable")
 	return 0
 }
+
+// TestPushOutPageCache pushes out a cgroup whose task read a 64 MiB file
+// from disk: with or without swap, on v1 (memory.force_empty) or v2
+// (memory.reclaim), its page cache must leave the cgroup.
+func TestPushOutPageCache(t *testing.T) {
+	prereq.RequireRoot(t)
+	var st unix.Statfs_t
+	if err := unix.Statfs("/sys/fs/cgroup", &st); err != nil {
+		t.Fatal(err)
+	}
+	name := fmt.Sprintf("envsnap-pushout-test-%d", os.Getpid())
+	dir := filepath.Join("/sys/fs/cgroup/memory", name)
+	if st.Type == unix.CGROUP2_SUPER_MAGIC {
+		dir = filepath.Join("/sys/fs/cgroup", name)
+		if err := os.WriteFile("/sys/fs/cgroup/cgroup.subtree_control", []byte("+memory"), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := os.Remove(dir); err != nil {
+			t.Errorf("remove cgroup %s: %v", dir, err)
+		}
+	})
+
+	// On disk, not tmpfs: shmem pages would need swap to leave. The
+	// file's pages are dropped after writing, so the task's read charges
+	// them to its cgroup rather than finding them charged to ours.
+	tmp, err := os.MkdirTemp("/var/tmp", "envsnap-pushout-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(tmp) })
+	path := filepath.Join(tmp, "data")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64<<20)
+	fill(buf)
+	if _, err := f.Write(buf); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	cmd := exec.Command("sh", "-c", `read x; cat "$1" >/dev/null; echo read; exec sleep 600`, "sh", path)
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.Write([]byte("\n")); err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "read\n" {
+		t.Fatalf("the task did not read the file: %q, %v", line, err)
+	}
+
+	r, err := PushOut(context.Background(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("push out: cgroup %d MiB -> %d MiB in %s (swap %d MiB)", r.Before>>20, r.After>>20, r.Reclaim, r.SwapAfter>>20)
+	if r.Before < 48<<20 {
+		t.Fatalf("the cgroup held %d MiB after its task read 64 MiB: the read was not charged to it", r.Before>>20)
+	}
+	if r.Freed() < 48<<20 {
+		t.Errorf("push out freed %d MiB of the cgroup's %d MiB, 64 MiB of it clean page cache", r.Freed()>>20, r.Before>>20)
+	}
+
+	_, err = PushOut(context.Background(), t.TempDir())
+	if err == nil || !strings.Contains(err.Error(), "memory.reclaim") || !strings.Contains(err.Error(), "memory.force_empty") {
+		t.Errorf("PushOut on a directory that is no memory cgroup: %v, want both files named", err)
+	}
+}

@@ -48,3 +48,12 @@ func ReclaimDir(dir string, bytes int64) error {
 	}
 	return err
 }
+
+// ForceEmptyDir asks the kernel to reclaim all it can from the v1 memory
+// cgroup at dir (memory.force_empty): it returns once the group holds
+// nothing or reclaim stopped making progress, so with tasks inside it
+// leaves what has nowhere to go (anonymous memory on a node without
+// swap).
+func ForceEmptyDir(dir string) error {
+	return writeControl(filepath.Join(dir, "memory.force_empty"), "0")
+}
