@@ -234,26 +234,36 @@ func UntilTick(now time.Time, period time.Duration) time.Duration {
 // pids.max, and pids.events, whose "max" line counts the forks refused at
 // the limit.
 func PidsDir(path string) (string, error) {
+	return controllerDir(path, "pids", func(m cgroupfs.V1Mounts) string { return m.Pids })
+}
+
+// MemoryDir returns the memory cgroup directory of the container cgroup
+// of the OCI cgroupsPath path (v2, or the v1 memory hierarchy).
+func MemoryDir(path string) (string, error) {
+	return controllerDir(path, "memory", func(m cgroupfs.V1Mounts) string { return m.Memory })
+}
+
+// controllerDir is the directory of the container cgroup of path: the
+// unified one on v2, the one in the v1 hierarchy of controller (whose
+// mount point v1 picks) otherwise.
+func controllerDir(path, controller string, v1 func(cgroupfs.V1Mounts) string) (string, error) {
 	switch cgroups.Mode() {
 	case cgroups.Unified:
-		dir, err := cgroupfs.ResolveV2(path)
-		if err != nil {
-			return "", err
-		}
-		return dir, nil
+		return cgroupfs.ResolveV2(path)
 	case cgroups.Legacy, cgroups.Hybrid:
 		m, err := cgroupfs.FindV1Mounts()
 		if err != nil {
 			return "", err
 		}
-		if m.Pids == "" {
-			return "", fmt.Errorf("pids events of %s: no cgroup v1 pids hierarchy mounted", path)
+		root := v1(m)
+		if root == "" {
+			return "", fmt.Errorf("%s cgroup of %s: no cgroup v1 %s hierarchy mounted", controller, path, controller)
 		}
 		rel, err := cgroupfs.ResolveV1(path)
 		if err != nil {
 			return "", err
 		}
-		return filepath.Join(m.Pids, rel), nil
+		return filepath.Join(root, rel), nil
 	}
-	return "", fmt.Errorf("pids events of %s: no cgroup hierarchy mounted", path)
+	return "", fmt.Errorf("%s cgroup of %s: no cgroup hierarchy mounted", controller, path)
 }

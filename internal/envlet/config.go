@@ -111,6 +111,15 @@ type Config struct {
 	StartOrder bool
 	StartMax   time.Duration
 
+	// PausePushOutAfter: a container paused through containerd (task
+	// Pause: `ctr task pause`, `nerdctl pause`) for this long has its
+	// memory pushed out of RAM, to the node's swap where there is one
+	// (internal/pause.PushOut); it comes back as the tasks touch it after
+	// the resume. The delay spares a short pause the cost of faulting
+	// everything back (envsnap's own snapshots freeze the cgroup
+	// directly, not through Pause). 0 turns it off.
+	PausePushOutAfter time.Duration
+
 	// Priority orders environments for the node's victim policy: when
 	// promised memory is really needed and the node cannot supply it, lower
 	// priorities fail first (NodeArbiter). Default 0.
@@ -150,6 +159,7 @@ func DefaultConfig() Config {
 		Tier:              TierStandard,
 		StartOrder:        true,
 		StartMax:          30 * time.Second,
+		PausePushOutAfter: 2 * time.Second,
 	}
 }
 
@@ -219,6 +229,18 @@ func durKnob(dst func(*Config) *time.Duration) func(*Config, string) error {
 	}
 }
 
+// offDurKnob is a duration where 0 turns the feature off.
+func offDurKnob(dst func(*Config) *time.Duration) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		d, err := time.ParseDuration(v)
+		if err == nil && d < 0 {
+			err = fmt.Errorf("must not be negative")
+		}
+		*dst(c) = d
+		return err
+	}
+}
+
 func fracKnob(dst func(*Config) *float64) func(*Config, string) error {
 	return func(c *Config, v string) error {
 		f, err := strconv.ParseFloat(v, 64)
@@ -239,14 +261,7 @@ var knobs = []knob{
 	{"idle-period", durKnob(func(c *Config) *time.Duration { return &c.IdlePeriod })},
 	{"idle-after", durKnob(func(c *Config) *time.Duration { return &c.IdleAfter })},
 	{"idle-util", fracKnob(func(c *Config) *float64 { return &c.IdleUtil })},
-	{"idle-reclaim-after", func(c *Config, v string) error {
-		d, err := time.ParseDuration(v)
-		if err == nil && d < 0 {
-			err = fmt.Errorf("must not be negative")
-		}
-		c.IdleReclaimAfter = d
-		return err
-	}},
+	{"idle-reclaim-after", offDurKnob(func(c *Config) *time.Duration { return &c.IdleReclaimAfter })},
 	{"cpu-grow-util", fracKnob(func(c *Config) *float64 { return &c.CPUGrowUtil })},
 	{"cpu-grow-throttled", fracKnob(func(c *Config) *float64 { return &c.CPUGrowThrottled })},
 	{"cpu-grow4-throttled", fracKnob(func(c *Config) *float64 { return &c.CPUGrow4Throttled })},
@@ -271,6 +286,7 @@ var knobs = []knob{
 	{"tier", func(c *Config, v string) (err error) { c.Tier, err = ParseTier(v); return err }},
 	{"start-order", func(c *Config, v string) (err error) { c.StartOrder, err = strconv.ParseBool(v); return err }},
 	{"start-max", durKnob(func(c *Config) *time.Duration { return &c.StartMax })},
+	{"pause-push-out-after", offDurKnob(func(c *Config) *time.Duration { return &c.PausePushOutAfter })},
 }
 
 // AnnotationKeys lists every accepted annotation key.
