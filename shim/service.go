@@ -135,13 +135,17 @@ type env struct {
 	cgroup  string
 	termMsg string
 
-	mu      sync.Mutex // guards cfg, ctrl, closeCg, cancel (Start vs Update vs exit)
+	mu      sync.Mutex // guards cfg, ctrl, closeCg, runCtx, cancel (Start vs Update vs exit)
 	ctrl    Controller
 	closeCg func() error
+	runCtx  context.Context // the controller's; ends when the environment does
 	cancel  context.CancelFunc
 	done    chan struct{} // closed when the controller has stopped
 	reason  string        // why it failed; written before done closes
 	once    sync.Once
+	// cancelPushOut ends the wait for (or the rest of) a paused
+	// environment's push-out: Resume calls it. Under mu.
+	cancelPushOut context.CancelFunc
 
 	guard       *guard
 	upper       string     // the writable layer's directory, "" if unknown
@@ -482,7 +486,7 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	s.mu.Unlock()
 	s.opts.Arbiter.Track(e.key, src)
 	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
-	e.ctrl, e.closeCg, e.cancel = ctrl, closeCg, cancel
+	e.ctrl, e.closeCg, e.runCtx, e.cancel = ctrl, closeCg, runCtx, cancel
 	e.mu.Unlock()
 	go s.runController(runCtx, e, ctrl)
 	if e.guard.limits.pids > 0 {

@@ -450,6 +450,43 @@ else
 	fail start-order "the two busy containers did not start: $(cat /tmp/run_ctr.err)"
 fi
 
+# --- a task paused through containerd parks its environment on cgroup v2
+# with zram swap: once paused for pause-push-out-after (2 s), the shim
+# pushes its memory out (a shell holding 32 MiB of base64 text); resumed,
+# every byte comes back. Idle reclaim is off for it, so only the pause
+# can move its memory. zram exists for this check only. ---
+if modprobe zram num_devices=1 && echo 1G >/sys/block/zram0/disksize && mkswap /dev/zram0 >/dev/null && swapon /dev/zram0; then
+	M=/var/lib/vmtest/mem
+	rm -f $M/parked.*
+	# No double quotes in the command: ctr_json pastes it into JSON as is.
+	# Unquoted, $x's lines are joined by spaces, the same way both times.
+	CP=$(run_ctr "$POD" parked 'x=$(head -c 25165824 /dev/urandom | base64); echo $x | md5sum >/mem/parked.want; while :; do if [ -e /mem/parked.ask ]; then echo $x | md5sum >/mem/parked.got; rm -f /mem/parked.ask; fi; sleep 0.5; done' \
+		'{"io.envsnap.envlet.idle-reclaim-after": "0s"}')
+	if [ -n "$CP" ] && wait_for 180 test -s $M/parked.want; then
+		DP=$(cgdir "$CP")
+		HELD=$(cat "$DP"/memory.current)
+		P0=$(date +%s.%N)
+		ctr -n k8s.io task pause "$CP"
+		pushed() { [ "$(cat "$DP"/memory.swap.current)" -ge 25165824 ]; }
+		wait_for 120 pushed
+		check pause-push-out "the paused environment's memory did not go out to swap: memory.current $(cat "$DP"/memory.current) (before $HELD), memory.swap.current $(cat "$DP"/memory.swap.current)" \
+			pushed
+		log "task pause: memory.current $HELD -> $(cat "$DP"/memory.current), memory.swap.current $(cat "$DP"/memory.swap.current) after $(awk -v a="$P0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s (push-out after 2 s); zram mm_stat $(cat /sys/block/zram0/mm_stat); shim: $(journalctl --no-pager -u containerd | grep -o 'paused environment.s memory pushed out.*' | tail -1)"
+		ctr -n k8s.io task resume "$CP"
+		touch $M/parked.ask
+		wait_for 120 test -s $M/parked.got
+		check pause-resume-intact "after the resume the shell's 32 MiB did not come back intact: want $(cat $M/parked.want) got $(cat $M/parked.got 2>/dev/null)" \
+			cmp -s $M/parked.want $M/parked.got
+		log "after the resume: memory.current $(cat "$DP"/memory.current), memory.swap.current $(cat "$DP"/memory.swap.current)"
+	else
+		fail pause-push-out "the parked container did not start or fill its memory: $(cat /tmp/run_ctr.err)"
+	fi
+	crictl rm -f "$CP" >/dev/null 2>&1
+	rm -f $M/parked.*
+	swapoff /dev/zram0 && echo 1 >/sys/block/zram0/reset && rmmod zram
+else
+	fail pause-push-out "could not set up zram swap (modprobe zram, disksize, mkswap, swapon)"
+fi
 
 # --- KSM: [shim] memory-merge (tests/vm's envlet.toml) marks every
 # container the envlet shim starts mergeable (Linux >= 6.4); with ksmd
