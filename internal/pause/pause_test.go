@@ -250,7 +250,7 @@ func TestPauseResume(t *testing.T) {
 	}
 	gib := float64(rep.PushedOut()) / (1 << 30)
 	pause := (rep.Freeze + rep.Reclaim).Seconds()
-	t.Logf("pause: swap %v (zswap %v); helper %d MiB, cgroup %d MiB -> %d MiB (swap.current %d MiB, zswap.current %d MiB), node MemAvailable +%d MiB while paused",
+	t.Logf("pause: swap %v (zswap %v); helper %d MiB, cgroup %d MiB -> %d MiB (swap.current %d MiB, zswap.current %d MiB), node MemAvailable %+d MiB while paused",
 		swap.Devices, swap.Zswap, mib, rep.Before>>20, rep.After>>20, rep.SwapAfter>>20, rep.ZswapAfter>>20, (availPaused-availBefore)>>20)
 	t.Logf("pause: %.2f s (freeze %.3f s, reclaim %.2f s) for %.0f MiB pushed out = %.2f s/GiB; floor (the same bytes to a file + fsync) %.2f s = %.2f s/GiB; pause / floor %.2fx",
 		pause, rep.Freeze.Seconds(), rep.Reclaim.Seconds(), gib*1024, pause/gib, floor.Seconds(), floor.Seconds()/(float64(mib)/1024), pause/floor.Seconds())
