@@ -38,7 +38,8 @@ func TestPausePushOut(t *testing.T) {
 	s := newSuite(t, node{memory: "4Gi"})
 	// Idle reclaim off: a paused environment is idle, and idle reclaim
 	// would also lower its memory, 35 s into the pause.
-	ann := map[string]string{"initial-cpu": "0.5", "initial-memory": "1Gi", "pause-push-out-after": "2s", "idle-reclaim-after": "0s"}
+	const pushOutAfter = 5 * time.Second
+	ann := map[string]string{"initial-cpu": "0.5", "initial-memory": "1Gi", "pause-push-out-after": pushOutAfter.String(), "idle-reclaim-after": "0s"}
 	c, err := s.run(t, ann, "-mode", "cache", "-from", "32", "-to", "128", "-hold", "5m")
 	if err != nil {
 		t.Fatal(err)
@@ -57,6 +58,7 @@ func TestPausePushOut(t *testing.T) {
 	}
 
 	// Resumed within pause-push-out-after: nothing leaves.
+	paused := time.Now()
 	if err := c.task.Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -64,13 +66,18 @@ func TestPausePushOut(t *testing.T) {
 	if err := c.task.Resume(ctx); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(3 * time.Second)
+	pausedFor := time.Since(paused)
+	time.Sleep(pushOutAfter)
 	short, err := c.memUsage()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if short < held-32<<20 {
-		t.Errorf("a pause of 0.5 s (pause-push-out-after 2s) took the container from %d MiB to %d MiB: its memory was pushed out", held>>20, short>>20)
+	switch {
+	case pausedFor >= pushOutAfter:
+		// A stalled test process: the pause really was long.
+		t.Logf("the short pause lasted %s on this loaded host, not under %s: its check cannot decide", pausedFor, pushOutAfter)
+	case short < held-32<<20:
+		t.Errorf("a pause of %s (pause-push-out-after %s) took the container from %d MiB to %d MiB: its memory was pushed out", pausedFor.Round(time.Millisecond), pushOutAfter, held>>20, short>>20)
 	}
 
 	// Paused for longer: the page cache leaves.
