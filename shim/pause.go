@@ -23,6 +23,7 @@ func (s *Service) Pause(ctx context.Context, r *taskAPI.PauseRequest) (*ptypes.E
 		return resp, err
 	}
 	if e := s.lookup(r.ID); e != nil {
+		e.paused.Store(true)
 		s.pushOutLater(e)
 	}
 	return resp, nil
@@ -40,7 +41,13 @@ func (s *Service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes
 		}
 		e.mu.Unlock()
 	}
-	return s.TTRPCTaskService.Resume(ctx, r)
+	resp, err := s.TTRPCTaskService.Resume(ctx, r)
+	if err == nil {
+		if e := s.lookup(r.ID); e != nil {
+			e.paused.Store(false)
+		}
+	}
+	return resp, err
 }
 
 // pushOutLater pushes e's memory out once it has been paused for its
@@ -77,6 +84,7 @@ func (s *Service) pushOutLater(e *env) {
 			}
 			return
 		}
+		e.pushedOut.Store(rep.PushedOut())
 		l.WithFields(log.Fields{
 			"before": envlet.FormatBytes(rep.Before),
 			"after":  envlet.FormatBytes(rep.After),
@@ -85,4 +93,18 @@ func (s *Service) pushOutLater(e *env) {
 			"took":   rep.Reclaim.Round(time.Millisecond).String(),
 		}).Info("envlet: paused environment's memory pushed out")
 	}()
+}
+
+// pauseStatus adds whether the environment is paused, and what its last
+// pause pushed out, to its status (envlet_status_paused,
+// envlet_status_pushed_out at the arbiter).
+type pauseStatus struct {
+	Controller
+	e *env
+}
+
+func (w pauseStatus) Status() envlet.Status {
+	st := w.Controller.Status()
+	st.Paused, st.PushedOut = w.e.paused.Load(), w.e.pushedOut.Load()
+	return st
 }

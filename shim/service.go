@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	eventstypes "github.com/containerd/containerd/api/events"
@@ -146,6 +147,10 @@ type env struct {
 	// cancelPushOut ends the wait for (or the rest of) a paused
 	// environment's push-out: Resume calls it. Under mu.
 	cancelPushOut context.CancelFunc
+	// paused and pushedOut are its status's Paused and PushedOut; the
+	// arbiter client reads them under its own lock, hence atomics.
+	paused    atomic.Bool
+	pushedOut atomic.Int64
 
 	guard       *guard
 	upper       string     // the writable layer's directory, "" if unknown
@@ -484,6 +489,7 @@ func (s *Service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 		src = lsmStatus{src, l}
 	}
 	s.mu.Unlock()
+	src = pauseStatus{src, e}
 	s.opts.Arbiter.Track(e.key, src)
 	runCtx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(s.ctx), log.G(s.ctx).WithField("env", e.id)))
 	e.ctrl, e.closeCg, e.runCtx, e.cancel = ctrl, closeCg, runCtx, cancel

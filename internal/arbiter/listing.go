@@ -26,6 +26,10 @@ func WriteEnvTable(w io.Writer, envs []EnvInfo) error {
 		switch {
 		case !e.Ended.IsZero():
 			state = "ended: " + e.Reason
+		case st.Paused && st.PushedOut > 0:
+			state = "paused, " + envlet.FormatBytes(st.PushedOut) + " pushed out"
+		case st.Paused:
+			state = "paused"
 		case st.Idle:
 			state = "idle"
 		}

@@ -65,6 +65,11 @@ type Status struct {
 	// StartRank places behind its head (Config.StartOrder).
 	Starting  bool `json:",omitempty"`
 	StartRank int  `json:",omitempty"`
+	// Paused: the environment is paused through the task API; PushedOut
+	// is the memory its last pause pushed out of RAM, in bytes. The shim
+	// fills both in.
+	Paused    bool  `json:",omitempty"`
+	PushedOut int64 `json:",omitempty"`
 }
 
 // Option configures a Controller.

@@ -1,6 +1,7 @@
 package shim_test
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -10,6 +11,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/envsnap/envsnap/internal/arbiter"
+	"github.com/envsnap/envsnap/internal/envlet"
 )
 
 // memUsage reads the memory the container's cgroup holds: v1
@@ -25,6 +29,32 @@ func (c *ctr) memUsage() (int64, error) {
 		return 0, err
 	}
 	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+}
+
+// waitStatus polls the arbiter's listing (`envs --json`) until the
+// container's status satisfies ok, for up to 30 s (the shim reports every
+// second), and returns the last status seen.
+func (s *suite) waitStatus(t *testing.T, c *ctr, ok func(envlet.Status) bool) envlet.Status {
+	t.Helper()
+	var st envlet.Status
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		var envs []arbiter.EnvInfo
+		if err := json.Unmarshal([]byte(s.envsnap(t, "envs", "--json")), &envs); err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range envs {
+			if e.Env == c.ns+"/"+c.id && len(e.Status) > 0 {
+				st = envlet.Status{}
+				if err := json.Unmarshal(e.Status, &st); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		if ok(st) {
+			break
+		}
+	}
+	return st
 }
 
 // TestPausePushOut: a container paused through containerd gives its
@@ -96,10 +126,19 @@ func TestPausePushOut(t *testing.T) {
 	if after > short-96<<20 {
 		t.Errorf("paused for a minute, the container still holds %d MiB of its %d MiB (128 MiB of it a clean file's pages)", after>>20, short>>20)
 	}
+	// The arbiter hears of both at the shim's next report.
+	if st := s.waitStatus(t, c, func(st envlet.Status) bool { return st.Paused && st.PushedOut >= 96<<20 }); !st.Paused || st.PushedOut < 96<<20 {
+		t.Errorf("the arbiter's status of the paused container: paused %v, pushed out %d MiB; want paused, at least 96 MiB", st.Paused, st.PushedOut>>20)
+	}
+	if out := s.envsnap(t, "envs"); !strings.Contains(out, "paused, ") {
+		t.Errorf("envs does not say the container is paused:\n%s", out)
+	}
 	if err := c.task.Resume(ctx); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(time.Second)
+	if st := s.waitStatus(t, c, func(st envlet.Status) bool { return !st.Paused }); st.Paused {
+		t.Errorf("the arbiter's status still says paused 30 s after the resume")
+	}
 	if st, err := c.task.Status(ctx); err != nil || st.Status != "running" {
 		t.Fatalf("after the resume: status %v (%v), want running", st.Status, err)
 	}
