@@ -33,7 +33,8 @@ func (s *Service) Pause(ctx context.Context, r *taskAPI.PauseRequest) (*ptypes.E
 // container (runc's Resume). The pages pushed out come back as its tasks
 // touch them.
 func (s *Service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes.Empty, error) {
-	if e := s.lookup(r.ID); e != nil {
+	e := s.lookup(r.ID)
+	if e != nil {
 		e.mu.Lock()
 		if e.cancelPushOut != nil {
 			e.cancelPushOut()
@@ -42,10 +43,8 @@ func (s *Service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes
 		e.mu.Unlock()
 	}
 	resp, err := s.TTRPCTaskService.Resume(ctx, r)
-	if err == nil {
-		if e := s.lookup(r.ID); e != nil {
-			e.paused.Store(false)
-		}
+	if err == nil && e != nil {
+		e.paused.Store(false)
 	}
 	return resp, err
 }
