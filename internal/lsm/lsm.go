@@ -256,7 +256,7 @@ func New(cg Cgroup, ps []Protected) (_ *Guard, err error) {
 	for _, spec := range specs {
 		cs.Programs[spec.Name] = spec
 	}
-	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{Cache: kernelBTF})
+	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{Cache: kernelTypes()})
 	if errors.Is(err, unix.EPERM) {
 		return nil, fmt.Errorf("%w: the kernel refuses to load the LSM programs (%w)", ErrUnavailable, unix.EPERM)
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
@@ -265,5 +266,39 @@ func TestMemberOffset(t *testing.T) {
 		if (err != nil) != tc.err || got != tc.want && !tc.err {
 			t.Errorf("%s: %d, %v; want %d (error %v)", tc.path, got, err, tc.want, tc.err)
 		}
+	}
+}
+
+// TestKernelTypesDropped: loads share one decoded BTF while it is kept;
+// once its timer fires it is let go, and the next load gets a new one.
+// The timer is fired by hand: a wall-clock btfKeep would make the test
+// depend on how promptly a loaded host runs it.
+func TestKernelTypesDropped(t *testing.T) {
+	keep := btfKeep
+	btfKeep = time.Hour
+	t.Cleanup(func() { btfKeep = keep })
+
+	a := kernelTypes()
+	if b := kernelTypes(); b != a {
+		t.Fatal("a second load got a cache of its own")
+	}
+	kernelBTF.Lock()
+	kernelBTF.drop.Reset(time.Millisecond)
+	kernelBTF.Unlock()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		kernelBTF.Lock()
+		dropped := kernelBTF.cache == nil
+		kernelBTF.Unlock()
+		if dropped {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the cache was still held 5 s after its timer was due")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if c := kernelTypes(); c == a {
+		t.Fatal("after the drop, a load got the dropped cache back")
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -41,13 +42,48 @@ type offsets struct {
 	openHook string
 }
 
-// kernelBTF is the running kernel's BTF, decoded once per process: the
-// field offsets are read from it, and each program load finds its attach
-// target in it. ebpf.NewProgram decodes it anew for every program (a
-// fresh btf.Cache per call), two per container, which was about 0.4% of
-// the node's CPU while 48 environments started at once; New loads its
-// programs as a collection that shares this cache.
-var kernelBTF = btf.NewCache()
+// kernelBTF keeps the running kernel's BTF decoded between program loads:
+// each load finds its attach target in it. ebpf.NewProgram decodes it
+// anew for every program (a fresh btf.Cache per call), two per container,
+// about 20 ms each here and 0.4% of the node's CPU while 48 environments
+// started at once; New loads its programs as a collection sharing this
+// cache. Decoded, it holds about 4 MiB of heap, which an idle shim should
+// not keep: it is dropped btfKeep after its last use, so a crowd of
+// starts decodes it once and a shim between crowds holds none of it.
+var kernelBTF struct {
+	sync.Mutex
+	cache *btf.Cache
+	drop  *time.Timer
+}
+
+// btfKeep is how long kernelBTF outlives its last use.
+var btfKeep = time.Minute
+
+// kernelTypes returns the shared cache of the kernel's BTF and keeps it
+// for btfKeep more.
+func kernelTypes() *btf.Cache {
+	kernelBTF.Lock()
+	defer kernelBTF.Unlock()
+	if kernelBTF.cache == nil {
+		kernelBTF.cache = btf.NewCache()
+	}
+	if kernelBTF.drop != nil {
+		kernelBTF.drop.Reset(btfKeep)
+		return kernelBTF.cache
+	}
+	var t *time.Timer
+	t = time.AfterFunc(btfKeep, func() {
+		kernelBTF.Lock()
+		defer kernelBTF.Unlock()
+		// A Reset that raced this run re-armed t; its next run must not
+		// drop a cache made since.
+		if kernelBTF.drop == t {
+			kernelBTF.cache, kernelBTF.drop = nil, nil
+		}
+	})
+	kernelBTF.drop = t
+	return kernelBTF.cache
+}
 
 var (
 	offsetsOnce sync.Once
@@ -64,7 +100,7 @@ func Warm() { _, _ = kernelOffsets() }
 
 func kernelOffsets() (offsets, error) {
 	offsetsOnce.Do(func() {
-		spec, err := kernelBTF.Kernel()
+		spec, err := kernelTypes().Kernel()
 		if err != nil {
 			offsetsErr = fmt.Errorf("kernel BTF: %w", err)
 			return
