@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 
 	"github.com/envsnap/envsnap/internal/envlet"
@@ -94,6 +95,8 @@ func (s *Service) startLSM(ctx context.Context, id string, pid uint32) error {
 			log.G(ctx).WithError(err).Warn("lsm: environments run without BPF LSM rules on this node (sockets and protected paths are kept out of their mount namespaces only)")
 		})
 		log.G(ctx).WithField("env", key).Info("lsm: no BPF LSM rules")
+	case errors.Is(err, lsm.ErrHookFull):
+		return fmt.Errorf("LSM rules of %s: %w; [guard] lsm = \"off\" in the envlet config runs environments without them: %w", id, err, errdefs.ErrResourceExhausted)
 	case err != nil:
 		return fmt.Errorf("LSM rules of %s: %w", id, err)
 	default:

@@ -38,6 +38,13 @@ import (
 // EPERM before verification, although bpf is active there).
 var ErrUnavailable = errors.New("BPF LSM unavailable")
 
+// ErrHookFull is returned by New when the kernel holds no more programs
+// on an LSM hook: it attaches at most 38 BPF programs to one hook
+// (BPF_MAX_TRAMP_LINKS on x86-64), every guard adds one to each of its
+// two hooks, and every other program on them (systemd's, a security
+// agent's) counts too. So at most 38 environments have rules on a node.
+var ErrHookFull = errors.New("the kernel's BPF LSM hook is full")
+
 // lsmIDBPF is the bpf LSM's id in lsm_list_modules (include/uapi/linux/lsm.h).
 const lsmIDBPF = 109
 
@@ -271,6 +278,9 @@ func New(cg Cgroup, ps []Protected) (_ *Guard, err error) {
 		}
 		g.progs = append(g.progs, prog)
 		l, err := link.AttachLSM(link.LSMOptions{Program: prog})
+		if errors.Is(err, unix.E2BIG) {
+			return nil, fmt.Errorf("attach LSM program %s to %s: %w: at most 38 programs per hook, one per guarded environment (%w)", spec.Name, spec.AttachTo, ErrHookFull, err)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("attach LSM program %s: %w", spec.Name, err)
 		}
