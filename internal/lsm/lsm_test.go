@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -301,4 +302,143 @@ func TestKernelTypesDropped(t *testing.T) {
 	if c := kernelTypes(); c == a {
 		t.Fatal("after the drop, a load got the dropped cache back")
 	}
+}
+
+// guardedCgroup makes cgroup i of this test process below the cgroup2
+// root, removed at the end of the test.
+func guardedCgroup(t *testing.T, root string, i int) Cgroup {
+	t.Helper()
+	rel := fmt.Sprintf("envsnap-lsm-many-%d-%d", os.Getpid(), i)
+	if err := os.Mkdir(filepath.Join(root, rel), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(filepath.Join(root, rel)) })
+	cg, err := OpenCgroup(root, rel)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cg
+}
+
+// TestGuardsPerHook attaches guards, each for a cgroup of its own, until
+// the kernel refuses one: it must refuse with ErrHookFull (it attaches at
+// most 38 programs to one LSM hook), leave nothing of the refused guard
+// loaded, and every guard before it must have attached. Where the bpf LSM
+// does not run our programs, New must say ErrUnavailable.
+func TestGuardsPerHook(t *testing.T) {
+	prereq.RequireRoot(t)
+	root, err := cgroup2Mount()
+	if err != nil {
+		prereq.Missing(t, "%v", err)
+	}
+	var guards []*Guard
+	t.Cleanup(func() {
+		for _, g := range guards {
+			g.Close()
+		}
+	})
+	for i := range 64 {
+		g, err := New(guardedCgroup(t, root, i), nil)
+		if i == 0 && errors.Is(err, ErrUnavailable) {
+			if os.Getenv("ENVSNAP_LSM_REQUIRED") == "1" {
+				t.Fatalf("ENVSNAP_LSM_REQUIRED=1: %v", err)
+			}
+			t.Logf("no BPF LSM programs here: %v", err)
+			return
+		}
+		if err != nil {
+			if !errors.Is(err, ErrHookFull) {
+				t.Fatalf("guard %d: %v, want ErrHookFull or success", i+1, err)
+			}
+			if n := ourPrograms(t); n != 2*i {
+				t.Errorf("%d envsnap programs loaded after the refused guard %d, want the %d of the guards before it", n, i+1, 2*i)
+			}
+			t.Logf("%d guards attached; guard %d refused: %v", i, i+1, err)
+			return
+		}
+		guards = append(guards, g)
+	}
+	t.Fatalf("64 guards attached: the kernel's limit per hook is not what ErrHookFull says")
+}
+
+// TestOpenCostOfGuards measures what attached guards cost every other
+// process on the node: each environment's guard adds two node-wide
+// programs, and every open on the node runs its open program, which
+// returns after one helper call for a process outside the environment.
+// It times open+close of one file from this test's process, outside
+// every guarded cgroup, with no guard and with ENVSNAP_LSM_GUARDS
+// (default 32; the kernel holds at most 38) guards attached, in three
+// rounds, and logs the ratios and their median. A benchmark
+// (ENVSNAP_BENCH=1): it asserts no time. It needs the bpf LSM active
+// (the VM guest).
+func TestOpenCostOfGuards(t *testing.T) {
+	prereq.RequireBench(t)
+	prereq.RequireRoot(t)
+	on, list, err := Active()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !on {
+		prereq.Missing(t, "the bpf LSM is not active (active LSMs: %s)", list)
+	}
+	n := 32
+	if v := os.Getenv("ENVSNAP_LSM_GUARDS"); v != "" {
+		if _, err := fmt.Sscan(v, &n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root, err := cgroup2Mount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	file := filepath.Join(dir, "f")
+	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ps, _, err := Resolve([]string{filepath.Join(dir, "protected")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opens := func() float64 {
+		r := testing.Benchmark(func(b *testing.B) {
+			for range b.N {
+				f, err := os.Open(file)
+				if err != nil {
+					b.Fatal(err)
+				}
+				f.Close()
+			}
+		})
+		return float64(r.T.Nanoseconds()) / float64(r.N)
+	}
+	// Rounds alternate without and with the guards: a host shared with
+	// other work (a TCG guest above all) drifts between measurements.
+	const rounds = 3
+	var ratios, perProg []float64
+	for r := range rounds {
+		none := opens()
+		var guards []*Guard
+		for i := range n {
+			g, err := New(guardedCgroup(t, root, r*n+i), ps)
+			if errors.Is(err, ErrUnavailable) && os.Getenv("ENVSNAP_LSM_REQUIRED") != "1" {
+				prereq.Missing(t, "%v", err)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			guards = append(guards, g)
+		}
+		guarded := opens()
+		for _, g := range guards {
+			g.Close()
+		}
+		ratios = append(ratios, guarded/none)
+		perProg = append(perProg, (guarded-none)/float64(n))
+		t.Logf("round %d: open+close of a file outside every guarded cgroup: %.0f ns with no guard, %.0f ns with %d guards (%d programs) attached: %.2fx",
+			r+1, none, guarded, n, 2*n, guarded/none)
+	}
+	slices.Sort(ratios)
+	slices.Sort(perProg)
+	t.Logf("median of %d rounds: %.2fx, %.0f ns per attached open program", rounds, ratios[rounds/2], perProg[rounds/2])
 }

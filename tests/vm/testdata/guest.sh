@@ -61,6 +61,16 @@ lsm_test() {
 	return $rc
 }
 check bpf-lsm "internal/lsm TestGuard failed in the guest (output above)" lsm_test
+# How many guards the kernel attaches (ErrHookFull past its limit per
+# hook), and what 32 of them cost every other process's opens (logged,
+# not asserted: a time under emulation).
+lsm_many() {
+	ENVSNAP_BENCH=1 ENVSNAP_LSM_REQUIRED=1 /usr/local/bin/lsm.test -test.run '^(TestGuardsPerHook|TestOpenCostOfGuards)$' -test.v >/tmp/lsm-many.out 2>&1
+	local rc=$?
+	sed 's/^/VMTEST: LOG lsm.test: /' /tmp/lsm-many.out
+	return $rc
+}
+check lsm-many "internal/lsm TestGuardsPerHook or TestOpenCostOfGuards failed in the guest (output above)" lsm_many
 
 # --- background work at idle priority (internal/idleprio) on cgroup v2:
 # SCHED_IDLE and I/O class idle, no thread moved between cgroups ---
