@@ -28,6 +28,7 @@ import (
 	"unsafe"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 )
@@ -218,7 +219,12 @@ type Guard struct {
 // or under ps, nor open a file at or under ps. It returns ErrInactive
 // (wrapped) where the bpf LSM is not active (programs would load and
 // attach there and never run) or the kernel refuses to load them.
-func New(cg Cgroup, ps []Protected) (_ *Guard, err error) {
+func New(cg Cgroup, ps []Protected) (*Guard, error) {
+	return newGuard(cg, ps, kernelTypes())
+}
+
+// newGuard is New with the kernel's BTF from types.
+func newGuard(cg Cgroup, ps []Protected, types *btf.Cache) (_ *Guard, err error) {
 	if cg.Level == 0 {
 		// Every task descends from the root: that would confine the node.
 		return nil, fmt.Errorf("LSM rules for the root cgroup %s: refused", cg.Dir)
@@ -263,7 +269,7 @@ func New(cg Cgroup, ps []Protected) (_ *Guard, err error) {
 	for _, spec := range specs {
 		cs.Programs[spec.Name] = spec
 	}
-	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{Cache: kernelTypes()})
+	coll, err := ebpf.NewCollectionWithOptions(cs, ebpf.CollectionOptions{Cache: types})
 	if errors.Is(err, unix.EPERM) {
 		return nil, fmt.Errorf("%w: the kernel refuses to load the LSM programs (%w)", ErrUnavailable, unix.EPERM)
 	}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"syscall"
@@ -441,4 +442,63 @@ func TestOpenCostOfGuards(t *testing.T) {
 	slices.Sort(ratios)
 	slices.Sort(perProg)
 	t.Logf("median of %d rounds: %.2fx, %.0f ns per attached open program", rounds, ratios[rounds/2], perProg[rounds/2])
+}
+
+// BenchmarkNewBTF loads a guard's programs side by side with the shared
+// BTF cache (what New does) and with a fresh cache per load (what loading
+// each program with ebpf.NewProgram did), then logs the heap the shared
+// cache holds and what is left once it is dropped. Where the kernel
+// refuses the programs (EPERM) the refusal comes after the attach target
+// was looked up in the BTF, which is the cost measured; run it with
+// -benchtime 20x or so: each fresh load decodes the whole BTF.
+func BenchmarkNewBTF(b *testing.B) {
+	prereq.RequireRoot(b)
+	root, err := cgroup2Mount()
+	if err != nil {
+		prereq.Missing(b, "%v", err)
+	}
+	rel := fmt.Sprintf("envsnap-lsm-bench-%d", os.Getpid())
+	if err := os.Mkdir(filepath.Join(root, rel), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.Remove(filepath.Join(root, rel)) })
+	cg, err := OpenCgroup(root, rel)
+	if err != nil {
+		b.Fatal(err)
+	}
+	load := func(b *testing.B, types func() *btf.Cache) {
+		for range b.N {
+			g, err := newGuard(cg, nil, types())
+			if err != nil && !errors.Is(err, ErrUnavailable) {
+				b.Fatal(err)
+			}
+			if g != nil {
+				g.Close()
+			}
+		}
+	}
+	b.Run("shared", func(b *testing.B) { load(b, kernelTypes) })
+	b.Run("fresh", func(b *testing.B) { load(b, btf.NewCache) })
+
+	heap := func() float64 {
+		var m runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&m)
+		return float64(m.HeapInuse) / (1 << 20)
+	}
+	held := heap()
+	kernelBTF.Lock()
+	if kernelBTF.drop != nil {
+		kernelBTF.drop.Reset(time.Millisecond)
+	}
+	kernelBTF.Unlock()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		kernelBTF.Lock()
+		dropped := kernelBTF.cache == nil
+		kernelBTF.Unlock()
+		if dropped {
+			break
+		}
+	}
+	b.Logf("heap in use: %.1f MiB with the shared BTF held, %.1f MiB once dropped", held, heap())
 }
