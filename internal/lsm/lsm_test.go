@@ -307,7 +307,7 @@ func TestKernelTypesDropped(t *testing.T) {
 
 // guardedCgroup makes cgroup i of this test process below the cgroup2
 // root, removed at the end of the test.
-func guardedCgroup(t *testing.T, root string, i int) Cgroup {
+func guardedCgroup(t testing.TB, root string, i int) Cgroup {
 	t.Helper()
 	rel := fmt.Sprintf("envsnap-lsm-many-%d-%d", os.Getpid(), i)
 	if err := os.Mkdir(filepath.Join(root, rel), 0o755); err != nil {
@@ -457,15 +457,7 @@ func BenchmarkNewBTF(b *testing.B) {
 	if err != nil {
 		prereq.Missing(b, "%v", err)
 	}
-	rel := fmt.Sprintf("envsnap-lsm-bench-%d", os.Getpid())
-	if err := os.Mkdir(filepath.Join(root, rel), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { os.Remove(filepath.Join(root, rel)) })
-	cg, err := OpenCgroup(root, rel)
-	if err != nil {
-		b.Fatal(err)
-	}
+	cg := guardedCgroup(b, root, 0)
 	load := func(b *testing.B, types func() *btf.Cache) {
 		for range b.N {
 			g, err := newGuard(cg, nil, types())
